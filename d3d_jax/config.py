@@ -1,0 +1,408 @@
+"""Typed configuration: dataclasses built from YAML files plus ``key=value`` overrides.
+
+Every section is a frozen dataclass.  ``load_config`` merges YAML files (later files win, a
+YAML may ``include:`` others), applies dotted ``key=value`` overrides, converts each value to
+the declared field type and runs each section's ``validate``.  Any problem raises
+``ConfigError`` naming the offending key, before anything is built.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import types
+import typing
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import yaml
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+class ConfigError(ValueError):
+    """A configuration value or combination is invalid; the message names the key."""
+
+
+def _require(cond: bool, key: str, msg: str) -> None:
+    if not cond:
+        raise ConfigError(f"{key}: {msg}")
+
+
+# --------------------------------------------------------------------------------------
+# Model
+# --------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Every field of a Qwen3 decoder (HF ``Qwen3Config``) plus our dtypes and D3D tokens."""
+
+    vocab_size: int = 4096
+    hidden_size: int = 256
+    intermediate_size: int = 768
+    num_layers: int = 4
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 64
+    rope_theta: float = 1_000_000.0
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = True
+    max_position_embeddings: int = 4096
+    param_dtype: str = "float32"
+    dtype: str = "float32"  # compute dtype
+    # D3D drafter fields (written into an exported drafter's config.json).
+    mask_token_id: int | None = None
+    block_size: int | None = None
+    # Token ids the HF config carries, kept for a faithful export.
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+    pad_token_id: int | None = None
+    gradient_checkpointing: bool = False
+
+    def validate(self, prefix: str = "model") -> None:
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
+                     "num_heads", "num_kv_heads", "head_dim", "max_position_embeddings"):
+            _require(getattr(self, name) > 0, f"{prefix}.{name}", f"must be > 0, got {getattr(self, name)}")
+        _require(self.num_heads % self.num_kv_heads == 0, f"{prefix}.num_kv_heads",
+                 f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}")
+        _require(self.head_dim % 2 == 0, f"{prefix}.head_dim", "must be even (RoPE rotates pairs)")
+        _require(self.rope_theta > 0, f"{prefix}.rope_theta", "must be > 0")
+        _require(self.rms_norm_eps > 0, f"{prefix}.rms_norm_eps", "must be > 0")
+        _require(self.param_dtype in DTYPES, f"{prefix}.param_dtype", f"must be one of {DTYPES}")
+        _require(self.dtype in DTYPES, f"{prefix}.dtype", f"must be one of {DTYPES}")
+        if self.mask_token_id is not None:
+            _require(0 <= self.mask_token_id < self.vocab_size, f"{prefix}.mask_token_id",
+                     f"{self.mask_token_id} is outside the vocabulary [0, {self.vocab_size})")
+        if self.block_size is not None:
+            _require(self.block_size >= 2, f"{prefix}.block_size", "must be >= 2")
+
+    @property
+    def num_groups(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    # ---- Hugging Face config.json ------------------------------------------------------
+    @classmethod
+    def from_hf_dict(cls, hf: Mapping[str, Any], **overrides: Any) -> "ModelConfig":
+        """Build from a Qwen3 ``config.json`` (old top-level ``rope_theta`` or new ``rope_parameters``)."""
+        if hf.get("model_type") != "qwen3":
+            raise ConfigError(f"model_type: expected 'qwen3', got {hf.get('model_type')!r}")
+        rope_theta = hf.get("rope_theta")
+        rope_params = hf.get("rope_parameters") or hf.get("rope_scaling")
+        if isinstance(rope_params, Mapping):
+            rtype = rope_params.get("rope_type", rope_params.get("type", "default"))
+            if rtype not in (None, "default"):
+                raise ConfigError(f"rope_parameters.rope_type: only 'default' RoPE is supported, got {rtype!r}")
+            rope_theta = rope_params.get("rope_theta", rope_theta)
+        if rope_theta is None:
+            rope_theta = 1_000_000.0
+        try:
+            hidden = int(hf["hidden_size"])
+            heads = int(hf["num_attention_heads"])
+            kwargs = dict(
+                vocab_size=int(hf["vocab_size"]),
+                hidden_size=hidden,
+                intermediate_size=int(hf["intermediate_size"]),
+                num_layers=int(hf["num_hidden_layers"]),
+                num_heads=heads,
+                num_kv_heads=int(hf.get("num_key_value_heads") or heads),
+                head_dim=int(hf.get("head_dim") or hidden // heads),
+                rope_theta=float(rope_theta),
+                rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+                tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+                max_position_embeddings=int(hf.get("max_position_embeddings", 40960)),
+                mask_token_id=hf.get("mask_token_id"),
+                block_size=hf.get("block_size"),
+                bos_token_id=hf.get("bos_token_id"),
+                eos_token_id=hf.get("eos_token_id"),
+                pad_token_id=hf.get("pad_token_id"),
+            )
+        except KeyError as e:
+            raise ConfigError(f"{e.args[0]}: missing from config.json") from None
+        kwargs.update(overrides)
+        cfg = cls(**kwargs)
+        cfg.validate("config.json")
+        return cfg
+
+    def to_hf_dict(self, torch_dtype: str | None = None) -> dict[str, Any]:
+        d: dict[str, Any] = {
+            "architectures": ["Qwen3ForCausalLM"],
+            "model_type": "qwen3",
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "rope_theta": self.rope_theta,
+            "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
+            "rms_norm_eps": self.rms_norm_eps,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "max_position_embeddings": self.max_position_embeddings,
+            "attention_bias": False,
+            "attention_dropout": 0.0,
+            "use_sliding_window": False,
+            "initializer_range": 0.02,
+            "use_cache": True,
+            "torch_dtype": torch_dtype or self.param_dtype,
+            "dtype": torch_dtype or self.param_dtype,
+        }
+        for k in ("bos_token_id", "eos_token_id", "pad_token_id", "mask_token_id", "block_size"):
+            if getattr(self, k) is not None:
+                d[k] = getattr(self, k)
+        return d
+
+
+# --------------------------------------------------------------------------------------
+# Mesh
+# --------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    """Device mesh ``data × fsdp × tensor``.  ``-1`` on one axis takes the remaining devices.
+
+    ``target_devices`` / ``drafter_devices`` split the devices for serving (spec §5): the
+    first ``target_devices`` go to the target, the next ``drafter_devices`` to the drafter;
+    0 means "share all devices" (one device: both share it).
+    """
+
+    data: int = 1
+    fsdp: int = -1
+    tensor: int = 1
+    target_devices: int = 0
+    drafter_devices: int = 0
+    # logical axis -> mesh axes; None means the defaults in d3d_jax.parallel.sharding
+    rules: tuple[tuple[str, Any], ...] | None = None
+
+    def validate(self, prefix: str = "mesh") -> None:
+        for name in ("data", "fsdp", "tensor"):
+            v = getattr(self, name)
+            _require(v == -1 or v >= 1, f"{prefix}.{name}", f"must be >= 1 or -1, got {v}")
+        _require([self.data, self.fsdp, self.tensor].count(-1) <= 1, prefix,
+                 "at most one of data/fsdp/tensor may be -1")
+        _require(self.target_devices >= 0, f"{prefix}.target_devices", "must be >= 0")
+        _require(self.drafter_devices >= 0, f"{prefix}.drafter_devices", "must be >= 0")
+
+    def axis_sizes(self, num_devices: int) -> tuple[int, int, int]:
+        """Resolve -1 and check the product equals ``num_devices``."""
+        sizes = [self.data, self.fsdp, self.tensor]
+        fixed = 1
+        for s in sizes:
+            if s != -1:
+                fixed *= s
+        if -1 in sizes:
+            if num_devices % fixed:
+                raise ConfigError(f"mesh: data×fsdp×tensor fixed part {fixed} does not divide "
+                                  f"the {num_devices} devices")
+            sizes[sizes.index(-1)] = num_devices // fixed
+        if sizes[0] * sizes[1] * sizes[2] != num_devices:
+            raise ConfigError(f"mesh: data×fsdp×tensor = {sizes[0]}×{sizes[1]}×{sizes[2]} "
+                              f"= {sizes[0] * sizes[1] * sizes[2]} but {num_devices} devices are used")
+        return sizes[0], sizes[1], sizes[2]
+
+
+# --------------------------------------------------------------------------------------
+# Generic YAML + overrides loader
+# --------------------------------------------------------------------------------------
+def _convert(value: Any, tp: Any, key: str) -> Any:
+    """Convert a YAML/CLI value to the declared field type, or raise ConfigError."""
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if tp is Any:
+        return value
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        if isinstance(value, str) and value.lower() in ("none", "null") and type(None) in args:
+            return None
+        errors = []
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return _convert(value, a, key)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(f"{key}: cannot interpret {value!r} as {tp}")
+    if dataclasses.is_dataclass(tp):
+        if isinstance(value, tp):
+            return value
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{key}: expected a mapping for section {tp.__name__}, got {value!r}")
+        return build_dataclass(tp, value, key)
+    if origin in (tuple, list, Sequence) or tp in (tuple, list):
+        if isinstance(value, str):
+            value = [v for v in value.split(",") if v != ""]
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{key}: expected a list, got {value!r}")
+        if args and not (len(args) == 2 and args[1] is Ellipsis) and origin is tuple:
+            if len(args) != len(value):
+                raise ConfigError(f"{key}: expected {len(args)} items, got {len(value)}")
+            return tuple(_convert(v, a, key) for v, a in zip(value, args))
+        elem = args[0] if args else Any
+        out = [_convert(v, elem, key) for v in value]
+        return tuple(out) if (origin is tuple or tp is tuple) else out
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "1", "yes", "on"):
+            return True
+        if isinstance(value, str) and value.lower() in ("false", "0", "no", "off"):
+            return False
+        if isinstance(value, int) and value in (0, 1):
+            return bool(value)
+        raise ConfigError(f"{key}: expected a boolean, got {value!r}")
+    if tp is int:
+        if isinstance(value, bool):
+            raise ConfigError(f"{key}: expected an integer, got {value!r}")
+        if isinstance(value, int):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if isinstance(value, str):
+            try:
+                return int(value)
+            except ValueError:
+                pass
+        raise ConfigError(f"{key}: expected an integer, got {value!r}")
+    if tp is float:
+        if isinstance(value, bool):
+            raise ConfigError(f"{key}: expected a number, got {value!r}")
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{key}: expected a number, got {value!r}") from None
+    if tp is str:
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise ConfigError(f"{key}: expected a string, got {value!r}")
+    return value
+
+
+def build_dataclass(cls: type, data: Mapping[str, Any], prefix: str = "") -> Any:
+    """Build (nested) dataclass ``cls`` from a mapping, converting and checking every key."""
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for k, v in data.items():
+        key = f"{prefix}.{k}" if prefix else k
+        if k not in fields:
+            raise ConfigError(f"{key}: unknown key (known: {', '.join(sorted(fields))})")
+        kwargs[k] = _convert(v, hints[k], key)
+    try:
+        obj = cls(**kwargs)
+    except TypeError as e:
+        raise ConfigError(f"{prefix or cls.__name__}: {e}") from None
+    return obj
+
+
+def _parse_scalar(text: str) -> Any:
+    """Parse the right-hand side of ``key=value`` with YAML rules (numbers, bools, lists)."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+
+
+def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    node = tree
+    for p in parts[:-1]:
+        node = node.setdefault(p, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"{dotted}: {p} is not a section")
+    node[parts[-1]] = value
+
+
+def _deep_merge(base: dict, extra: Mapping) -> dict:
+    out = dict(base)
+    for k, v in extra.items():
+        if isinstance(v, Mapping) and isinstance(out.get(k), dict):
+            out[k] = _deep_merge(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+def read_yaml(path: str | os.PathLike) -> dict:
+    """Read a YAML config, resolving ``include:`` (paths relative to the file or configs/)."""
+    path = Path(path)
+    if not path.exists() and (CONFIG_DIR / path).exists():
+        path = CONFIG_DIR / path
+    if not path.exists():
+        raise ConfigError(f"config file not found: {path}")
+    with open(path) as f:
+        data = yaml.safe_load(f) or {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: top level must be a mapping")
+    includes = data.pop("include", []) or []
+    if isinstance(includes, str):
+        includes = [includes]
+    merged: dict = {}
+    for inc in includes:
+        inc_path = path.parent / inc
+        if not inc_path.exists():
+            inc_path = CONFIG_DIR / inc
+        merged = _deep_merge(merged, read_yaml(inc_path))
+    return _deep_merge(merged, data)
+
+
+def parse_overrides(overrides: Sequence[str]) -> dict:
+    tree: dict = {}
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"{item}: overrides must look like key=value")
+        k, v = item.split("=", 1)
+        _set_dotted(tree, k.strip(), _parse_scalar(v))
+    return tree
+
+
+def load_config(cls: type, paths: Sequence[str | os.PathLike] = (), overrides: Sequence[str] = ()) -> Any:
+    """Load dataclass ``cls`` from YAML ``paths`` merged in order, then ``key=value`` overrides.
+
+    A ``model: path/to/model.yaml`` string value of a section is read as a YAML file too.
+    Validation runs ``cls.validate()`` when it exists.
+    """
+    tree: dict = {}
+    for p in paths:
+        tree = _deep_merge(tree, read_yaml(p))
+    tree = _deep_merge(tree, parse_overrides(overrides))
+    hints = typing.get_type_hints(cls)
+    for k, v in list(tree.items()):
+        if isinstance(v, str) and k in hints and dataclasses.is_dataclass(hints[k]) and (
+                v.endswith(".yaml") or v.endswith(".yml")):
+            tree[k] = read_yaml(v)
+    cfg = build_dataclass(cls, tree)
+    if hasattr(cfg, "validate"):
+        cfg.validate()
+    return cfg
+
+
+def load_model_config(path_or_name: str | os.PathLike, overrides: Sequence[str] = ()) -> ModelConfig:
+    """A model config from a YAML file, a name in configs/models, or an HF directory/config.json."""
+    p = Path(path_or_name)
+    if p.is_dir():
+        p = p / "config.json"
+        if not p.exists():
+            raise ConfigError(f"{path_or_name}: no config.json in this directory")
+    if p.suffix == ".json":
+        with open(p) as f:
+            return ModelConfig.from_hf_dict(json.load(f))
+    if not p.exists() and not p.suffix:
+        p = CONFIG_DIR / "models" / f"{path_or_name}.yaml"
+    cfg = load_config(ModelConfig, [p], overrides)
+    return cfg
+
+
+def to_dict(cfg: Any) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def replace(cfg: Any, **changes: Any) -> Any:
+    """``dataclasses.replace`` that re-validates."""
+    new = dataclasses.replace(cfg, **changes)
+    if hasattr(new, "validate"):
+        new.validate()
+    return new

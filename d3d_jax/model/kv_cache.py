@@ -1,0 +1,55 @@
+"""A fixed-length, position-indexed KV cache shared by target and drafter.
+
+Slot ``j`` of row ``b`` holds the K/V of the causal token at position ``j``; slots
+``j >= lengths[b]`` are invalid (masked) whatever they contain, so rolling back rejected tokens
+is just lowering ``lengths``.  Arrays are stacked over layers (``[L, B, S, K, H]``) so a whole
+cache is three leaves that jitted cores can donate.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from d3d_jax.config import ModelConfig
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class KVCache:
+    k_lbskh: jax.Array  # [L, B, S, K, H]
+    v_lbskh: jax.Array  # [L, B, S, K, H]
+    lengths: jax.Array  # [B] int32: number of valid (committed) positions per row
+
+    @property
+    def batch(self) -> int:
+        return self.k_lbskh.shape[1]
+
+    @property
+    def max_len(self) -> int:
+        return self.k_lbskh.shape[2]
+
+    @property
+    def num_layers(self) -> int:
+        return self.k_lbskh.shape[0]
+
+    def with_lengths(self, lengths: jax.Array) -> "KVCache":
+        return KVCache(self.k_lbskh, self.v_lbskh, jnp.asarray(lengths, jnp.int32))
+
+
+def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype: str | None = None) -> KVCache:
+    dt = jnp.dtype(dtype or cfg.dtype)
+    shape = (cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim)
+    return KVCache(jnp.zeros(shape, dt), jnp.zeros(shape, dt), jnp.zeros((batch,), jnp.int32))
+
+
+def write_layer(cache_bskh: jax.Array, new_btkh: jax.Array, positions_bt: jax.Array,
+                keep_bt: jax.Array) -> jax.Array:
+    """Scatter new K or V rows into one layer's cache at their positions; dropped where not kept."""
+    b, t = positions_bt.shape
+    s = cache_bskh.shape[1]
+    idx = jnp.where(keep_bt, positions_bt, s)  # out of range -> dropped
+    rows = jnp.broadcast_to(jnp.arange(b)[:, None], (b, t))
+    return cache_bskh.at[rows, idx].set(new_btkh.astype(cache_bskh.dtype), mode="drop")

@@ -1,0 +1,266 @@
+"""Qwen3 decoder in Flax NNX: one module for target and drafter (spec §1).
+
+Two ways to run it:
+
+* **whole sequence** – ``model(tokens_bt, meta)``; the attention mask is built inside attention
+  from per-token :class:`~d3d_jax.model.masks.TokenMeta` (causal by default, the packed
+  block-diffusion row of spec §2.3, or the branch pack of §5);
+* **cached** – ``model(tokens_bt, meta, cache=cache, keep=keep_bt)`` appends T tokens per row to
+  a position-indexed :class:`~d3d_jax.model.kv_cache.KVCache` (rows at different offsets) and
+  returns ``(logits, new_cache)``.  The new tokens attend to valid cache slots plus each other
+  (by the same metadata rule); only tokens with ``keep`` set are written (the drafter's block
+  tokens are not).  ``cache.lengths`` is left to the caller, who knows what was committed.
+
+Parameter layouts (axis letters: b batch, t/s length, d embed, n heads, k kv heads, h head dim,
+f mlp, v vocab): ``q_proj.kernel [d,n,h]``, ``k_proj/v_proj.kernel [d,k,h]``,
+``o_proj.kernel [n,h,d]``, MLP ``[d,f]``/``[f,d]``, ``embed_tokens.embedding [v,d]``,
+``lm_head.kernel [d,v]`` (absent when tied).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from d3d_jax.config import ModelConfig
+from d3d_jax.model import kv_cache as kvc
+from d3d_jax.model.masks import TokenMeta, attention_mask, cache_key_meta, default_meta
+from d3d_jax.parallel.sharding import shard
+
+_INIT = nnx.initializers.normal(0.02)
+
+
+def _param(rngs: nnx.Rngs, shape: Sequence[int], dtype) -> nnx.Param:
+    return nnx.Param(_INIT(rngs.params(), tuple(shape), dtype))
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, eps: float, param_dtype):
+        self.scale = nnx.Param(jnp.ones((dim,), param_dtype))
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        # As transformers: normalise in float32, cast back, then scale.
+        xf = x.astype(jnp.float32)
+        xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        return self.scale[...].astype(x.dtype) * xf.astype(x.dtype)
+
+
+def rope(x_btnh: jax.Array, positions_bt: jax.Array, theta: float) -> jax.Array:
+    """Rotary embedding, HF ``rotate_half`` convention, computed in float32."""
+    h = x_btnh.shape[-1]
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, h, 2, dtype=jnp.float32) / h))
+    freqs = positions_bt.astype(jnp.float32)[..., None] * inv_freq  # [b,t,h/2]
+    emb = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]
+    cos, sin = jnp.cos(emb), jnp.sin(emb)
+    xf = x_btnh.astype(jnp.float32)
+    x1, x2 = xf[..., : h // 2], xf[..., h // 2:]
+    rotated = jnp.concatenate([-x2, x1], axis=-1)
+    return (xf * cos + rotated * sin).astype(x_btnh.dtype)
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        pd = jnp.dtype(cfg.param_dtype)
+        d, n, k, h = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_proj = nnx.Module()
+        self.q_proj.kernel = _param(rngs, (d, n, h), pd)
+        self.k_proj = nnx.Module()
+        self.k_proj.kernel = _param(rngs, (d, k, h), pd)
+        self.v_proj = nnx.Module()
+        self.v_proj.kernel = _param(rngs, (d, k, h), pd)
+        self.o_proj = nnx.Module()
+        self.o_proj.kernel = _param(rngs, (n, h, d), pd)
+        self.q_norm = RMSNorm(h, cfg.rms_norm_eps, pd)
+        self.k_norm = RMSNorm(h, cfg.rms_norm_eps, pd)
+        self.cfg = cfg
+
+    def __call__(self, x_btd: jax.Array, meta: TokenMeta, cache_k: jax.Array | None,
+                 cache_v: jax.Array | None, cache_meta: TokenMeta | None):
+        cfg = self.cfg
+        dt = x_btd.dtype
+        q = jnp.einsum("btd,dnh->btnh", x_btd, self.q_proj.kernel[...].astype(dt))
+        k = jnp.einsum("btd,dkh->btkh", x_btd, self.k_proj.kernel[...].astype(dt))
+        v = jnp.einsum("btd,dkh->btkh", x_btd, self.v_proj.kernel[...].astype(dt))
+        q = rope(self.q_norm(q), meta.positions, cfg.rope_theta)
+        k = rope(self.k_norm(k), meta.positions, cfg.rope_theta)
+        q = shard(q, ("batch", "length", "act_heads", "head_dim"))
+        k = shard(k, ("batch", "length", "act_kv_heads", "head_dim"))
+        v = shard(v, ("batch", "length", "act_kv_heads", "head_dim"))
+
+        b, t, n, h = q.shape
+        g = cfg.num_groups
+        q = q.reshape(b, t, cfg.num_kv_heads, g, h) * jnp.asarray(h ** -0.5, dt)
+        big_neg = jnp.float32(-1e30)
+
+        # Scores against the new tokens themselves (mask from their metadata).
+        s_new = jnp.einsum("btkgh,bskh->bkgts", q, k, preferred_element_type=jnp.float32)
+        m_new = attention_mask(meta, meta)[:, None, None]
+        s_new = jnp.where(m_new, s_new, big_neg)
+        if cache_k is not None:
+            s_old = jnp.einsum("btkgh,bskh->bkgts", q, cache_k.astype(dt),
+                               preferred_element_type=jnp.float32)
+            m_old = attention_mask(meta, cache_meta)[:, None, None]
+            s_old = jnp.where(m_old, s_old, big_neg)
+            scores = jnp.concatenate([s_old, s_new], axis=-1)
+        else:
+            scores = s_new
+        probs = jax.nn.softmax(scores, axis=-1)
+        # A fully masked row (padding) gives a uniform distribution over garbage; zero it.
+        probs = jnp.where(jnp.max(scores, axis=-1, keepdims=True) > big_neg / 2, probs, 0.0)
+        probs = probs.astype(dt)
+        if cache_k is not None:
+            s_len = cache_k.shape[1]
+            out = (jnp.einsum("bkgts,bskh->btkgh", probs[..., :s_len], cache_v.astype(dt))
+                   + jnp.einsum("bkgts,bskh->btkgh", probs[..., s_len:], v))
+        else:
+            out = jnp.einsum("bkgts,bskh->btkgh", probs, v)
+        out = out.reshape(b, t, n, h)
+        y = jnp.einsum("btnh,nhd->btd", out, self.o_proj.kernel[...].astype(dt))
+        return y, k, v
+
+
+class MLP(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        pd = jnp.dtype(cfg.param_dtype)
+        d, f = cfg.hidden_size, cfg.intermediate_size
+        self.gate_proj = nnx.Module()
+        self.gate_proj.kernel = _param(rngs, (d, f), pd)
+        self.up_proj = nnx.Module()
+        self.up_proj.kernel = _param(rngs, (d, f), pd)
+        self.down_proj = nnx.Module()
+        self.down_proj.kernel = _param(rngs, (f, d), pd)
+
+    def __call__(self, x_btd: jax.Array) -> jax.Array:
+        dt = x_btd.dtype
+        gate = x_btd @ self.gate_proj.kernel[...].astype(dt)
+        up = x_btd @ self.up_proj.kernel[...].astype(dt)
+        hidden = shard(jax.nn.silu(gate) * up, ("batch", "length", "act_mlp"))
+        return hidden @ self.down_proj.kernel[...].astype(dt)
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        pd = jnp.dtype(cfg.param_dtype)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, pd)
+        self.self_attn = Attention(cfg, rngs)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, pd)
+        self.mlp = MLP(cfg, rngs)
+
+    def __call__(self, x, meta, cache_k, cache_v, cache_meta):
+        attn, k, v = self.self_attn(self.input_layernorm(x), meta, cache_k, cache_v, cache_meta)
+        x = x + attn
+        x = x + self.mlp(self.post_attention_layernorm(x))
+        return shard(x, ("batch", "length", "act_embed")), k, v
+
+
+def _layer_forward(layer, x, meta, cache_k, cache_v, cache_meta):
+    return layer(x, meta, cache_k, cache_v, cache_meta)
+
+
+class Qwen3(nnx.Module):
+    """Qwen3ForCausalLM.  ``config`` is a :class:`ModelConfig` (static)."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        config.validate()
+        self.config = config
+        pd = jnp.dtype(config.param_dtype)
+        self.embed_tokens = nnx.Module()
+        self.embed_tokens.embedding = _param(rngs, (config.vocab_size, config.hidden_size), pd)
+        self.layers = nnx.List([DecoderLayer(config, rngs) for _ in range(config.num_layers)])
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, pd)
+        if not config.tie_word_embeddings:
+            self.lm_head = nnx.Module()
+            self.lm_head.kernel = _param(rngs, (config.hidden_size, config.vocab_size), pd)
+
+    def embed(self, tokens_bt: jax.Array) -> jax.Array:
+        dt = jnp.dtype(self.config.dtype)
+        emb = self.embed_tokens.embedding[...]
+        return shard(jnp.take(emb, tokens_bt, axis=0).astype(dt), ("batch", "length", "act_embed"))
+
+    def logits(self, x_btd: jax.Array) -> jax.Array:
+        dt = jnp.dtype(self.config.dtype)
+        if self.config.tie_word_embeddings:
+            w = self.embed_tokens.embedding[...].astype(dt).T
+        else:
+            w = self.lm_head.kernel[...].astype(dt)
+        out = jnp.einsum("btd,dv->btv", x_btd, w, preferred_element_type=jnp.float32)
+        return shard(out, ("batch", "length", "act_vocab"))
+
+    def __call__(self, tokens_bt: jax.Array, meta: TokenMeta | None = None,
+                 cache: kvc.KVCache | None = None, keep: jax.Array | None = None, *,
+                 return_hidden_states: bool = False):
+        """Logits ``[B, T, V]`` (float32); with ``cache``: ``(logits, new_cache)``.
+
+        ``return_hidden_states`` adds the list of every layer's input plus the final
+        (pre-norm) residual stream, ``num_layers + 1`` arrays ``[B, T, D]``, as the last output.
+        """
+        tokens_bt = jnp.asarray(tokens_bt, jnp.int32)
+        b, t = tokens_bt.shape
+        if meta is None:
+            meta = default_meta(b, t)
+        x = self.embed(tokens_bt)
+        hidden = [x]
+        cache_meta = None
+        new_k, new_v = [], []
+        if cache is not None:
+            cache_meta = cache_key_meta(cache.lengths, cache.max_len)
+            if keep is None:
+                keep = (meta.block_ids < 0) & meta.valid
+        fwd = _layer_forward
+        if self.config.gradient_checkpointing:
+            fwd = nnx.remat(_layer_forward, prevent_cse=True)
+        for i, layer in enumerate(self.layers):
+            ck = cache.k_lbskh[i] if cache is not None else None
+            cv = cache.v_lbskh[i] if cache is not None else None
+            x, k, v = fwd(layer, x, meta, ck, cv, cache_meta)
+            if cache is not None:
+                new_k.append(kvc.write_layer(ck, k, meta.positions, keep))
+                new_v.append(kvc.write_layer(cv, v, meta.positions, keep))
+            if return_hidden_states:
+                hidden.append(x)
+        logits = self.logits(self.norm(x))
+        outs: tuple = (logits,)
+        if cache is not None:
+            outs += (kvc.KVCache(jnp.stack(new_k), jnp.stack(new_v), cache.lengths),)
+        if return_hidden_states:
+            outs += (hidden,)
+        return outs[0] if len(outs) == 1 else outs
+
+
+def init_model(cfg: ModelConfig, seed: int = 0) -> Qwen3:
+    return Qwen3(cfg, rngs=nnx.Rngs(params=seed))
+
+
+def abstract_model(cfg: ModelConfig) -> Qwen3:
+    """A model whose parameters are ShapeDtypeStructs (no memory); fill with ``nnx.update``."""
+    return nnx.eval_shape(lambda: Qwen3(cfg, rngs=nnx.Rngs(params=0)))
+
+
+def remove_layers(model: Qwen3, layers: Sequence[int]) -> Qwen3:
+    """A new model without ``layers`` (renumbered, config updated); arrays are shared, not copied."""
+    n = model.config.num_layers
+    drop = sorted(set(int(i) for i in layers))
+    for i in drop:
+        if not 0 <= i < n:
+            raise ValueError(f"remove_layers: layer {i} out of range [0, {n})")
+    if len(drop) >= n:
+        raise ValueError("remove_layers: cannot remove every layer")
+    keep = [i for i in range(n) if i not in drop]
+    new_cfg = dataclasses.replace(model.config, num_layers=len(keep))
+    graphdef, state = nnx.split(model)
+    new_model = abstract_model(new_cfg)
+    new_state = nnx.state(new_model)
+    old = nnx.to_pure_dict(state)
+    pure = nnx.to_pure_dict(new_state)
+    for k in pure:
+        if k != "layers":
+            pure[k] = old[k]
+    pure["layers"] = {j: old["layers"][i] for j, i in enumerate(keep)}
+    nnx.replace_by_pure_dict(new_state, pure)
+    nnx.update(new_model, new_state)
+    return new_model
