@@ -1,0 +1,538 @@
+"""Target-aligned data regeneration (spec §2.1): the target rewrites every response.
+
+Pipeline: read prompt lines in the common chat formats -> keep the user side -> render with the
+target's chat template (generation prompt, thinking disabled) -> length-bucketed batches -> the
+engine's plain sampling -> one JSONL record per prompt, appended and fsynced so that an
+interrupted run resumes exactly where it stopped.
+
+Choices worth knowing:
+
+* **User side** = every system/user turn up to the first assistant answer.  Later turns are
+  dropped: they were written in reply to the *original* answer, which the target replaces, so
+  keeping them would train on a conversation the target never had.  (One prompt per line, one
+  response per prompt.)
+* **Ids**: the line's ``id`` field; without one, ``h`` + 16 hex digits of the SHA-256 of the
+  user-side messages (a repeated identical prompt gets ``-1``, ``-2``… so nothing is merged).
+  A repeated explicit id is reported as malformed: records are keyed by id.
+* **Determinism**: each row samples from its own key derived from ``(seed, id)``, and batches are
+  planned from *all* prompts of a shard (sorted by prompt length, then id) before resumption
+  filters anything; a partially written batch is regenerated whole and only its missing ids
+  are written.  So a resumed run writes exactly the records an uninterrupted one would.
+* **Shards**: prompt ``id`` goes to process ``sha256(id) mod process_count`` (stable when the
+  prompt file grows); each process writes its own file ``<stem>-<i>-of-<n><suffix>``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+
+ROLE_ALIASES = {
+    "system": "system",
+    "user": "user", "human": "user",
+    "assistant": "assistant", "gpt": "assistant", "model": "assistant", "chatgpt": "assistant",
+    "bot": "assistant",
+}
+QWEN3_NON_THINKING = dict(temperature=0.7, top_p=0.8, top_k=20)
+
+
+class MalformedPrompt(ValueError):
+    """A prompt line that cannot be used; the message says why (it goes into the summary)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Prompt:
+    id: str
+    messages: list[dict]  # user side only: [{"role": "system"|"user", "content": str}, ...]
+    line: int  # 1-based line number in the prompt file
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationSettings:
+    """What a record says about how it was sampled (greedy: temperature 0, top_p 1, top_k 0)."""
+
+    temperature: float = QWEN3_NON_THINKING["temperature"]
+    top_p: float = QWEN3_NON_THINKING["top_p"]
+    top_k: int = QWEN3_NON_THINKING["top_k"]
+    max_new_tokens: int = 512
+    seed: int = 0
+
+    @classmethod
+    def greedy(cls, max_new_tokens: int = 512, seed: int = 0) -> "GenerationSettings":
+        return cls(0.0, 1.0, 0, max_new_tokens, seed)
+
+    def validate(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+
+
+# --------------------------------------------------------------------------------------------
+# Reading prompts
+# --------------------------------------------------------------------------------------------
+def _content_text(content: Any, where: str) -> str:
+    """A message's text: a string, or OpenAI-style parts ``[{"type": "text", "text": ...}]``."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(p, dict) for p in content):
+        if all(p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
+            return "".join(p["text"] for p in content)
+    raise MalformedPrompt(f"{where}: content must be a string or text parts, got {type(content).__name__}")
+
+
+def _turns(obj: dict) -> list[tuple[str, str]]:
+    """(raw role, text) turns of a line in any supported format."""
+    if "messages" in obj or ("prompt" in obj and isinstance(obj["prompt"], list)):
+        key = "messages" if "messages" in obj else "prompt"
+        turns = obj[key]
+        if not isinstance(turns, list):
+            raise MalformedPrompt(f"'{key}' must be a list of {{role, content}}")
+        out = []
+        for i, t in enumerate(turns):
+            if not isinstance(t, dict) or "role" not in t or "content" not in t:
+                raise MalformedPrompt(f"{key}[{i}] must be an object with 'role' and 'content'")
+            out.append((t["role"], _content_text(t["content"], f"{key}[{i}]")))
+        return out
+    if "conversations" in obj:
+        turns = obj["conversations"]
+        if not isinstance(turns, list):
+            raise MalformedPrompt("'conversations' must be a list of {from, value}")
+        out = []
+        for i, t in enumerate(turns):
+            if not isinstance(t, dict) or "from" not in t or "value" not in t:
+                raise MalformedPrompt(f"conversations[{i}] must be an object with 'from' and 'value'")
+            out.append((t["from"], _content_text(t["value"], f"conversations[{i}]")))
+        return out
+    if "prompt" in obj:
+        if not isinstance(obj["prompt"], str):
+            raise MalformedPrompt("'prompt' must be a string or a list of messages")
+        turns = []
+        if "system" in obj:
+            if not isinstance(obj["system"], str):
+                raise MalformedPrompt("'system' must be a string")
+            turns.append(("system", obj["system"]))
+        return turns + [("user", obj["prompt"])]
+    raise MalformedPrompt("no 'messages', 'conversations' or 'prompt' field")
+
+
+def user_side(obj: dict) -> list[dict]:
+    """System and user turns up to the first assistant answer (see the module docstring)."""
+    kept = []
+    for raw_role, text in _turns(obj):
+        role = ROLE_ALIASES.get(str(raw_role).lower()) if isinstance(raw_role, str) else None
+        if role == "assistant":
+            break
+        if role is None:
+            raise MalformedPrompt(f"unsupported role {raw_role!r} before the first assistant answer")
+        kept.append({"role": role, "content": text})
+    if not any(m["role"] == "user" and m["content"].strip() for m in kept):
+        raise MalformedPrompt("no non-empty user turn before the first assistant answer")
+    return kept
+
+
+def content_id(messages: Sequence[dict]) -> str:
+    canon = json.dumps(list(messages), sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+    return "h" + hashlib.sha256(canon.encode("utf-8")).hexdigest()[:16]
+
+
+def read_prompts(path: str | os.PathLike) -> tuple[list[Prompt], list[tuple[int, str]]]:
+    """Every usable prompt of a JSONL file, and ``(line, reason)`` for each malformed line.
+
+    Blank lines are not prompts and are ignored; every other line is either a prompt or listed.
+    """
+    prompts: list[Prompt] = []
+    malformed: list[tuple[int, str]] = []
+    first_line_of: dict[str, int] = {}
+    repeats: dict[str, int] = {}
+    with open(path, "rb") as f:
+        for line_no, raw in enumerate(f, 1):
+            if not raw.strip():
+                continue
+            try:
+                try:
+                    obj = json.loads(raw.decode("utf-8"))
+                except (UnicodeDecodeError, json.JSONDecodeError) as e:
+                    raise MalformedPrompt(f"not valid JSON ({e})") from None
+                if not isinstance(obj, dict):
+                    raise MalformedPrompt(f"a line must be a JSON object, got {type(obj).__name__}")
+                messages = user_side(obj)
+                pid = obj.get("id")
+                if pid is not None:
+                    if isinstance(pid, bool) or not isinstance(pid, (str, int)) or str(pid) == "":
+                        raise MalformedPrompt(f"'id' must be a non-empty string or an integer, got {pid!r}")
+                    pid = str(pid)
+                else:
+                    base = content_id(messages)
+                    n = repeats.get(base, 0)
+                    repeats[base] = n + 1
+                    pid = base if n == 0 else f"{base}-{n}"
+                if pid in first_line_of:
+                    raise MalformedPrompt(f"duplicate id {pid!r} (first on line {first_line_of[pid]})")
+            except MalformedPrompt as e:
+                malformed.append((line_no, str(e)))
+                continue
+            first_line_of[pid] = line_no
+            prompts.append(Prompt(pid, messages, line_no))
+    return prompts, malformed
+
+
+# --------------------------------------------------------------------------------------------
+# Rendering, sharding, bucketing, seeds
+# --------------------------------------------------------------------------------------------
+def render_prompt(tokenizer, messages: Sequence[dict]) -> list[int]:
+    """Token ids of the chat-templated prompt, generation prompt added, thinking disabled."""
+    text = tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True,
+                                         enable_thinking=False)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def _hash_int(text: str, nbytes: int = 8) -> int:
+    return int.from_bytes(hashlib.sha256(text.encode("utf-8")).digest()[:nbytes], "big")
+
+
+def shard_index(prompt_id: str, process_count: int) -> int:
+    """Which process owns ``prompt_id``: a stable hash, independent of the other prompts."""
+    return _hash_int(prompt_id) % process_count
+
+
+def shard_prompts(prompts: Sequence[Prompt], process_index: int, process_count: int) -> list[Prompt]:
+    if process_count < 1:
+        raise ValueError(f"process_count must be >= 1, got {process_count}")
+    if not 0 <= process_index < process_count:
+        raise ValueError(f"process_index must be in [0, {process_count}), got {process_index}")
+    return [p for p in prompts if shard_index(p.id, process_count) == process_index]
+
+
+def shard_output_path(out: str | os.PathLike, process_index: int, process_count: int) -> Path:
+    out = Path(out)
+    if process_count == 1:
+        return out
+    return out.with_name(f"{out.stem}-{process_index:05d}-of-{process_count:05d}{out.suffix}")
+
+
+def record_seed(seed: int, prompt_id: str) -> int:
+    """A row's sampling seed from the run seed and the prompt id only (never batch position)."""
+    return _hash_int(f"{seed}\x00{prompt_id}", 4) & 0x7FFFFFFF
+
+
+def plan_batches(ids: Sequence[str], lengths: Sequence[int], batch_size: int) -> list[list[int]]:
+    """Indices grouped into batches of similar prompt length (sorted by length, then id)."""
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    order = sorted(range(len(ids)), key=lambda i: (lengths[i], ids[i]))
+    return [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
+
+
+def padding_waste(lengths: Sequence[int], batches: Sequence[Sequence[int]]) -> float:
+    """Fraction of prompt slots that are padding when each batch pads to its longest prompt."""
+    padded = sum(len(b) * max(lengths[i] for i in b) for b in batches)
+    return 1.0 - sum(lengths) / padded if padded else 0.0
+
+
+# --------------------------------------------------------------------------------------------
+# Output file: resume and whole-record appends
+# --------------------------------------------------------------------------------------------
+def recover_output(path: str | os.PathLike) -> list[dict]:
+    """Records already in ``path``; a trailing partial line (a crash mid-write) is truncated away.
+
+    Any complete line that is not a JSON record is an error, not something to delete silently.
+    """
+    path = Path(path)
+    if not path.exists():
+        return []
+    with open(path, "r+b") as f:
+        data = f.read()
+        end = data.rfind(b"\n") + 1
+        if end != len(data):
+            f.truncate(end)
+            f.flush()
+            os.fsync(f.fileno())
+    records = []
+    for line_no, raw in enumerate(data[:end].splitlines(), 1):
+        if not raw.strip():
+            continue
+        try:
+            rec = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ValueError(f"{path}:{line_no}: not a JSON record ({e}); fix or move the file") from None
+        if not isinstance(rec, dict) or "id" not in rec:
+            raise ValueError(f"{path}:{line_no}: not a regeneration record (no 'id')")
+        records.append(rec)
+    return records
+
+
+def check_compatible(records: Iterable[dict], generation: dict, target: dict, path: Path) -> None:
+    """Refuse to append to a file written with other sampling settings or another target."""
+    for rec in records:
+        if rec.get("generation") != generation:
+            raise ValueError(f"{path}: record {rec['id']!r} was generated with {rec.get('generation')}, "
+                             f"this run uses {generation}; use another --out")
+        keys = ("config_sha256", "weights_sha256")
+        old = {k: (rec.get("target") or {}).get(k) for k in keys}
+        if old != {k: target.get(k) for k in keys}:
+            raise ValueError(f"{path}: record {rec['id']!r} came from target {rec.get('target')}, "
+                             f"this run uses {target}; use another --out")
+
+
+def append_records(f, records: Sequence[dict]) -> None:
+    """Append whole lines, then flush and fsync: after a crash each record is there or not."""
+    if not records:
+        return
+    f.write(b"".join(json.dumps(r, ensure_ascii=False).encode("utf-8") + b"\n" for r in records))
+    f.flush()
+    os.fsync(f.fileno())
+
+
+# --------------------------------------------------------------------------------------------
+# Target identity and stop tokens
+# --------------------------------------------------------------------------------------------
+def _sha256_json(obj: Any) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def _weights_fingerprint(path: Path) -> str:
+    """Names, sizes and first/last 64 KiB of every file under ``path`` (cheap, changes with weights)."""
+    h = hashlib.sha256()
+    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
+    for p in files:
+        size = p.stat().st_size
+        h.update(f"{p.relative_to(path) if p != path else p.name}\x00{size}\x00".encode())
+        with open(p, "rb") as f:
+            h.update(f.read(1 << 16))
+            if size > 1 << 17:
+                f.seek(size - (1 << 16))
+                h.update(f.read())
+    return h.hexdigest()
+
+
+def target_identity(target, path: str | os.PathLike | None = None) -> dict:
+    """``{"path", "config_sha256", "weights_sha256"}`` naming the model that wrote a record.
+
+    With no path (an in-memory model) the weights hash covers the parameter bytes themselves.
+    """
+    cfg = dataclasses.asdict(target.config)
+    cfg.pop("gradient_checkpointing", None)  # changes memory, not outputs
+    if path is not None and Path(path).exists():
+        weights = _weights_fingerprint(Path(path))
+    else:
+        from flax import nnx
+        import jax
+
+        h = hashlib.sha256()
+        for leaf in jax.tree_util.tree_leaves(nnx.to_pure_dict(nnx.state(target, nnx.Param))):
+            h.update(np.asarray(leaf).tobytes())
+        weights = h.hexdigest()
+    return {"path": str(Path(path).resolve()) if path is not None else "<in-memory>",
+            "config_sha256": _sha256_json(cfg), "weights_sha256": weights}
+
+
+def stop_token_ids(target, tokenizer, target_path: str | os.PathLike | None = None) -> tuple[int, ...]:
+    """End-of-turn ids: the model's and tokenizer's eos, ``<|im_end|>``, generation_config.json's."""
+    ids: list[int] = []
+
+    def add(v):
+        if v is None:
+            return
+        for x in (v if isinstance(v, (list, tuple)) else [v]):
+            if isinstance(x, int) and x >= 0 and x not in ids:
+                ids.append(x)
+
+    add(target.config.eos_token_id)
+    add(tokenizer.eos_token_id)
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    if im_end is not None and im_end != tokenizer.unk_token_id:
+        add(im_end)
+    if target_path is not None and (Path(target_path) / "generation_config.json").exists():
+        with open(Path(target_path) / "generation_config.json") as f:
+            add(json.load(f).get("eos_token_id"))
+    if not ids:
+        raise ValueError("no end-of-turn token: the target config and tokenizer name no eos token")
+    return tuple(ids)
+
+
+def template_identity(tokenizer) -> dict:
+    template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else json.dumps(
+        tokenizer.chat_template, sort_keys=True)
+    return {"add_generation_prompt": True, "enable_thinking": False,
+            "chat_template_sha256": hashlib.sha256((template or "").encode()).hexdigest()}
+
+
+# --------------------------------------------------------------------------------------------
+# The run
+# --------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class RegenerationSummary:
+    output: str
+    prompt_lines: int = 0  # usable prompts in the whole file
+    shard_prompts: int = 0  # of those, owned by this process
+    already_done: int = 0  # found in the output file at start
+    written: int = 0  # appended by this run
+    generated_tokens: int = 0
+    seconds: float = 0.0
+    padding_waste: float = 0.0
+    malformed: list[tuple[int, str]] = dataclasses.field(default_factory=list)
+    skipped: list[tuple[int, str]] = dataclasses.field(default_factory=list)  # usable JSON, unusable here
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.generated_tokens / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def complete(self) -> bool:
+        return self.already_done + self.written + len(self.skipped) >= self.shard_prompts
+
+    def format(self, max_listed: int = 50) -> str:
+        lines = [f"output {self.output}: {self.already_done} records already there, {self.written} written "
+                 f"now, {self.shard_prompts} prompts in this shard of {self.prompt_lines}"
+                 + ("" if self.complete else " (INCOMPLETE: rerun to resume)"),
+                 f"generated {self.generated_tokens} tokens in {self.seconds:.1f}s = "
+                 f"{self.tokens_per_s:.1f} tokens/s; prompt padding waste {100 * self.padding_waste:.1f}%"]
+        for title, items in (("malformed prompt lines", self.malformed),
+                             ("prompts skipped (this shard)", self.skipped)):
+            lines.append(f"{title}: {len(items)}")
+            lines += [f"  line {n}: {why}" for n, why in items[:max_listed]]
+            if len(items) > max_listed:
+                lines.append(f"  ... and {len(items) - max_listed} more")
+        return "\n".join(lines)
+
+
+def _round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+def regenerate(target, tokenizer, prompts_path: str | os.PathLike, out_path: str | os.PathLike, *,
+               settings: GenerationSettings = GenerationSettings(), batch_size: int = 8,
+               process_index: int | None = None, process_count: int | None = None,
+               target_path: str | os.PathLike | None = None, max_records: int | None = None,
+               max_prompt_tokens: int | None = None, cache_multiple: int = 64,
+               progress: bool = True) -> RegenerationSummary:
+    """Regenerate responses for every prompt of this process's shard not yet in the output.
+
+    ``max_records`` stops after that many new records (a partial run; rerun to continue).
+    Prompts longer than ``max_prompt_tokens`` (default: what fits before the target's
+    ``max_position_embeddings`` with ``max_new_tokens`` left) are skipped and listed.
+    """
+    import jax
+    from tqdm.auto import tqdm
+
+    settings.validate()
+    if process_count is None:
+        process_count = jax.process_count()
+    if process_index is None:
+        process_index = jax.process_index()
+    if max_records is not None and max_records < 0:
+        raise ValueError(f"max_records must be >= 0, got {max_records}")
+    limit = target.config.max_position_embeddings - settings.max_new_tokens
+    if max_prompt_tokens is None:
+        max_prompt_tokens = limit
+    if max_prompt_tokens < 1 or max_prompt_tokens > limit:
+        raise ValueError(f"max_prompt_tokens must be in [1, {limit}] (max_position_embeddings "
+                         f"{target.config.max_position_embeddings} - max_new_tokens), got {max_prompt_tokens}")
+
+    prompts, malformed = read_prompts(prompts_path)
+    mine = shard_prompts(prompts, process_index, process_count)
+    out = shard_output_path(out_path, process_index, process_count)
+    summary = RegenerationSummary(output=str(out), prompt_lines=len(prompts), shard_prompts=len(mine),
+                                  malformed=malformed)
+
+    generation = dataclasses.asdict(settings)
+    target_id = target_identity(target, target_path)
+    template = template_identity(tokenizer)
+    eos_ids = stop_token_ids(target, tokenizer, target_path)
+    existing = recover_output(out)
+    check_compatible(existing, generation, target_id, out)
+    done = {r["id"] for r in existing}
+    summary.already_done = sum(p.id in done for p in mine)
+
+    usable, token_ids = [], []
+    for p in mine:
+        try:
+            ids = render_prompt(tokenizer, p.messages)
+        except Exception as e:  # a template may reject a turn order (e.g. system not first)
+            summary.skipped.append((p.line, f"id {p.id!r}: chat template failed: {e}"))
+            continue
+        if len(ids) > max_prompt_tokens:
+            summary.skipped.append((p.line, f"id {p.id!r}: prompt has {len(ids)} tokens > {max_prompt_tokens}"))
+            continue
+        usable.append(p)
+        token_ids.append(ids)
+    lengths = [len(t) for t in token_ids]
+    batches = plan_batches([p.id for p in usable], lengths, batch_size)
+    summary.padding_waste = padding_waste(lengths, batches)
+    todo_total = sum(p.id not in done for p in usable)
+    if max_records is not None:
+        todo_total = min(todo_total, max_records)
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    bar = tqdm(total=todo_total, unit="prompt", desc=f"regenerate {out.name}", disable=not progress)
+    start = time.perf_counter()
+    with open(out, "ab") as f:
+        for batch in batches:
+            if max_records is not None and summary.written >= max_records:
+                break
+            todo = [i for i in batch if usable[i].id not in done]
+            if not todo:
+                continue
+            # The whole planned batch is regenerated (same rows as an uninterrupted run).
+            outputs = _generate_batch(target, [token_ids[i] for i in batch],
+                                      [record_seed(settings.seed, usable[i].id) for i in batch],
+                                      settings, eos_ids, cache_multiple)
+            records = []
+            for i, o in zip(batch, outputs):
+                if i not in todo:
+                    continue
+                records.append(_record(usable[i], token_ids[i], o, tokenizer, generation, template, target_id))
+            if max_records is not None:
+                records = records[: max_records - summary.written]
+            append_records(f, records)
+            summary.written += len(records)
+            summary.generated_tokens += sum(len(r["response_token_ids"]) for r in records)
+            summary.seconds = time.perf_counter() - start
+            bar.update(len(records))
+            bar.set_postfix(tok_s=f"{summary.tokens_per_s:.1f}")
+    bar.close()
+    summary.seconds = time.perf_counter() - start
+    return summary
+
+
+def _record(prompt: Prompt, prompt_ids: list[int], output, tokenizer, generation: dict, template: dict,
+            target_id: dict) -> dict:
+    ids = [int(t) for t in output.token_ids]
+    return {
+        "id": prompt.id,
+        "messages": prompt.messages,
+        "prompt_token_ids": prompt_ids,
+        "response": tokenizer.decode(ids, skip_special_tokens=True),
+        "response_token_ids": ids,
+        "finish_reason": output.finish_reason,
+        "generation": generation,
+        "template": template,
+        "target": target_id,
+    }
+
+
+def _generate_batch(target, prompt_ids: list[list[int]], row_seeds: list[int], settings: GenerationSettings,
+                    eos_ids: Sequence[int], cache_multiple: int):
+    """One batch through the engine's plain sampling; cache length rounded to limit recompiles."""
+    from d3d_jax.decoding import engine
+
+    max_cache_len = min(_round_up(max(map(len, prompt_ids)) + settings.max_new_tokens, cache_multiple),
+                        target.config.max_position_embeddings)
+    sampling = engine.SamplingParams(temperature=settings.temperature, top_p=settings.top_p,
+                                     top_k=settings.top_k)
+    return engine.generate(target, prompt_ids, mode="plain", sampling=sampling,
+                           max_new_tokens=settings.max_new_tokens, eos_token_ids=tuple(eos_ids),
+                           batch_size=len(prompt_ids), seed=settings.seed, row_seeds=row_seeds,
+                           max_cache_len=max_cache_len)
