@@ -27,6 +27,12 @@ class ConfigError(ValueError):
     """A configuration value or combination is invalid; the message names the key."""
 
 
+_MISSING = object()
+# ModelConfig field -> HF config.json key, where they differ
+_HF_KEY_NAMES = {"num_layers": "num_hidden_layers", "num_heads": "num_attention_heads",
+                 "num_kv_heads": "num_key_value_heads"}
+
+
 def _require(cond: bool, key: str, msg: str) -> None:
     if not cond:
         raise ConfigError(f"{key}: {msg}")
@@ -95,34 +101,46 @@ class ModelConfig:
             if rtype not in (None, "default"):
                 raise ConfigError(f"rope_parameters.rope_type: only 'default' RoPE is supported, got {rtype!r}")
             rope_theta = rope_params.get("rope_theta", rope_theta)
-        if rope_theta is None:
-            rope_theta = 1_000_000.0
-        try:
-            hidden = int(hf["hidden_size"])
-            heads = int(hf["num_attention_heads"])
-            kwargs = dict(
-                vocab_size=int(hf["vocab_size"]),
-                hidden_size=hidden,
-                intermediate_size=int(hf["intermediate_size"]),
-                num_layers=int(hf["num_hidden_layers"]),
-                num_heads=heads,
-                num_kv_heads=int(hf.get("num_key_value_heads") or heads),
-                head_dim=int(hf.get("head_dim") or hidden // heads),
-                rope_theta=float(rope_theta),
-                rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-                tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-                max_position_embeddings=int(hf.get("max_position_embeddings", 40960)),
-                mask_token_id=hf.get("mask_token_id"),
-                block_size=hf.get("block_size"),
-                bos_token_id=hf.get("bos_token_id"),
-                eos_token_id=hf.get("eos_token_id"),
-                pad_token_id=hf.get("pad_token_id"),
-            )
-        except KeyError as e:
-            raise ConfigError(f"{e.args[0]}: missing from config.json") from None
+        if rope_theta is None:  # transformers' Qwen3Config default, so both read a file alike
+            rope_theta = 10_000.0
+        def num(key: str, tp: type, default: Any = _MISSING) -> Any:
+            # A wrong value in config.json fails here, naming the key, not deep inside the model.
+            if key not in hf or hf[key] is None:
+                if default is _MISSING:
+                    raise ConfigError(f"config.json.{key}: missing from config.json")
+                return default
+            return _convert(hf[key], tp, f"config.json.{key}")
+
+        hidden = num("hidden_size", int)
+        heads = num("num_attention_heads", int)
+        _require(heads > 0, "config.json.num_attention_heads", f"must be > 0, got {heads}")
+        kwargs = dict(
+            vocab_size=num("vocab_size", int),
+            hidden_size=hidden,
+            intermediate_size=num("intermediate_size", int),
+            num_layers=num("num_hidden_layers", int),
+            num_heads=heads,
+            num_kv_heads=num("num_key_value_heads", int, heads),
+            head_dim=num("head_dim", int, hidden // heads),
+            rope_theta=_convert(rope_theta, float, "config.json.rope_theta"),
+            rms_norm_eps=num("rms_norm_eps", float, 1e-6),
+            tie_word_embeddings=num("tie_word_embeddings", bool, False),
+            max_position_embeddings=num("max_position_embeddings", int, 40960),
+            mask_token_id=num("mask_token_id", int, None),
+            block_size=num("block_size", int, None),
+            bos_token_id=num("bos_token_id", int, None),
+            eos_token_id=hf.get("eos_token_id"),
+            pad_token_id=num("pad_token_id", int, None),
+        )
         kwargs.update(overrides)
         cfg = cls(**kwargs)
-        cfg.validate("config.json")
+        try:
+            cfg.validate("config.json")
+        except ConfigError as e:  # name the key as config.json spells it
+            msg = str(e)
+            for ours, theirs in _HF_KEY_NAMES.items():
+                msg = msg.replace(f"config.json.{ours}:", f"config.json.{theirs}:")
+            raise ConfigError(msg) from None
         return cfg
 
     def to_hf_dict(self, torch_dtype: str | None = None) -> dict[str, Any]:

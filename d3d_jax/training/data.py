@@ -1,0 +1,331 @@
+"""Training data: packed block-diffusion rows (spec §2.1-2.3) and plain LM rows, with grain.
+
+**Records** (the regeneration issue's JSONL, one object a line)::
+
+    {"id", "messages": [{"role", "content"}...], "response", "response_token_ids",
+     "finish_reason", "generation": {...}, "target": ...}
+
+The prompt is rendered with the tokenizer's chat template (``add_generation_prompt=True``,
+``enable_thinking=False``) unless the record already carries ``prompt_token_ids``; the response
+ids are appended as they are.  Broken lines and records missing fields are skipped and counted,
+over-long ones truncated and counted (:class:`DataStats`).
+
+**Packed row** (fixed length ``L = S + n·B``; ``S`` = ``DataConfig.clean_length``)::
+
+    [ clean prompt+response tokens, padded to S | block_1 | ... | block_n ]
+
+block ``b`` is ``[x[a_b], MASK×(B-1)]`` at positions ``a_b + 0..B-1``; anchors are drawn
+without replacement from response positions ``p`` with ``p + B - 1 < len`` (full blocks only),
+sorted.  A row is a dict of arrays (batched: a leading batch axis):
+
+* ``tokens, positions, block_ids, context_end, valid`` – the model input and its
+  :class:`~d3d_jax.model.masks.TokenMeta` (``batch_meta`` builds it);
+* ``labels``  – the token each row position's logits should predict: ``x[i+1]`` for clean token
+  ``i``, ``x[a_b + k]`` for slot ``k`` of block ``b``;
+* ``ar_mask`` – clean positions whose label is a response token (the AR loss's support);
+* ``slot``    – block slot index ``k`` (``-1`` for clean tokens, padding and unused anchors);
+  the objective turns it into the weights ``w_k`` (slot 0 gets none);
+* ``anchors, anchor_valid`` – ``[n]`` anchor positions and which are real.
+
+LM rows (``mode="lm"``) are windows of one token stream, all causal: ``slot`` is all ``-1`` and
+``ar_mask`` marks every real next token.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import grain
+import jax.numpy as jnp
+import numpy as np
+
+from d3d_jax.config import DataConfig
+from d3d_jax.model.masks import CAUSAL, TokenMeta, packed_training_meta
+
+log = logging.getLogger(__name__)
+
+REQUIRED_FIELDS = ("response_token_ids",)
+
+
+@dataclasses.dataclass
+class DataStats:
+    """What happened to each input line (logged, and written into the run's metrics)."""
+
+    lines: int = 0
+    kept: int = 0
+    broken_lines: int = 0
+    missing_fields: int = 0
+    truncated: int = 0
+    empty_response: int = 0
+    without_anchor: int = 0  # kept (AR loss only) but too short for one full block
+
+    def as_dict(self) -> dict[str, int]:
+        return dataclasses.asdict(self)
+
+    def log(self, name: str) -> None:
+        log.info("data %s: %s", name, self.as_dict())
+
+
+@dataclasses.dataclass
+class Example:
+    tokens: np.ndarray  # int32 [len], prompt then response
+    response_start: int
+
+
+# --------------------------------------------------------------------------------------
+# Records -> token sequences
+# --------------------------------------------------------------------------------------
+def render_prompt(tokenizer: Any, messages: Sequence[dict]) -> list[int]:
+    """Prompt ids from the chat template in non-thinking mode (as the target generated it)."""
+    text = tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True,
+                                         enable_thinking=False)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def record_to_example(record: Any, tokenizer: Any, clean_length: int, stats: DataStats) -> Example | None:
+    if not isinstance(record, dict):
+        stats.broken_lines += 1
+        return None
+    response = record.get("response_token_ids")
+    if not isinstance(response, list) or not all(isinstance(t, int) for t in response):
+        stats.missing_fields += 1
+        return None
+    prompt = record.get("prompt_token_ids")
+    if prompt is None:
+        messages = record.get("messages")
+        if not isinstance(messages, list) or not messages or tokenizer is None:
+            stats.missing_fields += 1
+            return None
+        try:
+            prompt = render_prompt(tokenizer, messages)
+        except Exception:  # a malformed message list is a broken record, not a crash
+            stats.missing_fields += 1
+            return None
+    if not response:
+        stats.empty_response += 1
+        return None
+    tokens = np.asarray(list(prompt) + list(response), np.int32)
+    if len(tokens) > clean_length:
+        stats.truncated += 1
+        tokens = tokens[:clean_length]
+        if len(prompt) >= clean_length:  # nothing of the response survives
+            stats.empty_response += 1
+            return None
+    return Example(tokens, len(prompt))
+
+
+def read_jsonl(path: str | Path, stats: DataStats) -> Iterator[Any]:
+    with open(path) as f:
+        for line in f:
+            if not line.strip():
+                continue
+            stats.lines += 1
+            try:
+                yield json.loads(line)
+            except json.JSONDecodeError:
+                stats.broken_lines += 1
+
+
+def load_examples(path: str | Path, tokenizer: Any, cfg: DataConfig) -> tuple[list[Example], DataStats]:
+    """Every usable record of a regenerated-response JSONL, tokenised and truncated."""
+    stats = DataStats()
+    out = []
+    for rec in read_jsonl(path, stats):
+        ex = record_to_example(rec, tokenizer, cfg.clean_length, stats)
+        if ex is None:
+            continue
+        if len(ex.tokens) - cfg.block_size < ex.response_start:
+            stats.without_anchor += 1
+        out.append(ex)
+    stats.kept = len(out)
+    stats.log(str(path))
+    if not out:
+        raise ValueError(f"{path}: no usable records ({stats.as_dict()})")
+    return out, stats
+
+
+# --------------------------------------------------------------------------------------
+# Anchors and packing
+# --------------------------------------------------------------------------------------
+def sample_anchors(rng: np.random.Generator, response_start: int, length: int, num_anchors: int,
+                   block_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """Sorted anchors without replacement from ``response_start <= p <= length - block_size``.
+
+    Returns ``(anchors [n], valid [n])``; when fewer positions are eligible the tail is unused.
+    """
+    hi = length - block_size  # last p with p + B - 1 < length
+    eligible = max(0, hi - response_start + 1)
+    k = min(num_anchors, eligible)
+    anchors = np.zeros(num_anchors, np.int32)
+    valid = np.zeros(num_anchors, bool)
+    if k:
+        anchors[:k] = np.sort(rng.choice(eligible, size=k, replace=False)) + response_start
+        valid[:k] = True
+    return anchors, valid
+
+
+def pack_example(ex: Example, anchors: np.ndarray, anchor_valid: np.ndarray, cfg: DataConfig,
+                 mask_token_id: int) -> dict[str, np.ndarray]:
+    """One packed row ``[clean | blocks]`` with metadata, labels and loss supports."""
+    S, B, n = cfg.clean_length, cfg.block_size, cfg.num_anchors
+    L = cfg.packed_length
+    x = ex.tokens
+    length = len(x)
+    meta = packed_training_meta(S, anchors, B, L, clean_valid_len=length, anchor_valid=anchor_valid)
+    tokens = np.full(L, cfg.pad_token_id, np.int32)
+    labels = np.full(L, cfg.pad_token_id, np.int32)
+    ar_mask = np.zeros(L, bool)
+    slot = np.full(L, -1, np.int32)
+    tokens[:length] = x
+    labels[:length - 1] = x[1:]
+    ar_mask[max(ex.response_start - 1, 0):length - 1] = True
+    k = np.arange(B)
+    for b in np.flatnonzero(anchor_valid):
+        a = int(anchors[b])
+        sl = slice(S + b * B, S + (b + 1) * B)
+        tokens[sl] = mask_token_id
+        tokens[S + b * B] = x[a]
+        labels[sl] = x[a + k]
+        slot[sl] = k
+    return dict(tokens=tokens, labels=labels, ar_mask=ar_mask, slot=slot,
+                anchors=np.asarray(anchors, np.int32), anchor_valid=np.asarray(anchor_valid, bool), **meta)
+
+
+def lm_row(window: np.ndarray, length: int, cfg: DataConfig) -> dict[str, np.ndarray]:
+    """A causal row from ``window`` (``length`` real tokens, the last one only a label)."""
+    L = cfg.packed_length
+    tokens = np.full(L, cfg.pad_token_id, np.int32)
+    labels = np.full(L, cfg.pad_token_id, np.int32)
+    n = min(length, L + 1)
+    tokens[:min(n, L)] = window[:min(n, L)]
+    labels[:n - 1] = window[1:n]
+    pos = np.arange(L, dtype=np.int32)
+    valid = pos < min(n, L)
+    return dict(tokens=tokens, labels=labels, ar_mask=pos < n - 1, slot=np.full(L, -1, np.int32),
+                positions=pos, block_ids=np.full(L, CAUSAL, np.int32), context_end=pos + 1, valid=valid)
+
+
+def batch_meta(batch: dict) -> TokenMeta:
+    """The model's :class:`TokenMeta` from a (device) batch."""
+    return TokenMeta(jnp.asarray(batch["positions"], jnp.int32), jnp.asarray(batch["block_ids"], jnp.int32),
+                     jnp.asarray(batch["context_end"], jnp.int32), jnp.asarray(batch["valid"], bool))
+
+
+# --------------------------------------------------------------------------------------
+# LM token streams
+# --------------------------------------------------------------------------------------
+def load_lm_stream(path: str | Path, tokenizer: Any, eos_token_id: int | None) -> tuple[np.ndarray, DataStats]:
+    """One token stream from a text file or a JSONL of ``{"text"}`` / ``{"token_ids"}`` documents."""
+    stats = DataStats()
+    path = Path(path)
+    docs: list[list[int]] = []
+    if path.suffix == ".jsonl":
+        for rec in read_jsonl(path, stats):
+            if isinstance(rec, dict) and isinstance(rec.get("token_ids"), list):
+                docs.append([int(t) for t in rec["token_ids"]])
+            elif isinstance(rec, dict) and isinstance(rec.get("text"), str) and tokenizer is not None:
+                docs.append(list(tokenizer(rec["text"], add_special_tokens=False)["input_ids"]))
+            else:
+                stats.missing_fields += 1
+    else:
+        if tokenizer is None:
+            raise ValueError(f"{path}: a tokenizer is needed to read plain text")
+        stats.lines = 1
+        docs.append(list(tokenizer(path.read_text(), add_special_tokens=False)["input_ids"]))
+    stream: list[int] = []
+    for d in docs:
+        stream.extend(d)
+        if eos_token_id is not None:
+            stream.append(int(eos_token_id))
+    stats.kept = len(docs)
+    stats.log(str(path))
+    if len(stream) < 2:
+        raise ValueError(f"{path}: fewer than 2 tokens of LM data ({stats.as_dict()})")
+    return np.asarray(stream, np.int32), stats
+
+
+class _LMWindows:
+    """Random-access windows of ``L + 1`` tokens (stride ``L``) over a stream: a grain source."""
+
+    def __init__(self, stream: np.ndarray, packed_length: int):
+        self.stream, self.L = stream, packed_length
+        self.n = max(1, (len(stream) - 1) // packed_length)
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> tuple[np.ndarray, int]:
+        w = self.stream[i * self.L: i * self.L + self.L + 1]
+        return w, len(w)
+
+
+# --------------------------------------------------------------------------------------
+# grain pipelines
+# --------------------------------------------------------------------------------------
+def d3d_dataset(examples: Sequence[Example], cfg: DataConfig, mask_token_id: int, *, seed: int | None = None,
+                shuffle: bool | None = None) -> grain.MapDataset:
+    """Infinite (reshuffled each epoch), batched packed rows; anchors fixed by (seed, index)."""
+    seed = cfg.seed if seed is None else seed
+    ds = grain.MapDataset.source(list(examples))
+    if cfg.shuffle if shuffle is None else shuffle:
+        ds = ds.shuffle(seed=seed)
+    ds = ds.repeat()
+
+    def pack(ex: Example, rng: np.random.Generator) -> dict:
+        anchors, valid = sample_anchors(rng, ex.response_start, len(ex.tokens), cfg.num_anchors, cfg.block_size)
+        return pack_example(ex, anchors, valid, cfg, mask_token_id)
+
+    return ds.random_map(pack, seed=seed + 1).batch(cfg.batch_size, drop_remainder=True)
+
+
+def lm_dataset(stream: np.ndarray, cfg: DataConfig, *, seed: int | None = None,
+               shuffle: bool | None = None) -> grain.MapDataset:
+    seed = cfg.seed if seed is None else seed
+    ds = grain.MapDataset.source(_LMWindows(stream, cfg.packed_length))
+    if cfg.shuffle if shuffle is None else shuffle:
+        ds = ds.shuffle(seed=seed)
+    return ds.repeat().map(lambda wl: lm_row(wl[0], wl[1], cfg)).batch(cfg.batch_size, drop_remainder=True)
+
+
+def load_tokenizer_for(cfg: DataConfig) -> Any:
+    if not cfg.tokenizer:
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(cfg.tokenizer)
+
+
+def resolve_mask_token_id(cfg: DataConfig, model_mask_id: int | None, tokenizer: Any) -> int:
+    for cand in (cfg.mask_token_id, model_mask_id):
+        if cand is not None:
+            return int(cand)
+    if tokenizer is not None:
+        mid = tokenizer.convert_tokens_to_ids("<|MASK|>")
+        if mid is not None and mid != tokenizer.unk_token_id:
+            return int(mid)
+    raise ValueError("data.mask_token_id: not set, and neither the model config nor the tokenizer "
+                     "defines <|MASK|>")
+
+
+def build_dataset(cfg: DataConfig, path: str, *, tokenizer: Any = None, mask_token_id: int | None = None,
+                  eos_token_id: int | None = None, seed: int | None = None,
+                  shuffle: bool | None = None) -> tuple[grain.MapDataset, DataStats]:
+    """The batched dataset for ``path`` in ``cfg.mode``."""
+    if not path:
+        raise ValueError("data path is empty (set data.train_path / data.dev_path)")
+    if cfg.mode == "lm":
+        stream, stats = load_lm_stream(path, tokenizer, eos_token_id)
+        return lm_dataset(stream, cfg, seed=seed, shuffle=shuffle), stats
+    if mask_token_id is None:
+        raise ValueError("data.mask_token_id: required for mode 'd3d'")
+    examples, stats = load_examples(path, tokenizer, cfg)
+    return d3d_dataset(examples, cfg, mask_token_id, seed=seed, shuffle=shuffle), stats
+
+
+def take_batches(ds: grain.MapDataset, n: int) -> list[dict]:
+    """The first ``n`` batches (a fixed dev set)."""
+    return [ds[i] for i in range(n)]
