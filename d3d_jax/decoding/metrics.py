@@ -1,0 +1,80 @@
+"""Decoding metrics (spec §0, §6): τ per request and overall, acceptance histogram over 1..B,
+per-slot acceptance rate, tokens/s, and time spent drafting and verifying.
+
+Inputs are host numpy arrays produced by the engine: ``accept_hist[i]`` counts the rounds whose
+acceptance length τ = a + 1 was ``i + 1`` (so its length is the block size B).
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Mapping
+
+import numpy as np
+
+
+def tau_from_hist(hist: np.ndarray) -> float:
+    hist = np.asarray(hist, np.float64)
+    rounds = hist.sum()
+    return float((hist * np.arange(1, hist.shape[-1] + 1)).sum() / rounds) if rounds else float("nan")
+
+
+def slot_accept_rate(hist: np.ndarray) -> list[float]:
+    """P(draft slot k is accepted) for k = 1..B-1: the fraction of rounds with a >= k."""
+    hist = np.asarray(hist, np.float64)
+    rounds = hist.sum()
+    if not rounds:
+        return [float("nan")] * (hist.shape[-1] - 1)
+    at_least = hist[::-1].cumsum()[::-1]  # at_least[i] = rounds with a >= i
+    return [float(x) for x in at_least[1:] / rounds]
+
+
+def request_metrics(hist: np.ndarray, num_tokens: int, wall_s: float, *, mode: str,
+                    batch_index: int = 0, draft_s: float | None = None,
+                    verify_s: float | None = None) -> dict:
+    """Metrics of one request; ``wall_s`` is the decode time of the batch it ran in."""
+    hist = np.asarray(hist, np.int64)
+    return {
+        "mode": mode,
+        "num_tokens": int(num_tokens),
+        "rounds": int(hist.sum()),
+        "tau": tau_from_hist(hist),
+        "accept_hist": [int(x) for x in hist],
+        "slot_accept_rate": slot_accept_rate(hist),
+        "batch_index": int(batch_index),
+        "batch_wall_s": float(wall_s),
+        "tokens_per_s": float(num_tokens / wall_s) if wall_s > 0 else float("nan"),
+        "draft_s": draft_s,
+        "verify_s": verify_s,
+    }
+
+
+def summarize(per_request: Iterable[Mapping], total_wall_s: float | None = None) -> dict:
+    """Overall metrics over requests: pooled histogram, τ over all rounds, tokens and tokens/s.
+
+    ``total_wall_s`` (end-to-end time of all batches) defaults to the sum of distinct batch times.
+    """
+    reqs = list(per_request)
+    if not reqs:
+        return {"requests": 0}
+    width = max(len(r["accept_hist"]) for r in reqs)
+    hist = np.zeros(width, np.int64)
+    for r in reqs:
+        hist[: len(r["accept_hist"])] += np.asarray(r["accept_hist"], np.int64)
+    tokens = sum(int(r["num_tokens"]) for r in reqs)
+    if total_wall_s is None:
+        total_wall_s = float(sum({r.get("batch_index", 0): r["batch_wall_s"] for r in reqs}.values()))
+    out = {
+        "requests": len(reqs),
+        "num_tokens": tokens,
+        "rounds": int(hist.sum()),
+        "tau": tau_from_hist(hist),
+        "tau_per_request_mean": float(np.nanmean([r["tau"] for r in reqs])),
+        "accept_hist": [int(x) for x in hist],
+        "slot_accept_rate": slot_accept_rate(hist),
+        "wall_s": float(total_wall_s),
+        "tokens_per_s": float(tokens / total_wall_s) if total_wall_s else float("nan"),
+    }
+    for key in ("draft_s", "verify_s"):  # per batch, like the wall time
+        vals = {r.get("batch_index", 0): r[key] for r in reqs if r.get(key) is not None}
+        out[key] = float(sum(vals.values())) if vals else None
+    return out
