@@ -1,0 +1,202 @@
+"""Our Qwen3 against transformers' Qwen3ForCausalLM (the independent reference).
+
+Checkpoints are written by transformers' own ``save_pretrained`` and read by our loader, so the
+comparison covers the model and the HF name/layout mapping together.
+"""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from flax import nnx
+from transformers import Qwen3Config, Qwen3ForCausalLM
+
+from d3d_jax.io.hf import load_qwen3
+from d3d_jax.model import kv_cache as kvc
+from d3d_jax.model.masks import TokenMeta, causal_meta
+from d3d_jax.model.qwen3 import remove_layers
+
+# Three tiny shapes: tied + GQA + head_dim != hidden/heads; untied, sharded into several files;
+# untied multi-query with an old-layout config.json (top-level rope_theta).
+CONFIGS = {
+    "tied_gqa_wide_heads": dict(vocab_size=160, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                tie_word_embeddings=True, rope_theta=1e6),
+    "untied_sharded": dict(vocab_size=128, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
+                           num_attention_heads=6, num_key_value_heads=3, head_dim=8,
+                           tie_word_embeddings=False, rope_theta=1e6),
+    "untied_mqa_old_rope": dict(vocab_size=96, hidden_size=40, intermediate_size=80, num_hidden_layers=3,
+                                num_attention_heads=4, num_key_value_heads=1, head_dim=12,
+                                tie_word_embeddings=False, rope_theta=1e4),
+}
+TOL = 1e-4
+
+
+def make_hf_model(seed: int, **kw) -> Qwen3ForCausalLM:
+    torch.manual_seed(seed)
+    theta = kw.pop("rope_theta")
+    cfg = Qwen3Config(**kw, rope_parameters={"rope_type": "default", "rope_theta": theta},
+                      rms_norm_eps=1e-6, max_position_embeddings=256)
+    model = Qwen3ForCausalLM(cfg).eval()
+    with torch.no_grad():  # norms start at 1; randomise them so a mis-mapped scale would show
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.5 * torch.randn_like(p))
+    return model
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """name -> (HF model, directory written by save_pretrained)."""
+    out = {}
+    for i, (name, kw) in enumerate(CONFIGS.items()):
+        model = make_hf_model(i, **dict(kw))
+        path = tmp_path_factory.mktemp(name)
+        if name == "untied_sharded":
+            model.save_pretrained(path, max_shard_size="20KB")
+        else:
+            model.save_pretrained(path)
+        if name == "untied_mqa_old_rope":  # rewrite to the pre-v5 layout: top-level rope_theta
+            cfg = json.loads((path / "config.json").read_text())
+            cfg.pop("rope_parameters")
+            cfg["rope_theta"] = kw["rope_theta"]
+            cfg["rope_scaling"] = None
+            (path / "config.json").write_text(json.dumps(cfg))
+        out[name] = (model, path)
+    return out
+
+
+def hf_logits(model, tokens) -> np.ndarray:
+    with torch.no_grad():
+        return model(torch.tensor(np.asarray(tokens)), use_cache=False).logits.float().numpy()
+
+
+@nnx.jit
+def full_forward(model, tokens):
+    return model(tokens)
+
+
+def test_sharded_checkpoint_really_has_several_files(checkpoints):
+    _, path = checkpoints["untied_sharded"]
+    assert len(list(path.glob("model-*.safetensors"))) >= 3
+    assert (path / "model.safetensors.index.json").exists()
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_logits_match_transformers(checkpoints, name):
+    hf_model, path = checkpoints[name]
+    model = load_qwen3(path)
+    kw = CONFIGS[name]
+    assert model.config.tie_word_embeddings == kw["tie_word_embeddings"]
+    assert model.config.head_dim == kw["head_dim"]
+    assert model.config.rope_theta == kw["rope_theta"]
+    tokens = np.random.default_rng(0).integers(0, kw["vocab_size"], (2, 24))
+    ours = np.asarray(full_forward(model, jnp.asarray(tokens)))
+    ref = hf_logits(hf_model, tokens)
+    assert ours.shape == ref.shape == (2, 24, kw["vocab_size"])
+    assert np.abs(ref).max() > 100 * TOL  # the comparison is not vacuous
+    assert np.abs(ours - ref).max() <= TOL
+
+
+# ---- cached decoding --------------------------------------------------------------------
+TOTAL_LENGTHS = np.array([37, 22])  # two rows of different lengths
+PREFILL_LENGTHS = np.array([5, 11])
+CACHE_LEN = 64
+
+
+@nnx.jit
+def cached_step(model, tokens, meta, cache):
+    return model(tokens, meta, cache=cache)
+
+
+def decode_in_chunks(model, tokens: np.ndarray, chunk: int) -> np.ndarray:
+    """Prefill each row to its own length, then feed ``chunk`` tokens per row per step at the
+    row's own offset (padding past each row's end); returns the logits gathered per position."""
+    b, total = tokens.shape
+    vocab = model.config.vocab_size
+    got = np.full((b, total, vocab), np.nan, np.float32)
+    cache = kvc.init_cache(model.config, b, CACHE_LEN)
+    lengths = np.zeros(b, np.int64)
+
+    def feed(width, counts):
+        nonlocal cache, lengths
+        pos = lengths[:, None] + np.arange(width)[None]
+        valid = np.arange(width)[None] < counts[:, None]
+        toks = np.where(valid, tokens[np.arange(b)[:, None], np.minimum(pos, total - 1)], 0)
+        meta = causal_meta(jnp.asarray(pos), jnp.asarray(valid))
+        logits, cache = cached_step(model, jnp.asarray(toks), meta, cache)
+        logits = np.asarray(logits)
+        for r in range(b):
+            got[r, pos[r, :counts[r]]] = logits[r, :counts[r]]
+        lengths = lengths + counts
+        cache = cache.with_lengths(jnp.asarray(lengths))
+
+    feed(int(PREFILL_LENGTHS.max()), PREFILL_LENGTHS)
+    while (lengths < TOTAL_LENGTHS).any():
+        feed(chunk, np.minimum(chunk, TOTAL_LENGTHS - lengths))
+    return got
+
+
+@pytest.mark.parametrize("chunk", [1, 16])
+def test_cached_decoding_matches_full_forward(checkpoints, chunk):
+    hf_model, path = checkpoints["tied_gqa_wide_heads"]
+    model = load_qwen3(path)
+    vocab = model.config.vocab_size
+    tokens = np.random.default_rng(1).integers(0, vocab, (2, int(TOTAL_LENGTHS.max())))
+    got = decode_in_chunks(model, tokens, chunk)
+    for r, n in enumerate(TOTAL_LENGTHS):
+        ref = hf_logits(hf_model, tokens[r:r + 1, :n])[0]
+        assert not np.isnan(got[r, :n]).any()
+        assert np.abs(got[r, :n] - ref).max() <= TOL, f"row {r}"
+
+
+def test_tokens_not_kept_are_not_written_to_the_cache(checkpoints):
+    _, path = checkpoints["tied_gqa_wide_heads"]
+    model = load_qwen3(path)
+    cache = kvc.init_cache(model.config, 1, 16)
+    tokens = jnp.asarray([[3, 4, 5, 6]])
+    meta = causal_meta(jnp.arange(4)[None])
+    keep = jnp.asarray([[True, True, False, True]])
+    _, new = nnx.jit(lambda m, t, mt, c, k: m(t, mt, cache=c, keep=k))(model, tokens, meta, cache, keep)
+    written = np.abs(np.asarray(new.k_lbskh)).sum(axis=(0, 1, 3, 4))
+    assert (written[[0, 1, 3]] > 0).all() and written[2] == 0 and (written[4:] == 0).all()
+
+
+# ---- layer removal ------------------------------------------------------------------------
+def test_remove_layers_equals_transformers_without_that_layer(checkpoints):
+    hf_model, path = checkpoints["untied_mqa_old_rope"]  # 3 layers
+    model = load_qwen3(path)
+    pruned = remove_layers(model, [1])
+    assert pruned.config.num_layers == 2 and len(pruned.layers) == 2
+
+    reference = make_hf_model(2, **dict(CONFIGS["untied_mqa_old_rope"]))
+    reference.load_state_dict(hf_model.state_dict())
+    del reference.model.layers[1]
+    reference.config.num_hidden_layers = 2
+    tokens = np.random.default_rng(2).integers(0, 96, (2, 10))
+    ours = np.asarray(full_forward(pruned, jnp.asarray(tokens)))
+    assert np.abs(ours - hf_logits(reference, tokens)).max() <= TOL
+    # and the original is untouched
+    assert np.abs(np.asarray(full_forward(model, jnp.asarray(tokens))) - hf_logits(hf_model, tokens)).max() <= TOL
+    with pytest.raises(ValueError, match="out of range"):
+        remove_layers(model, [3])
+    with pytest.raises(ValueError, match="every layer"):
+        remove_layers(model, [0, 1, 2])
+
+
+# ---- bf16 ----------------------------------------------------------------------------------
+def test_bf16_params_run_close_to_float32(checkpoints):
+    hf_model, path = checkpoints["untied_sharded"]
+    model = load_qwen3(path, dtype="bfloat16")
+    leaves = jax.tree_util.tree_leaves(nnx.state(model, nnx.Param))
+    assert all(x.dtype == jnp.bfloat16 for x in leaves)
+    tokens = np.random.default_rng(3).integers(0, 128, (2, 12))
+    ours = np.asarray(full_forward(model, jnp.asarray(tokens)))
+    ref = hf_logits(hf_model, tokens)
+    assert ours.dtype == np.float32 and np.isfinite(ours).all()
+    # bf16 keeps ~3 significant digits: same ranking of the top token, small absolute error
+    assert np.abs(ours - ref).max() <= 0.05 * np.abs(ref).max()
+    assert (ours.argmax(-1) == ref.argmax(-1)).mean() >= 0.9
