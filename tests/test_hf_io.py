@@ -1,0 +1,197 @@
+"""HF export / import: transformers reloads what we write; bad input fails with one clear error;
+the tokenizer gets ``<|MASK|>`` and the embedding grows when the id does not fit."""
+
+import json
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from flax import nnx
+from transformers import Qwen3ForCausalLM
+
+from d3d_jax.config import ConfigError, ModelConfig
+from d3d_jax.io import safetensors_io as st
+from d3d_jax.io.hf import ensure_token_fits, load_qwen3, load_tokenizer, save_qwen3
+from d3d_jax.model.qwen3 import init_model
+
+TOL = 1e-4
+TIED = ModelConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                   num_kv_heads=2, head_dim=16, tie_word_embeddings=True)
+UNTIED = ModelConfig(vocab_size=80, hidden_size=24, intermediate_size=48, num_layers=2, num_heads=3,
+                     num_kv_heads=1, head_dim=8, tie_word_embeddings=False, rope_theta=1e4,
+                     mask_token_id=79, block_size=4)
+
+
+def hf_logits(model, tokens) -> np.ndarray:
+    with torch.no_grad():
+        return model(torch.tensor(np.asarray(tokens)), use_cache=False).logits.float().numpy()
+
+
+@nnx.jit
+def forward(model, tokens):
+    return model(tokens)
+
+
+def randomise_norms(model):
+    """Norm scales start at 1; random ones make a mis-exported scale visible."""
+    rng = np.random.default_rng(0)
+    for path, var in nnx.iter_graph(model):
+        if isinstance(var, nnx.Param) and path[-1] == "scale":
+            var[...] = jnp.asarray(1 + 0.5 * rng.standard_normal(var[...].shape), var[...].dtype)
+    return model
+
+
+@pytest.mark.parametrize("cfg,shard", [(TIED, None), (UNTIED, "6KB")], ids=["tied", "untied-sharded"])
+def test_export_reloads_in_transformers_with_same_logits(tmp_path, cfg, shard):
+    model = randomise_norms(init_model(cfg, seed=3))
+    save_qwen3(model, tmp_path, max_shard_size=shard)
+    if shard:
+        assert len(list(tmp_path.glob("model-*-of-*.safetensors"))) > 1
+    hf = Qwen3ForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 16))
+    ours = np.asarray(forward(model, jnp.asarray(tokens)))
+    assert np.abs(ours - hf_logits(hf, tokens)).max() <= TOL
+    # and our own loader reads the export back to the very same parameters
+    again = load_qwen3(tmp_path)
+    assert again.config == cfg
+    assert np.abs(np.asarray(forward(again, jnp.asarray(tokens))) - ours).max() == 0.0
+
+
+def test_export_bf16_and_extra_config(tmp_path):
+    model = init_model(UNTIED, seed=4)
+    save_qwen3(model, tmp_path, dtype="bfloat16", extra_config={"d3d_note": "drafter"})
+    written = json.loads((tmp_path / "config.json").read_text())
+    assert written["mask_token_id"] == 79 and written["block_size"] == 4 and written["d3d_note"] == "drafter"
+    header, _ = st.read_header(tmp_path / "model.safetensors")
+    assert {v["dtype"] for k, v in header.items() if k != "__metadata__"} == {"BF16"}
+    # transformers upcast to f32 and ours reading the same bf16 file upcast to f32 agree
+    hf = Qwen3ForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    ours = load_qwen3(tmp_path, dtype="float32")
+    assert ours.config.mask_token_id == 79 and ours.config.block_size == 4
+    tokens = np.random.default_rng(1).integers(0, 80, (1, 12))
+    assert np.abs(np.asarray(forward(ours, jnp.asarray(tokens))) - hf_logits(hf, tokens)).max() <= TOL
+    # with no dtype given, the checkpoint's own (bf16) is used
+    assert load_qwen3(tmp_path).config.param_dtype == "bfloat16"
+
+
+# ---- bad input ------------------------------------------------------------------------------
+@pytest.fixture()
+def good_dir(tmp_path):
+    save_qwen3(init_model(TIED, seed=0), tmp_path / "good")
+    return tmp_path / "good"
+
+
+def edit_config(path, **changes):
+    cfg = json.loads((path / "config.json").read_text())
+    cfg.update(changes)
+    (path / "config.json").write_text(json.dumps(cfg))
+
+
+def test_directory_without_config_json(tmp_path):
+    with pytest.raises(ConfigError, match="no config.json"):
+        load_qwen3(tmp_path)
+    with pytest.raises(ConfigError, match="not a directory"):
+        load_qwen3(tmp_path / "missing")
+
+
+def test_other_model_type(good_dir):
+    edit_config(good_dir, model_type="llama")
+    with pytest.raises(ConfigError, match="model_type: expected 'qwen3', got 'llama'"):
+        load_qwen3(good_dir)
+
+
+def test_missing_tensor(good_dir):
+    f = st.SafetensorsFile(good_dir / "model.safetensors")
+    tensors = {k: np.array(f.get(k)) for k in f.keys() if k != "model.layers.1.mlp.up_proj.weight"}
+    del f
+    st.write_file(good_dir / "model.safetensors", tensors)
+    with pytest.raises(ValueError, match=r"tensor model.layers.1.mlp.up_proj.weight is missing"):
+        load_qwen3(good_dir)
+
+
+def test_mis_shaped_tensor(good_dir):
+    edit_config(good_dir, intermediate_size=80)  # the tensors were written for 64
+    with pytest.raises(ValueError) as err:
+        load_qwen3(good_dir)
+    msg = str(err.value)
+    assert "model.layers.0.mlp.gate_proj.weight" in msg and "(64, 32)" in msg and "(80, 32)" in msg
+
+
+@pytest.mark.parametrize("key,value,expected", [
+    ("hidden_size", "wide", "config.json.hidden_size: expected an integer"),
+    ("num_key_value_heads", 3, "config.json.num_key_value_heads"),
+    ("num_hidden_layers", 0, "config.json.num_hidden_layers: must be > 0"),
+    ("rms_norm_eps", -1.0, "config.json.rms_norm_eps: must be > 0"),
+])
+def test_bad_config_value_names_the_key(good_dir, key, value, expected):
+    edit_config(good_dir, **{key: value})
+    with pytest.raises(ConfigError, match=expected):
+        load_qwen3(good_dir)
+
+
+def test_no_weights(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(TIED.to_hf_dict()))
+    with pytest.raises(ValueError, match="no \\*.safetensors"):
+        load_qwen3(tmp_path)
+
+
+def test_save_rejects_bad_dtype(tmp_path):
+    with pytest.raises(ConfigError, match="dtype"):
+        save_qwen3(init_model(TIED), tmp_path, dtype="int8")
+
+
+# ---- tokenizer and MASK ---------------------------------------------------------------------
+def build_tokenizer_dir(path, words):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {w: i for i, w in enumerate(["<unk>", "<eos>"] + words)}
+    tk = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>", eos_token="<eos>").save_pretrained(path)
+    return len(vocab)
+
+
+def test_load_tokenizer_adds_mask_at_first_unused_id(tmp_path):
+    n = build_tokenizer_dir(tmp_path / "tok", ["the", "cat", "sat"])
+    tok, mask_id = load_tokenizer(tmp_path / "tok")
+    assert mask_id == n
+    assert tok.convert_ids_to_tokens(mask_id) == "<|MASK|>"
+    assert tok("the <|MASK|> sat")["input_ids"] == [2, mask_id, 4]
+    assert mask_id in tok.all_special_ids
+    # a tokenizer saved with the token keeps its id
+    tok.save_pretrained(tmp_path / "tok2")
+    tok2, mask_id2 = load_tokenizer(tmp_path / "tok2")
+    assert mask_id2 == mask_id and len(tok2) == len(tok)
+    with pytest.raises(ValueError, match="not a tokenizer directory"):
+        load_tokenizer(tmp_path / "nowhere")
+
+
+def test_mask_id_inside_padded_embedding_needs_no_resize():
+    # Qwen3's case: the tokenizer ends below the (padded) embedding size.
+    model = init_model(TIED)
+    fitted = ensure_token_fits(model, 90, block_size=16)
+    assert fitted.config.vocab_size == 96 and fitted.config.mask_token_id == 90
+    assert fitted.config.block_size == 16
+    assert fitted.embed_tokens.embedding[...] is model.embed_tokens.embedding[...]
+
+
+@pytest.mark.parametrize("cfg", [TIED, UNTIED], ids=["tied", "untied"])
+def test_mask_id_beyond_vocab_resizes_embedding(cfg):
+    model = init_model(cfg, seed=5)
+    new_id = cfg.vocab_size + 3
+    grown = ensure_token_fits(model, new_id, multiple=8)
+    v = grown.config.vocab_size
+    assert v % 8 == 0 and v > new_id and grown.config.mask_token_id == new_id
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (1, 10)))
+    before = np.asarray(forward(model, tokens))
+    after = np.asarray(forward(grown, tokens))
+    # old tokens' logits over the old vocabulary are unchanged
+    assert np.abs(after[..., :cfg.vocab_size] - before).max() <= 1e-6
+    # the new rows are the mean embedding
+    emb = np.asarray(grown.embed_tokens.embedding[...])
+    np.testing.assert_allclose(emb[new_id], emb[:cfg.vocab_size].mean(0), atol=1e-6)
+    # the grown model can embed the new id
+    out = np.asarray(forward(grown, jnp.asarray([[1, new_id]])))
+    assert out.shape == (1, 2, v) and np.isfinite(out).all()
