@@ -329,3 +329,33 @@ def build_dataset(cfg: DataConfig, path: str, *, tokenizer: Any = None, mask_tok
 def take_batches(ds: grain.MapDataset, n: int) -> list[dict]:
     """The first ``n`` batches (a fixed dev set)."""
     return [ds[i] for i in range(n)]
+
+
+def synthetic_records(num: int, *, vocab_size: int, prompt_len: int = 4, response_len: int = 48,
+                      first_token: int = 4, seed: int = 0) -> list[dict]:
+    """A deterministic toy corpus in the regenerated-response format, for tests and benchmarks.
+
+    Each response counts upwards modulo the usable vocabulary from a start the prompt names
+    (``x[i+1] = x[i] + 1``), so the token ``k`` places after an anchor is a fixed function of the
+    anchor: a drafter can learn all 15 slots, an untrained one gets none.
+    """
+    rng = np.random.default_rng(seed)
+    span = vocab_size - first_token
+    out = []
+    for i in range(num):
+        start = int(rng.integers(span))
+        prompt = [first_token + int(t) for t in rng.integers(span, size=prompt_len - 1)] + [first_token + start]
+        resp = [first_token + (start + 1 + j) % span for j in range(response_len)]
+        out.append({"id": f"synthetic-{i}", "messages": [{"role": "user", "content": "count"}],
+                    "prompt_token_ids": prompt, "response_token_ids": resp, "response": "",
+                    "finish_reason": "length"})
+    return out
+
+
+def write_jsonl(path: str | Path, records: Sequence[dict]) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        for r in records:
+            f.write(json.dumps(r) + "\n")
+    return path

@@ -1,0 +1,427 @@
+"""The training loop: one jitted, sharded train step over the mesh, with a thin Python shell.
+
+``Trainer(cfg)`` builds (or receives) the model, the optimiser and the data, places the train
+state on the ``data × fsdp × tensor`` mesh, compiles the step ahead of time (printing XLA's
+memory analysis), resumes from the latest checkpoint, and ``fit()`` runs to ``train.steps`` with
+periodic dev evaluation (loss, per-slot accuracy, offline τ), checkpoints, metrics JSONL and a
+progress bar.  The train state is a pytree ``{params, rest, opt_state, step}``; the step is
+the pure function ``(state, batch[, extra]) -> (state, metrics)`` with the state donated.
+
+Reuse with another objective: pass ``loss_fn(model, batch) -> (loss, metrics)`` (or
+``loss_fn(model, batch, extra)`` together with ``loss_extra=``, a pytree such as a frozen
+teacher's state that travels as a jit argument instead of being baked in as constants).
+Gradient accumulation averages the micro-batches' losses (as ``optax.MultiSteps`` does).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+import time
+from functools import partial
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+import grain
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from d3d_jax.config import TrainRunConfig, to_dict
+from d3d_jax.model.qwen3 import Qwen3, abstract_model
+from d3d_jax.parallel import sharding as shd
+from d3d_jax.training import data as data_lib
+from d3d_jax.training import objectives as obj
+from d3d_jax.training.optim import make_optimizer, lr_schedule, tree_nbytes
+
+LossFn = Callable[..., tuple[jax.Array, dict]]
+
+
+def maybe_initialize_distributed() -> None:
+    """``jax.distributed.initialize()`` when launched multi-host (coordinator env vars set)."""
+    keys = ("JAX_COORDINATOR_ADDRESS", "COORDINATOR_ADDRESS", "MEGASCALE_COORDINATOR_ADDRESS")
+    if any(os.environ.get(k) for k in keys) and not jax.distributed.is_initialized():
+        jax.distributed.initialize()
+
+
+# --------------------------------------------------------------------------------------
+# Sharding of the train state
+# --------------------------------------------------------------------------------------
+def _path_names(path) -> list[str]:
+    names = [str(getattr(p, "key", getattr(p, "name", getattr(p, "idx", p)))) for p in path]
+    return [n for n in names if n not in ("value", "raw_value")]
+
+
+def leaf_sharding(path, shape, mesh: Mesh, rules: dict) -> NamedSharding:
+    """A parameter's logical sharding, also for optimiser moments (same path tail, maybe followed
+    by ``codes``/``scales`` of an 8-bit moment, which keep the parameter's rank)."""
+    names = _path_names(path)
+    for i in range(len(names) - 2, -1, -1):
+        axes = shd.PARAM_AXES.get((names[i], names[i + 1]))
+        if axes is not None and len(axes) == len(shape):
+            return NamedSharding(mesh, shd.logical_to_spec(axes, shape, mesh, rules))
+    return NamedSharding(mesh, P())
+
+
+def train_state_shardings(state: Any, mesh: Mesh, rules=None) -> Any:
+    rd = shd.rules_dict(rules)
+    return jax.tree_util.tree_map_with_path(lambda p, x: leaf_sharding(p, x.shape, mesh, rd), state)
+
+
+def batch_shardings(batch: dict, mesh: Mesh, rules=None) -> dict:
+    """Accumulation-major batches ``[accum, micro, ...]``: the micro-batch dim on data×fsdp."""
+    rd = shd.rules_dict(rules)
+    return {k: NamedSharding(mesh, shd.logical_to_spec((None, "batch") + (None,) * (v.ndim - 2), v.shape,
+                                                       mesh, rd)) for k, v in batch.items()}
+
+
+# --------------------------------------------------------------------------------------
+# Pure step functions
+# --------------------------------------------------------------------------------------
+def _train_step(graphdef, tx: optax.GradientTransformation, loss_fn: LossFn, schedule, state, batch, extra):
+    params, rest = state["params"], state["rest"]
+
+    def loss_of(p, mb):
+        m = nnx.merge(graphdef, p, rest)
+        return loss_fn(m, mb) if extra is None else loss_fn(m, mb, extra)
+
+    grad_fn = jax.value_and_grad(loss_of, has_aux=True)
+    accum = jax.tree.leaves(batch)[0].shape[0]
+    if accum == 1:
+        (_, metrics), grads = grad_fn(params, jax.tree.map(lambda x: x[0], batch))
+    else:
+        def body(carry, mb):
+            (_, m), g = grad_fn(params, mb)
+            return jax.tree.map(jnp.add, carry, (g, m)), None
+
+        zero = jax.tree.map(jnp.zeros_like, jax.eval_shape(grad_fn, params, jax.tree.map(lambda x: x[0], batch)))
+        (grads, metrics), _ = jax.lax.scan(body, (zero[1], zero[0][1]), batch)
+        grads = jax.tree.map(lambda g: g / accum, grads)
+        metrics = jax.tree.map(lambda m: m / accum, metrics)
+    metrics = dict(metrics)
+    metrics["grad_norm"] = optax.global_norm(grads)
+    metrics["learning_rate"] = schedule(state["step"])
+    updates, opt_state = tx.update(grads, state["opt_state"], params)
+    params = optax.apply_updates(params, updates)
+    return dict(params=params, rest=rest, opt_state=opt_state, step=state["step"] + 1), metrics
+
+
+def _eval_step(graphdef, mode: str, gamma: float, ar_weight: float, block_size: int, state, batch):
+    model = nnx.merge(graphdef, state["params"], state["rest"])
+    logits = model(batch["tokens"], data_lib.batch_meta(batch))
+    if mode == "lm":
+        _, m = obj.lm_loss_from_logits(logits, batch)
+        return m
+    _, m = obj.d3d_loss_from_logits(logits, batch, gamma, ar_weight)
+    return {**m, **obj.tau_from_logits(logits, batch, block_size)}
+
+
+# --------------------------------------------------------------------------------------
+# The trainer
+# --------------------------------------------------------------------------------------
+class Trainer:
+    def __init__(self, cfg: TrainRunConfig, *, model: Qwen3 | None = None, loss_fn: LossFn | None = None,
+                 loss_extra: Any = None, train_data: grain.MapDataset | None = None,
+                 dev_batches: list[dict] | None = None, devices=None, tokenizer: Any = None,
+                 log: Callable[[str], None] | None = None):
+        self.cfg = cfg
+        self.log = log or (lambda s: print(s, flush=True))
+        self.out_dir = Path(cfg.train.out_dir)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        devices = list(jax.devices() if devices is None else devices)[:cfg.resolved_num_devices()]
+        self.mesh = shd.make_mesh(cfg.mesh, devices)
+        self.rules = cfg.mesh.rules
+        self.accum = cfg.optim.grad_accum_steps
+
+        # ---- data ------------------------------------------------------------------------
+        dc = cfg.data
+        self.tokenizer = tokenizer
+        if (train_data is None or (dev_batches is None and dc.dev_path)) and tokenizer is None:
+            self.tokenizer = data_lib.load_tokenizer_for(dc)
+        self.mask_token_id = None
+        if dc.mode == "d3d":
+            self.mask_token_id = data_lib.resolve_mask_token_id(dc, cfg.model.mask_token_id, self.tokenizer)
+        self.data_stats: dict = {}
+        if train_data is None:
+            train_data, stats = data_lib.build_dataset(dc, dc.train_path, tokenizer=self.tokenizer,
+                                                       mask_token_id=self.mask_token_id,
+                                                       eos_token_id=_first(cfg.model.eos_token_id))
+            self.data_stats["train"] = stats.as_dict()
+        if dev_batches is None and dc.dev_path and dc.dev_batches:
+            dev_ds, stats = data_lib.build_dataset(dc, dc.dev_path, tokenizer=self.tokenizer,
+                                                   mask_token_id=self.mask_token_id,
+                                                   eos_token_id=_first(cfg.model.eos_token_id),
+                                                   seed=dc.seed + 12345, shuffle=False)
+            self.data_stats["dev"] = stats.as_dict()
+            dev_batches = data_lib.take_batches(dev_ds, dc.dev_batches)
+        self.dev_batches = dev_batches or []
+        if jax.process_count() > 1:  # each host reads its own slice of the global batch
+            train_data = train_data[jax.process_index()::jax.process_count()]
+        self.train_iter = train_data.to_iter_dataset(
+            grain.ReadOptions(num_threads=1, prefetch_buffer_size=2)).__iter__()
+
+        # ---- model + optimiser, created directly in their shardings --------------------------
+        with shd.use_mesh(self.mesh, self.rules):
+            model = model if model is not None else self._init_model()
+        self.model_config = model.config
+        self.schedule = lr_schedule(cfg.optim, cfg.train.steps)
+        self.tx = make_optimizer(cfg.optim, cfg.train.steps)
+        self.graphdef, self.state, self.state_sharding = self._create_state(model)
+        self.loss_fn = loss_fn or obj.make_loss_fn(cfg.objective)
+        self.loss_extra = loss_extra
+        self.step = 0
+        self.history: list[dict] = []
+        self._compiled = None
+        self._eval_fn = None
+        self.checkpointer = None
+        self._metrics_file = None
+
+        from d3d_jax.io.checkpoint import TrainCheckpointer
+
+        self.checkpointer = TrainCheckpointer(self.out_dir / "checkpoints", keep=cfg.train.keep_checkpoints,
+                                              async_save=cfg.train.async_checkpointing)
+        if cfg.train.resume:
+            self._resume()
+
+    # ---- construction ---------------------------------------------------------------------
+    def _model_overrides(self) -> dict:
+        mc, dc = self.cfg.model, self.cfg.data
+        out = dict(gradient_checkpointing=mc.gradient_checkpointing, dtype=mc.dtype)
+        if dc.mode == "d3d":
+            out.update(mask_token_id=self.mask_token_id, block_size=dc.block_size)
+        return out
+
+    def _init_model(self) -> Qwen3:
+        tc = self.cfg.train
+        if tc.init_from:
+            from d3d_jax.io.checkpoint import load_model
+
+            model = load_model(tc.init_from, mesh=self.mesh, dtype=self.cfg.model.param_dtype, rules=self.rules)
+            model.config = dataclasses.replace(model.config, **self._model_overrides())
+            model.config.validate()
+            return model
+        mcfg = dataclasses.replace(self.cfg.model, **self._model_overrides())
+        gdef, abstract = nnx.split(abstract_model(mcfg))
+        sh = train_state_shardings(abstract, self.mesh, self.rules)
+        seed = tc.seed
+        state = jax.jit(lambda: nnx.state(Qwen3(mcfg, rngs=nnx.Rngs(params=seed))), out_shardings=sh)()
+        return nnx.merge(gdef, state)
+
+    def _create_state(self, model: Qwen3):
+        """Train state ``{params, rest, opt_state, step}`` (pure arrays), created in its shardings.
+
+        The optimiser state is a plain optax pytree rather than an ``nnx.Optimizer``: NNX would
+        rewrite the 8-bit moments' custom nodes into ``State`` mappings on update, changing the
+        state's tree structure between steps (and so its shardings and checkpoint layout).
+        """
+        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+        params, rest = nnx.as_pure(params), nnx.as_pure(rest)
+        tx = self.tx
+
+        def make(p, r):
+            return dict(params=p, rest=r, opt_state=tx.init(p), step=jnp.zeros([], jnp.int32))
+
+        abstract = jax.eval_shape(make, params, rest)
+        sh = train_state_shardings(abstract, self.mesh, self.rules)
+        state = jax.jit(make, out_shardings=sh)(params, rest)
+        return graphdef, state, sh
+
+    def _resume(self) -> None:
+        latest = self.checkpointer.latest_step()
+        if latest is None:
+            return
+        step, state, data_state = self.checkpointer.restore_latest(jax.tree.map(
+            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), self.state, self.state_sharding))
+        self.state, self.step = state, int(step)
+        self.train_iter.set_state(data_state)
+        self.log(f"resumed from step {self.step} ({self.checkpointer.directory})")
+
+    # ---- batches ----------------------------------------------------------------------------
+    def device_batch(self, host_batch: dict) -> dict:
+        """``[global_b, ...]`` host arrays -> ``[accum, micro, ...]`` arrays on the mesh."""
+        b = {k: np.asarray(v).reshape(self.accum, -1, *np.shape(v)[1:]) for k, v in host_batch.items()}
+        sh = batch_shardings(b, self.mesh, self.rules)
+        if jax.process_count() > 1:
+            return {k: jax.make_array_from_process_local_data(sh[k], v) for k, v in b.items()}
+        return jax.device_put(b, sh)
+
+    def _eval_batch(self, host_batch: dict) -> dict:
+        rd = shd.rules_dict(self.rules)
+        return {k: jax.device_put(np.asarray(v), NamedSharding(self.mesh, shd.logical_to_spec(
+            ("batch",) + (None,) * (np.ndim(v) - 1), np.shape(v), self.mesh, rd))) for k, v in host_batch.items()}
+
+    # ---- compile ------------------------------------------------------------------------
+    def compile(self, example_batch: dict):
+        """AOT ``lower().compile()`` of the train step; prints XLA's memory analysis."""
+        fn = partial(_train_step, self.graphdef, self.tx, self.loss_fn, self.schedule)
+        b_sh = batch_shardings(example_batch, self.mesh, self.rules)
+        jitted = jax.jit(fn, in_shardings=(self.state_sharding, b_sh, None),
+                         out_shardings=(self.state_sharding, None), donate_argnums=(0,))
+        abstract = lambda tree, shs: jax.tree.map(
+            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shs)
+        t0 = time.time()
+        with shd.use_mesh(self.mesh, self.rules):
+            lowered = jitted.lower(abstract(self.state, self.state_sharding), abstract(example_batch, b_sh),
+                                   self.loss_extra)
+            self._compiled = lowered.compile()
+        self.log(f"compiled train step in {time.time() - t0:.1f}s; state {tree_nbytes(self.state) / 2**20:.1f} MiB "
+                 f"over {self.mesh.devices.size} devices")
+        mem = self._compiled.memory_analysis()
+        if mem is not None:
+            self.log("memory analysis (per device): " + ", ".join(
+                f"{k}={getattr(mem, k) / 2**20:.1f}MiB" for k in (
+                    "argument_size_in_bytes", "output_size_in_bytes", "temp_size_in_bytes",
+                    "generated_code_size_in_bytes") if hasattr(mem, k)))
+        return self._compiled
+
+    # ---- one step / evaluation ----------------------------------------------------------------
+    def train_step(self, host_batch: dict) -> dict:
+        batch = self.device_batch(host_batch)
+        if self._compiled is None:
+            if self.cfg.train.aot_compile:
+                self.compile(batch)
+            else:
+                fn = partial(_train_step, self.graphdef, self.tx, self.loss_fn, self.schedule)
+                self._compiled = jax.jit(fn, out_shardings=(self.state_sharding, None), donate_argnums=(0,))
+        with shd.use_mesh(self.mesh, self.rules):
+            self.state, metrics = self._compiled(self.state, batch, self.loss_extra)
+        self.step += 1
+        return metrics
+
+    def evaluate(self, batches: Iterable[dict] | None = None) -> dict:
+        """Dev loss, per-slot accuracy and offline τ (d3d) or loss (lm), pooled over batches."""
+        batches = list(self.dev_batches if batches is None else batches)
+        if not batches:
+            return {}
+        dc, oc = self.cfg.data, self.cfg.objective
+        if self._eval_fn is None:
+            self._eval_fn = jax.jit(partial(_eval_step, self.graphdef, dc.mode, oc.gamma, oc.ar_weight,
+                                            dc.block_size))
+        parts = []
+        with shd.use_mesh(self.mesh, self.rules):
+            for hb in batches:
+                parts.append(jax.device_get(self._eval_fn(self.state, self._eval_batch(hb))))
+        out = {f"eval/{k}": float(np.mean([p[k] for p in parts]))
+               for k in ("loss", "loss_diff", "loss_ar") if k in parts[0]}
+        if dc.mode == "d3d":
+            s = obj.summarize_tau(obj.pool_tau_sums([{k: p[k] for k in ("tau_sum", "anchors", "slot_correct",
+                                                                        "tau_hist")} for p in parts]))
+            out.update({"eval/tau": s["tau"], "eval/slot_accuracy": s["slot_accuracy"],
+                        "eval/tau_hist": s["tau_hist"], "eval/anchors": s["anchors"]})
+        return out
+
+    # ---- the loop ------------------------------------------------------------------------------
+    def _write_metrics(self, record: dict) -> None:
+        if jax.process_index() != 0:
+            return
+        if self._metrics_file is None:
+            self._metrics_file = open(self.out_dir / "metrics.jsonl", "a")
+        self._metrics_file.write(json.dumps(record) + "\n")
+        self._metrics_file.flush()
+
+    def save_checkpoint(self) -> None:
+        self.checkpointer.save(self.step, self.state, self.train_iter.get_state(),
+                               {"run": to_dict(self.cfg), "data_stats": self.data_stats})
+
+    def fit(self, until: int | None = None) -> list[dict]:
+        """Train to step ``until`` (default ``train.steps``); returns this call's per-step metrics."""
+        tc = self.cfg.train
+        until = tc.steps if until is None else min(until, tc.steps)
+        if self.step == 0 and self.data_stats:
+            self._write_metrics({"step": 0, "data_stats": self.data_stats})
+        bar = None
+        if tc.progress_bar and jax.process_index() == 0:
+            from tqdm import tqdm
+            bar = tqdm(total=until, initial=self.step, desc="train", file=sys.stderr, dynamic_ncols=True)
+        tokens_per_step = self.cfg.data.batch_size * self.cfg.data.packed_length
+        pending: list[tuple[int, dict]] = []
+        records: list[dict] = []
+        t_last, steps_since = time.time(), 0
+        try:
+            while self.step < until:
+                metrics = self.train_step(next(self.train_iter))
+                steps_since += 1
+                pending.append((self.step, metrics))
+                done = self.step == until
+                if done or (tc.log_every and self.step % tc.log_every == 0):
+                    fetched = jax.device_get(pending)
+                    dt = time.time() - t_last
+                    new = [{"step": s, **{k: float(v) for k, v in m.items()}} for s, m in fetched]
+                    new[-1]["tokens_per_s"] = tokens_per_step * steps_since / max(dt, 1e-9)
+                    for r in new:
+                        self._write_metrics(r)
+                    records.extend(new)
+                    rec = new[-1]
+                    if bar is not None:
+                        bar.set_postfix(loss=f"{rec['loss']:.4f}", tok_s=f"{rec['tokens_per_s']:.0f}")
+                    pending, t_last, steps_since = [], time.time(), 0
+                if bar is not None:
+                    bar.update(1)
+                if self.dev_batches and (done or (tc.eval_every and self.step % tc.eval_every == 0)):
+                    ev = self.evaluate()
+                    self._write_metrics({"step": self.step, **ev})
+                    self.log(f"step {self.step}: " + ", ".join(
+                        f"{k}={v:.4f}" for k, v in ev.items() if isinstance(v, float)))
+                if done or (tc.checkpoint_every and self.step % tc.checkpoint_every == 0):
+                    self.save_checkpoint()
+        finally:
+            if bar is not None:
+                bar.close()
+        self.history.extend(records)
+        return records
+
+    # ---- outputs -------------------------------------------------------------------------------
+    def model(self) -> Qwen3:
+        """The current model (shares the train state's arrays)."""
+        return nnx.merge(self.graphdef, self.state["params"], self.state["rest"])
+
+    def export(self, out_dir: str | os.PathLike | None = None) -> dict[str, str]:
+        """Param-only checkpoint (``params/``) and an HF directory (``hf/``, with mask_token_id and
+        block_size in config.json) of the current model."""
+        from d3d_jax.io.checkpoint import save_params
+
+        out = Path(out_dir or self.out_dir / "export")
+        model = self.model()
+        paths = {}
+        self.checkpointer.wait()
+        if self.cfg.train.export_params:
+            paths["params"] = str(save_params(model, out / "params"))
+        if self.cfg.train.export_hf:
+            from d3d_jax.io.hf import save_qwen3
+
+            extra = {k: getattr(model.config, k) for k in ("mask_token_id", "block_size")
+                     if getattr(model.config, k) is not None}
+            paths["hf"] = str(save_qwen3(model, out / "hf", extra_config=extra))
+        return paths
+
+    def close(self) -> None:
+        if self.checkpointer is not None:
+            self.checkpointer.close()
+        if self._metrics_file is not None:
+            self._metrics_file.close()
+            self._metrics_file = None
+
+
+def _first(x):
+    if isinstance(x, (list, tuple)):
+        return x[0] if x else None
+    return x
+
+
+def run(cfg: TrainRunConfig, **trainer_kwargs) -> Trainer:
+    """Train per ``cfg`` end to end: resume, fit, export.  Returns the (closed) trainer."""
+    maybe_initialize_distributed()
+    trainer = Trainer(cfg, **trainer_kwargs)
+    try:
+        trainer.fit()
+        if cfg.train.export_params or cfg.train.export_hf:
+            paths = trainer.export()
+            trainer.log(f"exported {paths}")
+    finally:
+        trainer.close()
+    return trainer
