@@ -93,7 +93,12 @@ def rules_dict(rules: Sequence[tuple[str, Any]] | None = None) -> dict[str, Any]
 
 @contextlib.contextmanager
 def use_mesh(mesh: Mesh | None, rules: Sequence[tuple[str, Any]] | None = None) -> Iterator[Mesh | None]:
-    """Make ``mesh`` (and the logical rules) active for ``shard`` inside the block."""
+    """Make ``mesh`` (and the logical rules) active for ``shard`` inside the block.
+
+    ``shard`` acts at trace time and jit's cache does not know about this context: a jitted
+    function first traced outside the block keeps its unconstrained trace inside it.  Trace
+    (call for the first time) inside the block, or use a separate jitted function per mesh.
+    """
     prev = dict(_state)
     _state["mesh"] = mesh
     _state["rules"] = rules_dict(rules)
