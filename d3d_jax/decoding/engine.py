@@ -242,10 +242,14 @@ class PreparedBatch:
     prompt_len: jax.Array
     row_ids: np.ndarray  # prompt index per row, -1 for padding
     seed: int
+    # generate(row_seeds=...): per-row PRNG fold-in values replacing the prompt index in the
+    # jitted core (-1 still marks padding); None: keys from the prompt index
+    key_ids: np.ndarray | None = None
 
     def args(self):
+        key_ids = self.row_ids if self.key_ids is None else self.key_ids
         return (self.target_params, self.drafter_params, self.drafter_state, self.prompt_bt,
-                self.prompt_len, jnp.asarray(self.row_ids, jnp.int32), jnp.int32(self.seed))
+                self.prompt_len, jnp.asarray(key_ids, jnp.int32), jnp.int32(self.seed))
 
 
 _COMPILED: dict = {}
@@ -352,6 +356,7 @@ def generate(target, prompts: Sequence[Sequence[int]], *, mode: str = "plain", d
              eos_token_ids: Sequence[int] = (), stop_token_ids: Sequence[int] = (),
              batch_size: int | None = None, seed: int = 0, block_size: int = 16,
              mask_token_id: int | None = None, max_cache_len: int | None = None,
+             row_seeds: Sequence[int] | None = None, prompt_pad_len: int | None = None,
              **mode_options) -> list[GenerationOutput]:
     """Generate for every prompt; outputs in prompt order.
 
@@ -361,6 +366,11 @@ def generate(target, prompts: Sequence[Sequence[int]], *, mode: str = "plain", d
     default) or ``"host"`` (per-round Python loop that also times drafting and verifying);
     ``sample_drafts=True`` samples drafts from the drafter's q (sampling only) instead of its argmax;
     ``acceptance_rule=fn`` swaps the verification rule (experiments, statistical tests).
+    ``row_seeds`` (plain/sync): one int in [0, 2**31) per prompt; prompt i then samples with
+    ``fold_in(key(seed), row_seeds[i])`` instead of ``fold_in(key(seed), i)``, so its randomness
+    does not depend on which other prompts share the call (data regeneration resumes with it).
+    ``prompt_pad_len`` pads prompts to that length instead of the longest rounded up to 8, so a
+    caller making many calls with bucketed lengths compiles once per bucket.
     Rows of a batch share shapes: prompts are right-padded to the longest prompt of the call and
     the cache length is fixed for the call, so one compile serves every batch.
     """
@@ -394,6 +404,12 @@ def generate(target, prompts: Sequence[Sequence[int]], *, mode: str = "plain", d
             if not 0 <= int(t) < cfg.vocab_size:
                 raise ValueError(f"{name} has id {t} outside the vocabulary [0, {cfg.vocab_size})")
     n = len(prompts)
+    if row_seeds is not None:
+        if mode not in ("plain", "sync"):
+            raise ValueError(f"row_seeds is supported by modes plain and sync, not {mode!r}")
+        row_seeds = [int(s) for s in row_seeds]
+        if len(row_seeds) != n or not all(0 <= s < 2 ** 31 for s in row_seeds):
+            raise ValueError(f"row_seeds must hold one int in [0, 2**31) per prompt ({n} prompts)")
     bsz = n if batch_size is None else int(batch_size)
     if bsz < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -413,6 +429,11 @@ def generate(target, prompts: Sequence[Sequence[int]], *, mode: str = "plain", d
                              f"+ max_new_tokens ({max_new_tokens}) + block_size ({block}) = {need}")
     runner = _mode_runner(mode, loop)
     pad_len = _round_up(longest, 8)
+    if prompt_pad_len is not None:
+        if not longest <= int(prompt_pad_len) <= cache_len:
+            raise ValueError(f"prompt_pad_len {prompt_pad_len} must be in [longest prompt {longest}, "
+                             f"cache length {cache_len}]")
+        pad_len = int(prompt_pad_len)
     graphdef, target_params = nnx.split(target)
     static = DecodeStatic(
         target_graphdef=graphdef, drafter_spec=d.spec if d is not None else None, sampling=sampling,
@@ -432,8 +453,12 @@ def generate(target, prompts: Sequence[Sequence[int]], *, mode: str = "plain", d
             toks[r, : len(prompts[i])] = prompts[i]
             lens[r] = len(prompts[i])
         dstate = d.init_state(toks, lens, row_ids, cache_len) if d is not None else None
+        key_ids = None
+        if row_seeds is not None:
+            key_ids = np.full((bsz,), -1, np.int32)
+            key_ids[: len(rows)] = [row_seeds[i] for i in rows]
         batch = PreparedBatch(static, target_params, d.params if d is not None else None, dstate,
-                              jnp.asarray(toks), jnp.asarray(lens), row_ids, int(seed))
+                              jnp.asarray(toks), jnp.asarray(lens), row_ids, int(seed), key_ids)
         t0 = time.perf_counter()
         state, timings = runner(batch, **mode_options)
         wall = timings.get("decode_s", time.perf_counter() - t0)

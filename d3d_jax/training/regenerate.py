@@ -41,6 +41,7 @@ ROLE_ALIASES = {
     "bot": "assistant",
 }
 QWEN3_NON_THINKING = dict(temperature=0.7, top_p=0.8, top_k=20)
+ENGINE_BLOCK_SLACK = 16  # engine.generate reserves block_size (default 16) cache slots, even for plain
 
 
 class MalformedPrompt(ValueError):
@@ -77,6 +78,13 @@ class GenerationSettings:
             raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+
+
+def settings_from_config(cfg) -> GenerationSettings:
+    """The record's sampling settings from a :class:`d3d_jax.config.RegenerateConfig`."""
+    if cfg.greedy:
+        return GenerationSettings.greedy(cfg.max_new_tokens, cfg.seed)
+    return GenerationSettings(cfg.temperature, cfg.top_p, cfg.top_k, cfg.max_new_tokens, cfg.seed)
 
 
 # --------------------------------------------------------------------------------------------
@@ -488,7 +496,7 @@ def regenerate(target, tokenizer, prompts_path: str | os.PathLike, out_path: str
             # The whole planned batch is regenerated (same rows as an uninterrupted run).
             outputs = _generate_batch(target, [token_ids[i] for i in batch],
                                       [record_seed(settings.seed, usable[i].id) for i in batch],
-                                      settings, eos_ids, cache_multiple)
+                                      settings, eos_ids, batch_size, cache_multiple)
             records = []
             for i, o in zip(batch, outputs):
                 if i not in todo:
@@ -524,15 +532,20 @@ def _record(prompt: Prompt, prompt_ids: list[int], output, tokenizer, generation
 
 
 def _generate_batch(target, prompt_ids: list[list[int]], row_seeds: list[int], settings: GenerationSettings,
-                    eos_ids: Sequence[int], cache_multiple: int):
-    """One batch through the engine's plain sampling; cache length rounded to limit recompiles."""
+                    eos_ids: Sequence[int], batch_size: int, cache_multiple: int):
+    """One planned batch through the engine's plain sampling.
+
+    Shapes are bucketed so the engine compiles once per bucket, not per batch: rows padded to
+    ``batch_size``, prompts to the longest rounded up to ``cache_multiple``, and the cache to that
+    plus ``max_new_tokens`` plus the engine's block slack, rounded up again.
+    """
     from d3d_jax.decoding import engine
 
-    max_cache_len = min(_round_up(max(map(len, prompt_ids)) + settings.max_new_tokens, cache_multiple),
-                        target.config.max_position_embeddings)
+    prompt_pad = _round_up(max(map(len, prompt_ids)), cache_multiple)
+    cache_len = _round_up(prompt_pad + settings.max_new_tokens + ENGINE_BLOCK_SLACK, cache_multiple)
     sampling = engine.SamplingParams(temperature=settings.temperature, top_p=settings.top_p,
                                      top_k=settings.top_k)
     return engine.generate(target, prompt_ids, mode="plain", sampling=sampling,
                            max_new_tokens=settings.max_new_tokens, eos_token_ids=tuple(eos_ids),
-                           batch_size=len(prompt_ids), seed=settings.seed, row_seeds=row_seeds,
-                           max_cache_len=max_cache_len)
+                           batch_size=batch_size, seed=settings.seed, row_seeds=row_seeds,
+                           max_cache_len=cache_len, prompt_pad_len=prompt_pad)
