@@ -407,7 +407,11 @@ def load_model_config(path_or_name: str | os.PathLike, overrides: Sequence[str] 
             raise ConfigError(f"{path_or_name}: no config.json in this directory")
     if p.suffix == ".json":
         with open(p) as f:
-            return ModelConfig.from_hf_dict(json.load(f))
+            cfg = ModelConfig.from_hf_dict(json.load(f))
+        if overrides:  # key=value on top of an HF config, converted and checked like YAML ones
+            cfg = build_dataclass(ModelConfig, _deep_merge(dataclasses.asdict(cfg), parse_overrides(overrides)))
+            cfg.validate()
+        return cfg
     if not p.exists() and not p.suffix:
         p = CONFIG_DIR / "models" / f"{path_or_name}.yaml"
     cfg = load_config(ModelConfig, [p], overrides)
