@@ -320,3 +320,29 @@ def test_records_load_in_training_pipeline_without_conversion(full_run, tokenize
     assert batch["tokens"].shape == (2, 128)
     first = records[0]["prompt_token_ids"] + records[0]["response_token_ids"]
     np.testing.assert_array_equal(batch["tokens"][0, :len(first)], first)
+
+
+def test_cli_on_a_saved_target_matches_the_library(full_run, target, tokenizer, prompts_file, tmp_path):
+    import importlib.util
+    from pathlib import Path
+
+    from d3d_jax.io.hf import save_qwen3
+
+    target_dir = save_qwen3(target, tmp_path / "target")
+    tokenizer.save_pretrained(target_dir)
+    spec = importlib.util.spec_from_file_location(
+        "regenerate_data", Path(__file__).resolve().parent.parent / "train" / "regenerate_data.py")
+    cli = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cli)
+    out = tmp_path / "cli.jsonl"
+    args = ["--target", str(target_dir), "--prompts", str(prompts_file), "--out", str(out), "--batch-size", "4",
+            "--max-new-tokens", "10", "--seed", "3", "--process-count", "1", "--process-index", "0", "--no-progress"]
+    assert cli.main(args + ["--max-records", "2"]) == 0
+    assert cli.main(args) == 0  # resumes
+    strip = lambda rs: sorted(json.dumps({k: v for k, v in r.items() if k != "target"}, sort_keys=True)  # noqa: E731
+                              for r in rs)
+    records = _lines(out)
+    assert strip(records) == strip(_lines(full_run[0]))
+    assert records[0]["target"]["path"] == str(Path(target_dir).resolve())
+    with pytest.raises(Exception, match="top_p"):
+        cli.main(args + ["top_p=1.5"])

@@ -1,0 +1,65 @@
+"""Regenerate every response with the target (spec §2.1): resumable, batched, multi-host.
+
+    python train/regenerate_data.py --target PATH --prompts prompts.jsonl --out data.jsonl \
+        [--config regen.yaml] [--greedy] [--max-new-tokens N] [--batch-size N] [--seed N] \
+        [--process-index I --process-count N] [key=value ...]
+
+Rerun the same command after an interruption: only prompts whose ids are not in ``--out`` yet
+are generated.  With several processes each writes ``<out stem>-<i>-of-<n><suffix>``.
+Settings are ``d3d_jax.config.RegenerateConfig`` fields (YAML, flags, or ``key=value``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+from d3d_jax.config import RegenerateConfig, load_config  # noqa: E402
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", required=True, help="HF Qwen3 directory or d3d_jax parameter checkpoint")
+    ap.add_argument("--tokenizer", default=None, help="tokenizer directory (default: --target)")
+    ap.add_argument("--prompts", required=True, help="JSONL: messages / conversations / prompt per line")
+    ap.add_argument("--out", required=True, help="output JSONL (appended to; resumable)")
+    ap.add_argument("--config", action="append", default=[], help="YAML with RegenerateConfig fields")
+    ap.add_argument("--greedy", action="store_true", default=None)
+    ap.add_argument("--max-new-tokens", type=int)
+    ap.add_argument("--batch-size", type=int)
+    ap.add_argument("--seed", type=int)
+    ap.add_argument("--max-records", type=int)
+    ap.add_argument("--process-index", type=int)
+    ap.add_argument("--process-count", type=int)
+    ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("overrides", nargs="*", help="key=value RegenerateConfig overrides")
+    args = ap.parse_args(argv)
+
+    flags = {"greedy": args.greedy, "max_new_tokens": args.max_new_tokens, "batch_size": args.batch_size,
+             "seed": args.seed, "max_records": args.max_records, "process_index": args.process_index,
+             "process_count": args.process_count}
+    overrides = [f"{k}={v}" for k, v in flags.items() if v is not None] + list(args.overrides)
+    cfg = load_config(RegenerateConfig, args.config, overrides)
+
+    from transformers import AutoTokenizer
+
+    from d3d_jax.io.checkpoint import load_model
+    from d3d_jax.training import regenerate as rg
+
+    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.target, local_files_only=True)
+    target = load_model(args.target, dtype=cfg.dtype)
+    summary = rg.regenerate(target, tokenizer, args.prompts, args.out, settings=rg.settings_from_config(cfg),
+                            batch_size=cfg.batch_size, process_index=cfg.process_index,
+                            process_count=cfg.process_count, target_path=args.target,
+                            max_records=cfg.max_records, max_prompt_tokens=cfg.max_prompt_tokens,
+                            cache_multiple=cfg.cache_multiple, progress=not args.no_progress)
+    print(summary.format())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
