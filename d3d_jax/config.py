@@ -412,7 +412,7 @@ def load_model_config(path_or_name: str | os.PathLike, overrides: Sequence[str] 
             cfg = build_dataclass(ModelConfig, _deep_merge(dataclasses.asdict(cfg), parse_overrides(overrides)))
             cfg.validate()
         return cfg
-    if not p.exists() and not p.suffix:
+    if not p.exists() and p.suffix not in (".yaml", ".yml"):  # a name; may contain dots ("qwen3-0.6b")
         p = CONFIG_DIR / "models" / f"{path_or_name}.yaml"
     cfg = load_config(ModelConfig, [p], overrides)
     return cfg
@@ -534,9 +534,17 @@ class TrainConfig:
     export_hf: bool = True
     progress_bar: bool = True
     aot_compile: bool = True  # lower().compile() and print memory_analysis before step 1
+    # Precision / memory knobs over the model's own (e.g. float32 master weights, bf16 compute);
+    # "" / None keep the model config's value (also for a model loaded from init_from).
+    param_dtype: str = ""
+    compute_dtype: str = ""
+    gradient_checkpointing: bool | None = None
 
     def validate(self, prefix: str = "train") -> None:
         _require(self.steps >= 1, f"{prefix}.steps", "must be >= 1")
+        for name in ("param_dtype", "compute_dtype"):
+            v = getattr(self, name)
+            _require(v == "" or v in DTYPES, f"{prefix}.{name}", f"must be '' or one of {DTYPES}, got {v!r}")
         for name in ("log_every", "eval_every", "checkpoint_every"):
             _require(getattr(self, name) >= 0, f"{prefix}.{name}", "must be >= 0")
         _require(self.keep_checkpoints >= 1, f"{prefix}.keep_checkpoints", "must be >= 1")
@@ -553,6 +561,18 @@ class TrainRunConfig:
     optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
     num_devices: int = 0
+
+    def effective_model(self) -> ModelConfig:
+        """The model config with the train section's precision / remat knobs applied."""
+        t = self.train
+        changes: dict[str, Any] = {}
+        if t.param_dtype:
+            changes["param_dtype"] = t.param_dtype
+        if t.compute_dtype:
+            changes["dtype"] = t.compute_dtype
+        if t.gradient_checkpointing is not None:
+            changes["gradient_checkpointing"] = t.gradient_checkpointing
+        return dataclasses.replace(self.model, **changes)
 
     def resolved_num_devices(self) -> int:
         if self.num_devices:
@@ -733,3 +753,72 @@ class PipelineConfig:
                      f"{n!r} is not a drafter name ({names}) nor '<prune_drafter>_pruned'")
         if self.prune_drafter:
             _require(self.prune_drafter in names, f"{p}prune_drafter", f"{self.prune_drafter!r} not in {names}")
+
+
+# --------------------------------------------------------------------------------------
+# Pruning (issue 7): acceptance-guided progressive layer pruning (spec §3)
+# --------------------------------------------------------------------------------------
+PRUNE_CRITERIA = ("acceptance", "shortgpt")
+
+
+@dataclasses.dataclass(frozen=True)
+class PruneConfig:
+    """What to prune and how; the recovery loop itself is the run's data/optim/train sections."""
+
+    drafter: str = ""  # HF dir or param checkpoint of the trained drafter (also the fixed teacher)
+    out_dir: str = "runs/prune"
+    target_layers: int = 1  # stop at this depth (paper: 36 -> 31)
+    retention_floor: float = 0.0  # ... or once recovered τ < floor·τ₀ (0 = never)
+    criterion: str = "acceptance"  # "acceptance" (τ without the layer) | "shortgpt" (cosine)
+    compare_shortgpt: bool = True  # also recover the other rule's pick each round (report only)
+    margin: float = 0.1  # m: q̃_y ≥ max_{v≠y} q̃_v + m  [our choice; the paper gives no value]
+    tau_measure: str = "offline"  # "offline" (dev responses, no target) | "online" (engine, sync)
+    target: str = ""  # the target for online τ
+    online_prompts: int = 16
+    online_max_new_tokens: int = 128
+    export_rounds: bool = True  # Orbax params + HF export of every round's recovered drafter
+    progress_bar: bool = True
+
+    def validate(self, prefix: str = "prune") -> None:
+        _require(bool(self.drafter), f"{prefix}.drafter", "must name the trained drafter (HF dir or params)")
+        _require(self.target_layers >= 1, f"{prefix}.target_layers", "must be >= 1")
+        _require(0.0 <= self.retention_floor <= 1.0, f"{prefix}.retention_floor", "must be in [0, 1]")
+        _require(self.criterion in PRUNE_CRITERIA, f"{prefix}.criterion",
+                 f"must be one of {PRUNE_CRITERIA}, got {self.criterion!r}")
+        _require(0.0 <= self.margin <= 1.0, f"{prefix}.margin",
+                 f"must be in [0, 1] (a probability gap), got {self.margin}")
+        _require(self.tau_measure in ("offline", "online"), f"{prefix}.tau_measure",
+                 f"must be 'offline' or 'online', got {self.tau_measure!r}")
+        if self.tau_measure == "online":
+            _require(bool(self.target), f"{prefix}.target", "online τ needs the target model")
+            _require(self.online_prompts >= 1, f"{prefix}.online_prompts", "must be >= 1")
+            _require(self.online_max_new_tokens >= 1, f"{prefix}.online_max_new_tokens", "must be >= 1")
+
+
+@dataclasses.dataclass(frozen=True)
+class PruneRunConfig:
+    """``train/prune_drafter.py``: ``data.train_path`` feeds recovery, ``data.dev_path`` ×
+    ``data.dev_batches`` is the dev set (paper: 512 samples); ``train.steps`` is the recovery
+    length per round (paper: 10k); ``objective`` gives γ and λ."""
+
+    prune: PruneConfig = dataclasses.field(default_factory=PruneConfig)
+    mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    objective: ObjectiveConfig = dataclasses.field(default_factory=ObjectiveConfig)
+    optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
+    train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+    num_devices: int = 0
+
+    def validate(self, prefix: str = "") -> None:
+        p = f"{prefix}." if prefix else ""
+        self.prune.validate(f"{p}prune")
+        _require(self.data.mode == "d3d", f"{p}data.mode", "pruning needs packed d3d rows ('d3d')")
+        _require(self.objective.kind == "d3d", f"{p}objective.kind", "pruning distils the d3d objective")
+        _require(bool(self.data.train_path), f"{p}data.train_path", "recovery needs training data")
+        if self.prune.tau_measure == "offline":
+            _require(bool(self.data.dev_path), f"{p}data.dev_path", "offline τ needs dev responses")
+            _require(self.data.dev_batches >= 1, f"{p}data.dev_batches", "must be >= 1 for offline τ")
+        # The recovery runs are TrainRunConfigs: check mesh / batch / device arithmetic now.
+        TrainRunConfig(mesh=self.mesh, data=self.data, objective=self.objective, optim=self.optim,
+                       train=self.train, num_devices=self.num_devices,
+                       model=ModelConfig(max_position_embeddings=self.data.packed_length)).validate(prefix)
