@@ -161,7 +161,7 @@ def test_load_tokenizer_adds_mask_at_first_unused_id(tmp_path):
     assert tok("the <|MASK|> sat")["input_ids"] == [2, mask_id, 4]
     assert mask_id in tok.all_special_ids
     # a tokenizer saved with the token keeps its id
-    tok.save_pretrained(tmp_path / "tok2")
+    save_qwen3(init_model(TIED), tmp_path / "tok2", tokenizer=tok)  # saved beside the weights
     tok2, mask_id2 = load_tokenizer(tmp_path / "tok2")
     assert mask_id2 == mask_id and len(tok2) == len(tok)
     with pytest.raises(ValueError, match="not a tokenizer directory"):

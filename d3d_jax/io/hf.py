@@ -212,13 +212,13 @@ def hf_tensors(model: Qwen3, dtype: str | None = None) -> Iterator[tuple[str, np
 
 def save_qwen3(model: Qwen3, out_dir: str | os.PathLike, dtype: str | None = None,
                extra_config: Mapping[str, Any] | None = None,
-               max_shard_size: int | str | None = None) -> Path:
+               max_shard_size: int | str | None = None, tokenizer: Any = None) -> Path:
     """Write ``config.json`` + safetensors that ``Qwen3ForCausalLM.from_pretrained`` loads.
 
     ``dtype``: stored dtype (default: the parameter dtype).  ``extra_config``: keys merged into
     config.json (``mask_token_id``/``block_size`` are written anyway when the config has them).
     ``max_shard_size`` (bytes or ``"200KB"``/``"5GB"``): split into ``model-0000i-of-0000n``
-    files plus ``model.safetensors.index.json``.
+    files plus ``model.safetensors.index.json``.  ``tokenizer``: saved beside the weights.
     """
     if dtype is not None and dtype not in DTYPES:
         raise ConfigError(f"dtype: must be one of {DTYPES}, got {dtype!r}")
@@ -231,6 +231,8 @@ def save_qwen3(model: Qwen3, out_dir: str | os.PathLike, dtype: str | None = Non
         hf_cfg.update(extra_config)
     with open(out / "config.json", "w") as f:
         json.dump(hf_cfg, f, indent=2)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(out))
 
     itemsize = jnp.dtype(stored).itemsize
     sizes = [(m.hf_name, int(np.prod(m.hf_shape)) * itemsize) for m in tensor_mappings(cfg)]
