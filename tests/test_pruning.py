@@ -245,3 +245,86 @@ def test_shortgpt_block_influence_matches_explicit_cosine():
     assert pruning.least_important("shortgpt", bi) == int(np.argmin(bi))
     with pytest.raises(ValueError, match="criterion"):
         pruning.least_important("fisher", bi)
+
+
+# ---------------------------------------------------------------------------------------
+# Offline τ == the engine's greedy speculative τ on the target's greedy responses
+# ---------------------------------------------------------------------------------------
+def _context_mean_drafter(cfg: ModelConfig, seed: int):
+    """A drafter whose block slots predict the most present context token: q = k = 0 (uniform
+    attention), v / o identity, no MLP, zero MASK embedding.  With a target that repeats
+    itself it is rejected early in a response and accepted fully later: mixed acceptance."""
+    model = init_model(cfg, seed)
+    d = cfg.hidden_size
+    pure = nnx.to_pure_dict(nnx.state(model))
+    pure["embed_tokens"]["embedding"] = pure["embed_tokens"]["embedding"].at[cfg.mask_token_id].set(0.0)
+    for layer in pure["layers"].values():
+        attn = layer["self_attn"]
+        attn["q_proj"]["kernel"] = jnp.zeros_like(attn["q_proj"]["kernel"])
+        attn["k_proj"]["kernel"] = jnp.zeros_like(attn["k_proj"]["kernel"])
+        attn["v_proj"]["kernel"] = jnp.eye(d).reshape(d, cfg.num_kv_heads, cfg.head_dim)
+        attn["o_proj"]["kernel"] = jnp.eye(d).reshape(cfg.num_heads, cfg.head_dim, d)
+        layer["mlp"]["down_proj"]["kernel"] = jnp.zeros_like(layer["mlp"]["down_proj"]["kernel"])
+    state = nnx.state(model)
+    nnx.replace_by_pure_dict(state, pure)
+    nnx.update(model, state)
+    return model
+
+
+def test_offline_tau_equals_engine_sync_tau_on_target_greedy_responses():
+    from d3d_jax.decoding import engine
+    from d3d_jax.decoding.metrics import summarize
+
+    v, bs, max_new = 16, 4, 24
+    target = init_model(ModelConfig(vocab_size=v, hidden_size=32, intermediate_size=64, num_layers=1,
+                                    num_heads=2, num_kv_heads=1, head_dim=16,
+                                    max_position_embeddings=128), 10)
+    drafter = _context_mean_drafter(ModelConfig(
+        vocab_size=v, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2, num_kv_heads=2,
+        head_dim=16, max_position_embeddings=128, mask_token_id=v - 1, block_size=bs), 20)
+    rng = np.random.default_rng(0)
+    prompts = [[int(t) for t in rng.integers(0, v - 1, size=3 + 2 * i)] for i in range(4)]
+    # Dev responses: the target's greedy output, one block longer than the decoded stretch
+    # (the engine's last round counts its full a + 1 even where max_new_tokens cuts it).
+    greedy = engine.generate(target, prompts, mode="plain", max_new_tokens=max_new + bs)
+    spec = engine.generate(target, prompts, mode="sync", drafter=drafter, max_new_tokens=max_new,
+                           block_size=bs, mask_token_id=v - 1)
+    assert all(s.token_ids == g.token_ids[:max_new] for s, g in zip(spec, greedy))
+    measured = summarize([o.metrics for o in spec])
+
+    seqs = [p + g.token_ids for p, g in zip(prompts, greedy)]
+    anchors = [list(range(len(p) - 1, len(s) - 1)) for s, p in zip(seqs, prompts)]
+    batch = pruning.pack_dev_rows(seqs, [len(p) for p in prompts], anchors, bs, v - 1, clean_len=48)
+    _, acc = pruning.model_tau_sums(drafter, batch, bs)
+    by_anchor = []
+    for r, (s, anc) in enumerate(zip(seqs, anchors)):
+        table = np.zeros(len(s), np.int64)
+        table[anc] = acc[r, :len(anc)]
+        by_anchor.append(table)
+    tau, rounds = pruning.trajectory_tau(by_anchor, [len(p) - 1 for p in prompts],
+                                         [len(p) - 1 + max_new for p in prompts])
+    assert rounds == measured["rounds"]
+    assert tau == pytest.approx(measured["tau"], abs=1e-12)
+    hist = measured["accept_hist"]
+    assert hist[0] > 0 and hist[-1] > 0  # both rejections and full acceptance occurred
+
+
+# ---------------------------------------------------------------------------------------
+# Config errors name the key
+# ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("override,key", [
+    ("prune.criterion=fisher", "prune.criterion"),
+    ("prune.margin=1.5", "prune.margin"),
+    ("prune.retention_floor=2", "prune.retention_floor"),
+    ("prune.tau_measure=online", "prune.target"),
+    ("data.dev_path=", "data.dev_path"),
+    ("data.batch_size=3", "data.batch_size"),
+])
+def test_prune_config_errors_name_the_key(override, key):
+    from d3d_jax.config import ConfigError, PruneRunConfig, load_config
+
+    base = ["prune.drafter=d", "data.train_path=t.jsonl", "data.dev_path=d.jsonl", "num_devices=2",
+            "mesh.fsdp=2", "data.packed_length=192", "data.num_anchors=8", "data.batch_size=8"]
+    load_config(PruneRunConfig, ["configs/prune/tiny.yaml"], base)
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        load_config(PruneRunConfig, ["configs/prune/tiny.yaml"], base + [override])

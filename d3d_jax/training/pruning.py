@@ -437,3 +437,78 @@ def write_report(report: dict, out_dir: str | Path) -> Path:
     path.write_text(json.dumps(report, indent=2))
     plot_tau_vs_depth(report, out / "tau_vs_depth.png")
     return path
+
+
+# --------------------------------------------------------------------------------------
+# The run (train/prune_drafter.py)
+# --------------------------------------------------------------------------------------
+
+
+def _online_prompts(cfg: Any, tokenizer: Any) -> list[list[int]]:
+    examples, _ = data_lib.load_examples(cfg.data.dev_path or cfg.data.train_path, tokenizer, cfg.data)
+    return [list(ex.tokens[:ex.response_start]) for ex in examples[:cfg.prune.online_prompts]]
+
+
+def run_pruning(cfg: Any, *, drafter: Qwen3 | None = None, tokenizer: Any = None,
+                log: Callable[[str], None] | None = None) -> dict:
+    """Prune per a :class:`~d3d_jax.config.PruneRunConfig`; writes ``pruning_report.json``,
+    ``tau_vs_depth.png`` and per round ``round_XX/`` (Orbax train state, ``export/params``,
+    ``export/hf``) under ``prune.out_dir``.  Returns the report."""
+    from d3d_jax.config import TrainRunConfig, to_dict
+    from d3d_jax.io.checkpoint import load_model
+
+    pc, dc = cfg.prune, cfg.data
+    log = log or (lambda s: print(s, flush=True))
+    out = Path(pc.out_dir)
+    drafter = drafter if drafter is not None else load_model(pc.drafter)
+    if drafter.config.block_size not in (None, dc.block_size):
+        raise ValueError(f"data.block_size={dc.block_size} differs from the drafter's block_size "
+                         f"{drafter.config.block_size}")
+    if tokenizer is None and dc.tokenizer:
+        tokenizer = data_lib.load_tokenizer_for(dc)
+    mask_id = data_lib.resolve_mask_token_id(dc, drafter.config.mask_token_id, tokenizer)
+    drafter.config = dataclasses.replace(drafter.config, mask_token_id=mask_id, block_size=dc.block_size)
+
+    if pc.tau_measure == "offline":
+        dev_ds, _ = data_lib.build_dataset(dc, dc.dev_path, tokenizer=tokenizer, mask_token_id=mask_id,
+                                           seed=dc.seed + 12345, shuffle=False)
+        dev = data_lib.take_batches(dev_ds, dc.dev_batches)
+        tau_fn: Callable[[Qwen3], float] = OfflineTau(dev, dc.block_size)
+    else:
+        target = load_model(pc.target)
+        prompts = _online_prompts(cfg, tokenizer)
+        eos = target.config.eos_token_id
+        eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
+        tau_fn = functools.partial(online_tau, target=target, prompts=prompts,
+                                   max_new_tokens=pc.online_max_new_tokens, block_size=dc.block_size,
+                                   mask_token_id=mask_id, eos_token_ids=eos_ids)
+        sim_ds, _ = data_lib.build_dataset(dc, dc.dev_path or dc.train_path, tokenizer=tokenizer,
+                                           mask_token_id=mask_id, seed=dc.seed + 12345, shuffle=False)
+        dev = data_lib.take_batches(sim_ds, max(dc.dev_batches, 1))
+    train_ds, _ = data_lib.build_dataset(dc, dc.train_path, tokenizer=tokenizer, mask_token_id=mask_id)
+    run_cfg = TrainRunConfig(model=drafter.config, mesh=cfg.mesh, data=dataclasses.replace(dc, mask_token_id=mask_id),
+                             objective=cfg.objective, optim=cfg.optim,
+                             train=dataclasses.replace(cfg.train, progress_bar=pc.progress_bar),
+                             num_devices=cfg.num_devices)
+    recover = trainer_recovery(run_cfg, drafter, train_ds, out, margin=pc.margin,
+                               export=pc.export_rounds, log=log)
+
+    def on_round(i: int, model: Qwen3, rec: dict) -> None:
+        log(f"round {i}: removed layer {rec['removed_original_layer']} (depth {rec['depth_after']}); "
+            f"τ pruned {rec['tau_pruned']:.4f} -> recovered {rec['tau_recovered']:.4f} "
+            f"({100 * rec['retention']:.2f}% of τ₀); {rec['other_rule']['rule']} would remove "
+            f"{rec['other_rule']['original_layer']}")
+        (out / "pruning_progress.json").write_text(json.dumps(rec, indent=2))
+
+    best, report = prune_progressively(
+        drafter, tau_fn=tau_fn, similarity_batches=dev, recover=recover, target_layers=pc.target_layers,
+        retention_floor=pc.retention_floor, criterion=pc.criterion, compare_shortgpt=pc.compare_shortgpt,
+        on_round=on_round, progress=pc.progress_bar)
+    report["tau_measure"] = pc.tau_measure
+    report["config"] = to_dict(cfg)
+    done = [r for r in report["rounds"] if r["depth_after"] == best.config.num_layers]
+    if done and pc.export_rounds:
+        report["final_export"] = str(out / f"round_{done[0]['round']:02d}" / "export")
+    path = write_report(report, out)
+    log(f"pruning report: {path}")
+    return report
