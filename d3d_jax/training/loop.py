@@ -190,7 +190,7 @@ class Trainer:
 
     # ---- construction ---------------------------------------------------------------------
     def _model_overrides(self) -> dict:
-        mc, dc = self.cfg.model, self.cfg.data
+        mc, dc = self.cfg.effective_model(), self.cfg.data
         out = dict(gradient_checkpointing=mc.gradient_checkpointing, dtype=mc.dtype)
         if dc.mode == "d3d":
             out.update(mask_token_id=self.mask_token_id, block_size=dc.block_size)
@@ -201,11 +201,12 @@ class Trainer:
         if tc.init_from:
             from d3d_jax.io.checkpoint import load_model
 
-            model = load_model(tc.init_from, mesh=self.mesh, dtype=self.cfg.model.param_dtype, rules=self.rules)
+            model = load_model(tc.init_from, mesh=self.mesh, dtype=self.cfg.effective_model().param_dtype,
+                               rules=self.rules)
             model.config = dataclasses.replace(model.config, **self._model_overrides())
             model.config.validate()
             return model
-        mcfg = dataclasses.replace(self.cfg.model, **self._model_overrides())
+        mcfg = dataclasses.replace(self.cfg.effective_model(), **self._model_overrides())
         gdef, abstract = nnx.split(abstract_model(mcfg))
         sh = train_state_shardings(abstract, self.mesh, self.rules)
         seed = tc.seed

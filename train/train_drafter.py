@@ -1,0 +1,50 @@
+"""Train a D3D drafter (spec §2) — or, with ``data.mode=lm objective.kind=lm``, pretrain a small LM.
+
+    python train/train_drafter.py --config configs/train/tiny.yaml [--config more.yaml] [key=value ...]
+
+Settings are ``d3d_jax.config.TrainRunConfig`` sections (model, mesh, data, objective, optim,
+train); e.g. ``train.steps=200 optim.name=adamw data.train_path=data.jsonl``.  Rerunning the same
+command resumes from the newest checkpoint in ``train.out_dir/checkpoints``.  Writes
+``train.out_dir/metrics.jsonl`` and, at the end, ``train.out_dir/export/{params,hf}``.
+Multi-host: launched with JAX's coordinator environment variables set, it calls
+``jax.distributed.initialize()`` first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+from d3d_jax.config import ConfigError, TrainRunConfig, load_config, to_dict  # noqa: E402
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", action="append", default=[], help="YAML with TrainRunConfig sections")
+    ap.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    ap.add_argument("overrides", nargs="*", help="key=value overrides, e.g. train.steps=100")
+    args = ap.parse_args(argv)
+    try:
+        cfg = load_config(TrainRunConfig, args.config, args.overrides)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    if args.print_config:
+        print(json.dumps(to_dict(cfg), indent=2))
+        return 0
+
+    from d3d_jax.training.loop import run
+
+    trainer = run(cfg)
+    last = trainer.history[-1] if trainer.history else {}
+    print(json.dumps({"step": trainer.step, "loss": last.get("loss"), "out_dir": str(trainer.out_dir)}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
