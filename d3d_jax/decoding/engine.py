@@ -61,9 +61,6 @@ class DecodeStatic:
     drafter_spec: Any  # None for plain decoding
     sampling: SamplingParams
     width: int  # tokens fed to the target per round: 1 (plain) or the block size B
-    max_new_tokens: int
-    eos_token_ids: tuple[int, ...]
-    stop_token_ids: tuple[int, ...]
     cache_len: int
     sample_drafts: bool = False
     rule: Callable | None = None  # acceptance rule; None = verify.default_rule(sample_drafts)
@@ -86,13 +83,19 @@ class DecodeState:
     finish: jax.Array  # [b] RUNNING / FINISH_*
     row_keys: jax.Array  # [b] typed PRNG keys (seed, prompt index)
     accept_hist: jax.Array  # [b, W] rounds per acceptance length 1..W
+    max_new: jax.Array  # [b] max new tokens (data, not static: no recompile per value)
+    stop_ids: jax.Array  # [K] EOS and stop ids, -1 padded
+    stop_is_eos: jax.Array  # [K] bool: finish reason "eos" (else "stop")
+
+
+MAX_STOP_IDS = 16
 
 
 # --------------------------------------------------------------------------------------
 # Pure cores
 # --------------------------------------------------------------------------------------
 def _prefill(static: DecodeStatic, target_params, drafter_params, drafter_state, prompt_bt,
-             prompt_len, row_ids, seed) -> DecodeState:
+             prompt_len, row_ids, seed, max_new, stop_ids, stop_is_eos) -> DecodeState:
     """Cache each prompt minus its last token in target and drafter; that token is the anchor."""
     b, p = prompt_bt.shape
     target = nnx.merge(static.target_graphdef, target_params)
@@ -113,7 +116,9 @@ def _prefill(static: DecodeStatic, target_params, drafter_params, drafter_state,
         target_cache=cache, drafter_state=drafter_state, seq=seq, anchor_pos=cached_len,
         prompt_len=prompt_len, n_out=jnp.zeros((b,), jnp.int32), done=padding,
         finish=jnp.where(padding, FINISH_LENGTH, RUNNING).astype(jnp.int32), row_keys=row_keys,
-        accept_hist=jnp.zeros((b, static.width), jnp.int32))
+        accept_hist=jnp.zeros((b, static.width), jnp.int32),
+        max_new=jnp.broadcast_to(jnp.asarray(max_new, jnp.int32), (b,)),
+        stop_ids=jnp.asarray(stop_ids, jnp.int32), stop_is_eos=jnp.asarray(stop_is_eos, bool))
 
 
 def _draft(static: DecodeStatic, drafter_params, state: DecodeState):
@@ -141,10 +146,9 @@ def _verify(static: DecodeStatic, target_params, state: DecodeState, draft: Draf
     return accepted, next_token, cache, logits
 
 
-def _isin(tokens: jax.Array, ids: tuple[int, ...]) -> jax.Array:
-    if not ids:
-        return jnp.zeros(tokens.shape, bool)
-    return jnp.any(tokens[..., None] == jnp.asarray(ids, jnp.int32), axis=-1)
+def _match(tokens: jax.Array, ids: jax.Array) -> jax.Array:
+    """[..., K] equality against the (-1 padded) id list."""
+    return (tokens[..., None] == ids) & (ids >= 0)
 
 
 def _commit(static: DecodeStatic, state: DecodeState, drafts: jax.Array, accepted: jax.Array,
@@ -156,10 +160,9 @@ def _commit(static: DecodeStatic, state: DecodeState, drafts: jax.Array, accepte
     padded = jnp.concatenate([drafts, jnp.zeros((b, 1), jnp.int32)], axis=1)
     emitted = jnp.where(idx < accepted[:, None], padded, next_token[:, None])
     count = accepted + 1
-    stop_ids = tuple(static.eos_token_ids) + tuple(static.stop_token_ids)
-    is_stop = _isin(emitted, stop_ids) & (idx < count[:, None])
+    is_stop = jnp.any(_match(emitted, state.stop_ids), axis=-1) & (idx < count[:, None])
     first_stop = jnp.where(jnp.any(is_stop, axis=1), jnp.argmax(is_stop, axis=1), w)
-    room = static.max_new_tokens - state.n_out
+    room = state.max_new - state.n_out
     active = ~state.done
     n_emit = jnp.where(active, jnp.minimum(jnp.minimum(count, first_stop + 1), room), 0)
     write_pos = jnp.where(idx < n_emit[:, None], state.anchor_pos[:, None] + 1 + idx, state.seq.shape[1])
@@ -168,9 +171,9 @@ def _commit(static: DecodeStatic, state: DecodeState, drafts: jax.Array, accepte
     hit_stop = active & (first_stop < n_emit)
     stop_tok = jnp.take_along_axis(emitted, jnp.minimum(first_stop, w - 1)[:, None], axis=1)[:, 0]
     n_out = state.n_out + n_emit
-    out_of_room = active & ~hit_stop & (n_out >= static.max_new_tokens)
-    finish = jnp.where(hit_stop, jnp.where(_isin(stop_tok, tuple(static.eos_token_ids)),
-                                           FINISH_EOS, FINISH_STOP), state.finish)
+    out_of_room = active & ~hit_stop & (n_out >= state.max_new)
+    is_eos = jnp.any(_match(stop_tok, state.stop_ids) & state.stop_is_eos, axis=-1)
+    finish = jnp.where(hit_stop, jnp.where(is_eos, FINISH_EOS, FINISH_STOP), state.finish)
     finish = jnp.where(out_of_room, FINISH_LENGTH, finish).astype(jnp.int32)
     anchor_pos = state.anchor_pos + n_emit
     hist = state.accept_hist + (jax.nn.one_hot(accepted, w, dtype=jnp.int32) * active[:, None])
@@ -188,14 +191,12 @@ def _round(static: DecodeStatic, target_params, drafter_params, state: DecodeSta
     return _commit(static, state, draft.drafts, accepted, next_token, cache)
 
 
-def _decode_fused(static: DecodeStatic, target_params, drafter_params, drafter_state, prompt_bt,
-                  prompt_len, row_ids, seed) -> DecodeState:
-    state = _prefill(static, target_params, drafter_params, drafter_state, prompt_bt, prompt_len,
-                     row_ids, seed)
-    # every round commits >= 1 token per active row, so max_new_tokens rounds always suffice
+def _decode_fused(static: DecodeStatic, target_params, drafter_params, *prefill_args) -> DecodeState:
+    state = _prefill(static, target_params, drafter_params, *prefill_args)
+    # every round commits >= 1 token per active row, so max_new rounds always suffice
     def cond(carry):
         i, st = carry
-        return (i < static.max_new_tokens) & ~jnp.all(st.done)
+        return (i < jnp.max(st.max_new)) & ~jnp.all(st.done)
 
     def body(carry):
         i, st = carry
@@ -242,14 +243,24 @@ class PreparedBatch:
     prompt_len: jax.Array
     row_ids: np.ndarray  # prompt index per row, -1 for padding
     seed: int
+    max_new_tokens: int = 128
+    stop_ids: np.ndarray | None = None  # [MAX_STOP_IDS] eos then stop ids, -1 padded
+    stop_is_eos: np.ndarray | None = None  # [MAX_STOP_IDS] bool
     # generate(row_seeds=...): per-row PRNG fold-in values replacing the prompt index in the
     # jitted core (-1 still marks padding); None: keys from the prompt index
     key_ids: np.ndarray | None = None
 
     def args(self):
+        """Positional arguments of :func:`prefill_step` / :func:`decode_fused` after ``static``."""
         key_ids = self.row_ids if self.key_ids is None else self.key_ids
+        stop_ids = (np.full((MAX_STOP_IDS,), -1, np.int32) if self.stop_ids is None
+                    else self.stop_ids)
+        stop_is_eos = (np.zeros((MAX_STOP_IDS,), bool) if self.stop_is_eos is None
+                       else self.stop_is_eos)
         return (self.target_params, self.drafter_params, self.drafter_state, self.prompt_bt,
-                self.prompt_len, jnp.asarray(key_ids, jnp.int32), jnp.int32(self.seed))
+                self.prompt_len, jnp.asarray(key_ids, jnp.int32), jnp.int32(self.seed),
+                jnp.int32(self.max_new_tokens), jnp.asarray(stop_ids, jnp.int32),
+                jnp.asarray(stop_is_eos, bool))
 
 
 _COMPILED: dict = {}
@@ -283,7 +294,7 @@ def _run_host_loop(batch: PreparedBatch, **options):
     static = batch.static
     state = prefill_step(static, *batch.args())
     draft_s = verify_s = 0.0
-    for _ in range(static.max_new_tokens):
+    for _ in range(batch.max_new_tokens):
         if bool(jnp.all(state.done)):
             break
         t0 = time.perf_counter()
@@ -403,6 +414,12 @@ def generate(target, prompts: Sequence[Sequence[int]], *, mode: str = "plain", d
         for t in ids:
             if not 0 <= int(t) < cfg.vocab_size:
                 raise ValueError(f"{name} has id {t} outside the vocabulary [0, {cfg.vocab_size})")
+    all_stops = [int(t) for t in eos_token_ids] + [int(t) for t in stop_token_ids]
+    if len(all_stops) > MAX_STOP_IDS:
+        raise ValueError(f"at most {MAX_STOP_IDS} eos + stop token ids, got {len(all_stops)}")
+    stop_ids = np.full((MAX_STOP_IDS,), -1, np.int32)
+    stop_ids[: len(all_stops)] = all_stops
+    stop_is_eos = np.arange(MAX_STOP_IDS) < len(eos_token_ids)
     n = len(prompts)
     if row_seeds is not None:
         if mode not in ("plain", "sync"):
@@ -437,10 +454,7 @@ def generate(target, prompts: Sequence[Sequence[int]], *, mode: str = "plain", d
     graphdef, target_params = nnx.split(target)
     static = DecodeStatic(
         target_graphdef=graphdef, drafter_spec=d.spec if d is not None else None, sampling=sampling,
-        width=width, max_new_tokens=int(max_new_tokens),
-        eos_token_ids=tuple(int(t) for t in eos_token_ids),
-        stop_token_ids=tuple(int(t) for t in stop_token_ids), cache_len=cache_len,
-        sample_drafts=sample_drafts, rule=rule)
+        width=width, cache_len=cache_len, sample_drafts=sample_drafts, rule=rule)
 
     outputs: list[GenerationOutput | None] = [None] * n
     for bi, start in enumerate(range(0, n, bsz)):
@@ -458,7 +472,9 @@ def generate(target, prompts: Sequence[Sequence[int]], *, mode: str = "plain", d
             key_ids = np.full((bsz,), -1, np.int32)
             key_ids[: len(rows)] = [row_seeds[i] for i in rows]
         batch = PreparedBatch(static, target_params, d.params if d is not None else None, dstate,
-                              jnp.asarray(toks), jnp.asarray(lens), row_ids, int(seed), key_ids)
+                              jnp.asarray(toks), jnp.asarray(lens), row_ids, int(seed),
+                              max_new_tokens=int(max_new_tokens), stop_ids=stop_ids,
+                              stop_is_eos=stop_is_eos, key_ids=key_ids)
         t0 = time.perf_counter()
         state, timings = runner(batch, **mode_options)
         wall = timings.get("decode_s", time.perf_counter() - t0)
