@@ -1,0 +1,185 @@
+"""Asynchronous decoding (spec §5) end to end.
+
+References: plain decoding (itself checked against transformers in test_engine) for greedy output;
+the exact law of the first 3 tokens (test_engine's χ² helper) for sampling; the sync mode's
+acceptance histogram for a model drafter (a hit branch must draft exactly what the sync drafter
+would); counted calls for "a miss runs exactly one synchronous draft"; wall-clock timestamps
+for the overlap of verify and packed forward on two devices.
+"""
+
+import numpy as np
+import jax
+import pytest
+
+from d3d_jax.config import ConfigError, ModelConfig
+from d3d_jax.decoding import async_engine as A
+from d3d_jax.decoding.engine import SamplingParams, generate
+from d3d_jax.model.qwen3 import init_model
+
+VOCAB = 32
+MASK = VOCAB - 1
+BLOCK = 6
+N_NEW = 24
+N_PROMPTS = 20
+BATCH = 4
+
+
+@pytest.fixture(scope="module")
+def setup():
+    tcfg = ModelConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_layers=2,
+                       num_heads=4, num_kv_heads=2, head_dim=8, mask_token_id=MASK)
+    dcfg = ModelConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_layers=1,
+                       num_heads=2, num_kv_heads=1, head_dim=16, mask_token_id=MASK)
+    target = init_model(tcfg, seed=0)
+    # sharpen the target so greedy output is varied, not a fixed point
+    target.embed_tokens.embedding[...] = target.embed_tokens.embedding[...] * 8.0
+    drafter = init_model(dcfg, seed=7)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, MASK, int(n)).tolist() for n in rng.integers(1, 10, N_PROMPTS)]
+    plain = [o.token_ids for o in generate(target, prompts, mode="plain", max_new_tokens=N_NEW,
+                                           batch_size=BATCH)]
+    assert all(len(p) == N_NEW for p in plain)
+    assert len({tuple(p) for p in plain}) > N_PROMPTS // 2
+    return dict(target=target, drafter=drafter, prompts=prompts, plain=plain)
+
+
+def _async(s, drafter, timeline=None, batch_size=BATCH, prompts=None, **kw):
+    kw.setdefault("branch_positions", BLOCK)
+    kw.setdefault("branch_fanout", 2)
+    return generate(s["target"], prompts or s["prompts"], mode="async", drafter=drafter,
+                    max_new_tokens=N_NEW, block_size=BLOCK, batch_size=batch_size,
+                    timeline=timeline, **kw)
+
+
+def _hits(timeline):
+    hit = sum(h and a for r in timeline for h, a in zip(r["hit"], r["active"]))
+    judged = sum(sum(r["active"]) for r in timeline)
+    return hit, judged
+
+
+@pytest.mark.parametrize("hit_rate", [1.0, 0.0, 0.5], ids=["force_hits", "force_misses", "mixed"])
+def test_greedy_replay_async_equals_plain(setup, hit_rate):
+    s = setup
+    drafter = A.AsyncReplayDrafter(s["plain"], VOCAB, error_rate=0.3, hit_rate=hit_rate, seed=1)
+    tl = []
+    outs = _async(s, drafter, tl)
+    assert [o.token_ids for o in outs] == s["plain"]
+    hit, judged = _hits(tl)
+    syncs = sum(r["sync_draft"] for r in tl)
+    assert judged > 50
+    if hit_rate == 1.0:  # C = B: every outcome has a branch, and the coin always anticipates it
+        assert hit == judged and syncs == 0
+    elif hit_rate == 0.0:
+        assert hit == 0 and syncs == sum(any(r["active"]) for r in tl)  # not after a batch's last round
+    else:
+        assert 0.3 * judged < hit < 0.7 * judged, (hit, judged)
+    tau = np.mean([o.metrics["tau"] for o in outs])
+    assert 1.5 < tau < BLOCK  # drafts really accepted and rejected
+    if "hit_rate" in outs[0].metrics:  # per-request metrics (engine merges the runner's)
+        assert abs(np.mean([o.metrics["hit_rate"] for o in outs]) - hit / judged) < 0.2
+
+
+def test_greedy_model_drafter_async_equals_plain_and_sync(setup):
+    """A random model drafter: output identical to plain and sync, and — since each hit branch
+    drafts what the sync drafter would from that prefix — the same acceptance history as sync."""
+    s = setup
+    sync = generate(s["target"], s["prompts"], mode="sync", drafter=s["drafter"],
+                    max_new_tokens=N_NEW, block_size=BLOCK, batch_size=BATCH)
+    tl = []
+    outs = _async(s, s["drafter"], tl, branch_positions=4, branch_fanout=3)
+    assert [o.token_ids for o in sync] == s["plain"]
+    assert [o.token_ids for o in outs] == s["plain"]
+    hit, judged = _hits(tl)
+    assert 0 < hit < judged
+    # an all-accept hit would shorten the next block; a random drafter never accepts everything
+    assert all(max(np.nonzero(o.metrics["accept_hist"])[0]) < BLOCK - 1 for o in sync)
+    assert [o.metrics["accept_hist"] for o in outs] == [o.metrics["accept_hist"] for o in sync]
+
+
+def test_a_miss_runs_exactly_one_sync_draft_and_a_hit_none(setup, monkeypatch):
+    s = setup
+    calls = []
+    real = A.miss_step
+
+    def counting(*args, **kw):
+        calls.append(1)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(A, "miss_step", counting)
+    drafter = A.AsyncReplayDrafter(s["plain"], VOCAB, error_rate=0.3, hit_rate=0.5, seed=2)
+    tl = []
+    outs = _async(s, drafter, tl, batch_size=1, prompts=s["prompts"][:3])
+    assert [o.token_ids for o in outs] == s["plain"][:3]
+    per_round = [(r["hit"][0], r["sync_draft"]) for r in tl if r["active"][0]]
+    assert any(h for h, _ in per_round) and any(not h for h, _ in per_round)
+    assert all(sd == (not h) for h, sd in per_round)
+    assert len(calls) == sum(not h for h, _ in per_round)
+
+
+def test_sampling_chi2_async(setup):
+    """Sampling: async follows the target's exact law (χ²) and, with position-keyed randomness,
+    reproduces plain sampling token for token."""
+    import test_engine as TE
+
+    target = TE._peaky_model(0, 30.0)
+    drafter = TE._peaky_model(5, 30.0, mask_token_id=TE.SMALL_V - 1)
+    import itertools
+    import jax.numpy as jnp
+    from d3d_jax.decoding import verify as V
+    seqs = np.array([TE.PROMPT + list(c) for c in itertools.product(range(TE.SMALL_V), repeat=3)])
+    probs = np.asarray(V.processed_probs(target(jnp.asarray(seqs)), TE.SAMPLING))
+    n = len(TE.PROMPT)
+    law = np.prod([probs[np.arange(len(seqs)), n - 1 + k, seqs[:, n + k]] for k in range(3)], axis=0)
+    kw = dict(sampling=TE.SAMPLING, max_new_tokens=3, seed=11, block_size=4)
+    tl = []
+    outs = generate(target, [TE.PROMPT] * TE.DRAWS, mode="async", drafter=drafter,
+                    branch_positions=3, branch_fanout=2, timeline=tl, **kw)
+    pvalue = TE._chi2_pvalue(outs, law)
+    assert pvalue > 0.01, pvalue
+    hist = np.sum([o.metrics["accept_hist"] for o in outs], axis=0)
+    assert hist[0] > 0 and hist[1:].sum() > 0, hist
+    hit, judged = _hits(tl)
+    assert 0 < hit < judged
+    plain = generate(target, [TE.PROMPT] * TE.DRAWS, mode="plain", **kw)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+
+
+def test_verify_and_packed_forward_in_flight_together_on_two_devices():
+    cfg = ModelConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_layers=2,
+                      num_heads=4, num_kv_heads=2, head_dim=32, mask_token_id=255)
+    target, drafter = init_model(cfg, seed=0), init_model(cfg, seed=1)
+    devs = jax.devices()
+    prompts = [[1, 2, 3, 4, 5, 6, 7, 8]] * 4
+    kw = dict(mode="async", drafter=drafter, max_new_tokens=12, block_size=8, branch_positions=4,
+              branch_fanout=2, target_devices=[devs[0]], drafter_devices=[devs[1]])
+    generate(target, prompts, **kw)  # compile first: the timed run measures scheduling only
+    tl = []
+    generate(target, prompts, timeline=tl, **kw)
+    assert len(tl) >= 6
+    assert all(r["verify_devices"] == {devs[0]} and r["packed_devices"] == {devs[1]} for r in tl)
+    # both dispatched before either was ready: [dispatch, ready] intervals overlap
+    overlap = [max(r["verify_dispatch"], r["packed_dispatch"]) < min(r["verify_ready"], r["packed_ready"])
+               and r["packed_dispatched"] < r["verify_ready"] for r in tl]
+    assert np.mean(overlap) >= 0.8, [(r["packed_dispatched"] - r["verify_dispatch"],
+                                     r["verify_ready"] - r["verify_dispatch"]) for r in tl]
+
+
+@pytest.mark.parametrize("kw,err,msg", [
+    (dict(branch_positions=BLOCK + 1), ConfigError, "branch_positions"),
+    (dict(branch_positions=0), ConfigError, "branch_positions"),
+    (dict(branch_fanout=0), ConfigError, "branch_fanout"),
+    (dict(target_devices="01", drafter_devices="12"), ConfigError, "overlap"),
+    (dict(target_devices=5, drafter_devices=5), ConfigError, "devices exist"),
+    (dict(sample_drafts=True, sampling=SamplingParams(temperature=1.0)), ValueError, "sample_drafts"),
+    (dict(branch_fan_out=2), ValueError, "unknown mode options"),
+])
+def test_bad_inputs_fail_clearly(setup, kw, err, msg):
+    kw = dict(kw)
+    kw.setdefault("branch_positions", 4)
+    devs = jax.devices()
+    for key in ("target_devices", "drafter_devices"):
+        if isinstance(kw.get(key), str):
+            kw[key] = [devs[int(c)] for c in kw[key]]
+    with pytest.raises(err, match=msg):
+        generate(setup["target"], setup["prompts"][:1], mode="async", drafter=setup["drafter"],
+                 max_new_tokens=4, block_size=BLOCK, **kw)
