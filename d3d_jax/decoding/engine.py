@@ -222,7 +222,11 @@ _LAZY_MODES = {"async": "d3d_jax.decoding.async_engine"}
 
 
 def register_mode(name: str):
-    """Decorator: ``fn(batch: PreparedBatch, **mode_options) -> (DecodeState, timings dict)``."""
+    """Decorator: ``fn(batch: PreparedBatch, **mode_options) -> (DecodeState, timings dict)``.
+
+    ``timings`` may hold ``draft_s``/``verify_s``/``decode_s`` and extra metrics merged into each
+    request's: ``metrics`` (dict, per batch) and ``row_metrics`` (list of dicts, per batch row).
+    """
 
     def deco(fn):
         _MODES[name] = fn
@@ -485,5 +489,8 @@ def generate(target, prompts: Sequence[Sequence[int]], *, mode: str = "plain", d
             ids = [int(t) for t in seq[r, plen: plen + n_out[r]]]
             met = M.request_metrics(hist[r], len(ids), wall, mode=mode, batch_index=bi,
                                     draft_s=timings.get("draft_s"), verify_s=timings.get("verify_s"))
+            # a mode runner's extra metrics: per batch ("metrics") and per row ("row_metrics")
+            met.update(timings.get("metrics", {}))
+            met.update(timings.get("row_metrics", [{}] * (r + 1))[r])
             outputs[i] = GenerationOutput(ids, FINISH_REASONS.get(int(finish[r]), "length"), met)
     return outputs  # type: ignore[return-value]
