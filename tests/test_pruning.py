@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -307,6 +309,10 @@ def test_offline_tau_equals_engine_sync_tau_on_target_greedy_responses():
     assert tau == pytest.approx(measured["tau"], abs=1e-12)
     hist = measured["accept_hist"]
     assert hist[0] > 0 and hist[-1] > 0  # both rejections and full acceptance occurred
+    # the online option of the importance measure runs the same decoding
+    online = pruning.online_tau(drafter, target, prompts, max_new_tokens=max_new, block_size=bs,
+                                mask_token_id=v - 1)
+    assert online == pytest.approx(tau, abs=1e-12)
 
 
 # ---------------------------------------------------------------------------------------
@@ -328,3 +334,73 @@ def test_prune_config_errors_name_the_key(override, key):
     load_config(PruneRunConfig, ["configs/prune/tiny.yaml"], base)
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         load_config(PruneRunConfig, ["configs/prune/tiny.yaml"], base + [override])
+
+
+# ---------------------------------------------------------------------------------------
+# End to end: train an over-deep drafter, prune one layer with the program, check the report
+# ---------------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_prune_drafter_program_keeps_tau_and_compares_rules(tmp_path, capsys):
+    import importlib.util
+    import json
+
+    from d3d_jax import config as C
+    from d3d_jax.io.checkpoint import load_model
+    from d3d_jax.training import loop
+
+    v, bs = 32, 4
+    for name, n, seed in (("train", 64, 0), ("dev", 32, 1)):
+        data_lib.write_jsonl(tmp_path / f"{name}.jsonl", data_lib.synthetic_records(
+            n, vocab_size=v - 1, prompt_len=4, response_len=24, seed=seed))
+    data = C.DataConfig(train_path=str(tmp_path / "train.jsonl"), dev_path=str(tmp_path / "dev.jsonl"),
+                        packed_length=28 + 4 * bs, num_anchors=4, block_size=bs, batch_size=8,
+                        dev_batches=2, mask_token_id=v - 1)
+    # Three layers for a task one layer can learn: the drafter has layers to spare.
+    model = C.ModelConfig(vocab_size=v, hidden_size=32, intermediate_size=64, num_layers=3, num_heads=2,
+                          num_kv_heads=1, head_dim=16, max_position_embeddings=128,
+                          mask_token_id=v - 1, block_size=bs)
+    train = C.TrainRunConfig(
+        model=model, mesh=C.MeshConfig(data=1, fsdp=1, tensor=1), data=data, num_devices=1,
+        optim=C.OptimConfig(name="adamw", learning_rate=3e-3, final_learning_rate=3e-4, warmup_steps=10),
+        train=C.TrainConfig(steps=200, out_dir=str(tmp_path / "drafter"), log_every=50,
+                            async_checkpointing=False, resume=False, export_params=False,
+                            progress_bar=False, aot_compile=False))
+    loop.run(train, log=lambda s: None)
+
+    spec = importlib.util.spec_from_file_location("prune_drafter", "train/prune_drafter.py")
+    program = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(program)
+    out = tmp_path / "prune"
+    rc = program.main([
+        "--config", "configs/prune/tiny.yaml", f"prune.drafter={tmp_path / 'drafter/export/hf'}",
+        f"prune.out_dir={out}", "prune.target_layers=2", "prune.progress_bar=false",
+        f"data.train_path={data.train_path}", f"data.dev_path={data.dev_path}",
+        f"data.packed_length={data.packed_length}", "data.num_anchors=4", f"data.block_size={bs}",
+        f"data.mask_token_id={v - 1}", "train.steps=80", "data.dev_batches=4", "optim.learning_rate=3e-3",
+        "optim.final_learning_rate=3e-4"])
+    assert rc == 0
+    report = json.loads((out / "pruning_report.json").read_text())
+    assert (out / "tau_vs_depth.png").stat().st_size > 0
+    (rnd,) = report["rounds"]
+    print(f"\npruning e2e: τ0={report['initial_tau']:.4f} τ without each layer={rnd['tau_without_layer']} "
+          f"BI={['%.3f' % x for x in rnd['shortgpt_block_influence']]} removed={rnd['removed_layer']} "
+          f"τ pruned={rnd['tau_pruned']:.4f} recovered={rnd['tau_recovered']:.4f} "
+          f"retention={rnd['retention']:.4f}; shortgpt: {rnd['other_rule']}", file=sys.stderr)
+    assert report["initial_tau"] > 3.0  # the drafter learned the task (τ ≤ B = 4)
+    assert rnd["depth_after"] == 2 and report["final_depth"] == 2
+    # importance = τ with that layer removed, and the deleted layer is the one costing least
+    assert rnd["tau_pruned"] == max(rnd["tau_without_layer"])
+    assert rnd["retention"] == pytest.approx(rnd["tau_recovered"] / report["initial_tau"])
+    assert rnd["retention"] >= 0.99
+    # ShortGPT compared at equal depth, after the same recovery
+    other = rnd["other_rule"]
+    assert other["rule"] == "shortgpt" and other["layer"] == int(np.argmin(rnd["shortgpt_block_influence"]))
+    assert "tau_recovered" in other
+    # the round's HF export is the recovered 2-layer drafter: reloaded, it measures the same τ
+    exported = load_model(str(out / "round_01" / "export" / "hf"))
+    assert exported.config.num_layers == 2
+    dev_ds, _ = data_lib.build_dataset(dataclasses.replace(data, block_size=bs), data.dev_path,
+                                       mask_token_id=v - 1, seed=data.seed + 12345, shuffle=False)
+    tau = pruning.OfflineTau(data_lib.take_batches(dev_ds, 4), bs)(exported)
+    assert tau == pytest.approx(rnd["tau_recovered"], abs=1e-9)
+    assert (out / "round_01" / "export" / "params").exists()
