@@ -218,3 +218,9 @@ def test_load_onto_fsdp4_tensor2_mesh_matches_transformers(checkpoints):
     with use_mesh(mesh):
         out = nnx.jit(lambda m, t: m(t))(model, jnp.asarray(tokens))
     assert np.abs(np.asarray(out) - hf_logits(hf_model, tokens)).max() <= TOL
+    # a mesh-sharded model exports (gathered per tensor) to a directory transformers reloads
+    from d3d_jax.io.hf import save_qwen3
+    out_dir = path.parent / (path.name + "_from_mesh")
+    save_qwen3(model, out_dir)
+    reloaded = Qwen3ForCausalLM.from_pretrained(out_dir, dtype=torch.float32).eval()
+    assert np.abs(hf_logits(reloaded, tokens) - hf_logits(hf_model, tokens)).max() <= 1e-6
