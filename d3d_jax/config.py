@@ -94,6 +94,10 @@ class ModelConfig:
         """Build from a Qwen3 ``config.json`` (old top-level ``rope_theta`` or new ``rope_parameters``)."""
         if hf.get("model_type") != "qwen3":
             raise ConfigError(f"model_type: expected 'qwen3', got {hf.get('model_type')!r}")
+        # Variants our Qwen3 does not implement: refuse them rather than load them wrongly.
+        for key in ("attention_bias", "use_sliding_window"):
+            if hf.get(key):
+                raise ConfigError(f"config.json.{key}: {hf[key]!r} is not supported (Qwen3 uses false)")
         rope_theta = hf.get("rope_theta")
         rope_params = hf.get("rope_parameters") or hf.get("rope_scaling")
         if isinstance(rope_params, Mapping):

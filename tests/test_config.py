@@ -104,6 +104,8 @@ def test_hf_head_dim_defaults_to_hidden_over_heads():
     ({"intermediate_size": "big"}, "config.json.intermediate_size: expected an integer"),
     ({"num_key_value_heads": 5}, "config.json.num_key_value_heads"),
     ({"rope_theta": -1.0}, "config.json.rope_theta: must be > 0"),
+    ({"attention_bias": True}, "config.json.attention_bias: True is not supported"),
+    ({"use_sliding_window": True}, "config.json.use_sliding_window"),
 ])
 def test_hf_bad_values_name_the_key(change, message):
     with pytest.raises(ConfigError, match=message):
