@@ -118,6 +118,12 @@ def test_mis_shaped_tensor(good_dir):
     assert "model.layers.0.mlp.gate_proj.weight" in msg and "(64, 32)" in msg and "(80, 32)" in msg
 
 
+def test_more_layers_in_weights_than_in_config(good_dir):
+    edit_config(good_dir, num_hidden_layers=1)
+    with pytest.raises(ValueError, match=r"tensor model.layers.1.\S+ belongs to a layer beyond num_hidden_layers=1"):
+        load_qwen3(good_dir)
+
+
 @pytest.mark.parametrize("key,value,expected", [
     ("hidden_size", "wide", "config.json.hidden_size: expected an integer"),
     ("num_key_value_heads", 3, "config.json.num_key_value_heads"),

@@ -177,6 +177,11 @@ def load_qwen3(path: str | os.PathLike, mesh: Mesh | None = None, dtype: str | N
 def build_from_tensors(cfg: ModelConfig, tensors: Any, mesh: Mesh | None = None, rules: Any = None,
                        source: str = "checkpoint") -> Qwen3:
     """Fill an abstract Qwen3 from ``tensors`` (``keys/shape/get`` by HF name), one leaf at a time."""
+    extra_layers = sorted({k for k in tensors.keys() if k.startswith("model.layers.")
+                           and k.split(".")[2].isdigit() and int(k.split(".")[2]) >= cfg.num_layers})
+    if extra_layers:  # weights for more layers than config.json declares: the config is wrong
+        raise ValueError(f"{source}: tensor {extra_layers[0]} belongs to a layer beyond "
+                         f"num_hidden_layers={cfg.num_layers} in config.json")
     model = abstract_model(cfg)
     graphdef, state = nnx.split(model)
     pure = nnx.to_pure_dict(state)
