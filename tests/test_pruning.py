@@ -206,6 +206,9 @@ def test_distillation_loss_matches_numpy_loop():
     batch = {"labels": labels, "slot": slot, "ar_mask": ar_mask}
     loss, _ = pruning.distillation_loss_from_logits(jnp.asarray(student), jnp.asarray(teacher), batch,
                                                     margin=m, gamma=gamma, ar_weight=lam)
+    cut, _ = pruning.distillation_loss_from_logits(jnp.asarray(student), jnp.asarray(teacher), batch,
+                                                   margin=m, gamma=gamma, ar_weight=lam, block_tokens=n * bs)
+    assert float(cut) == pytest.approx(float(loss), rel=1e-6)
 
     def softmax(x):
         e = np.exp(x - x.max())

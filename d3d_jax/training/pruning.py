@@ -8,13 +8,17 @@ is most similar to its input matters least) is the comparison rule.
 
 The pieces are importable on their own: :func:`margin_eta` / :func:`adjusted_teacher` (§3.3),
 :class:`OfflineTau` (§3.1, batched + jitted, one compile per depth because every candidate of
-one depth has the same graph), :func:`acceptance_importance` / :func:`shortgpt_importance`
-(§3.1-2), :func:`make_distill_step` (§3.3) and :func:`prune_progressively` (§3.4).
+one depth has the same graph), :func:`trajectory_tau` (replays greedy speculative decoding's
+rounds from per-anchor acceptance: equals the engine's τ), :func:`online_tau` (the engine
+itself), :func:`acceptance_importance` / :func:`shortgpt_importance` (§3.1-2),
+:func:`make_distillation_loss` + :func:`trainer_recovery` (§3.3, a custom loss for the training
+loop's :class:`~d3d_jax.training.loop.Trainer`), :func:`prune_progressively` (§3.4) and
+:func:`run_pruning` (the program).
 
-Dev batches are packed rows ``[clean S | block_1 … block_n]`` (the training layout of spec
-§2.3): keys ``tokens, positions, block_ids, context_end, valid`` ([b, T]), ``block_labels``
-([b, n, B]: the response token each block slot should produce, -1 where none) and
-``ar_labels`` ([b, S]: next clean token where the AR loss counts, -1 elsewhere).
+Batches are the packed rows of :mod:`d3d_jax.training.data` (``[clean S | n blocks]`` with
+``labels``, ``slot``, ``ar_mask``, ``anchor_valid``); :func:`pack_dev_rows` builds such rows
+for arbitrary anchors (the prompt's last token, blocks running past the end) so offline τ can
+follow the engine's anchoring exactly.
 """
 
 from __future__ import annotations
@@ -264,23 +268,30 @@ def least_important(criterion: str, scores: Sequence[float]) -> int:
 
 
 def distillation_loss_from_logits(student_logits: jax.Array, teacher_logits: jax.Array, batch: dict, *,
-                                  margin: float, gamma: float, ar_weight: float) -> tuple[jax.Array, dict]:
+                                  margin: float, gamma: float, ar_weight: float,
+                                  block_tokens: int | None = None) -> tuple[jax.Array, dict]:
     """``Σ w_k·CE(q̃_k, student_k) / Σ w_k`` over block slots (the objectives' ``w_k`` and
-    normalisation) ``+ λ·L_AR`` (hard next-token CE on the clean stream's response tokens)."""
+    normalisation) ``+ λ·L_AR`` (hard next-token CE on the clean stream's response tokens).
+
+    ``block_tokens`` (``num_anchors·block_size``): the soft targets are only built for the block
+    region, the row's last ``block_tokens`` positions — at 151k vocabulary, the q / q̃ / log-prob
+    arrays of the clean stream would otherwise cost as much again as the logits.
+    """
     y = jnp.maximum(batch["labels"], 0)
-    q = jax.nn.softmax(teacher_logits.astype(jnp.float32), axis=-1)
-    q_tilde = jax.lax.stop_gradient(adjusted_teacher(q, y, margin))
-    logp = jax.nn.log_softmax(student_logits.astype(jnp.float32), axis=-1)
-    soft_ce = -jnp.sum(q_tilde * logp, axis=-1)
-    l_diff, wsum = obj.weighted_block_loss(soft_ce, batch, gamma)
     l_ar, n_ar = obj.masked_mean(obj.token_cross_entropy(student_logits, y), batch["ar_mask"])
+    cut = slice(None) if block_tokens is None else slice(student_logits.shape[1] - block_tokens, None)
+    q = jax.nn.softmax(teacher_logits[:, cut].astype(jnp.float32), axis=-1)
+    q_tilde = jax.lax.stop_gradient(adjusted_teacher(q, y[:, cut], margin))
+    logp = jax.nn.log_softmax(student_logits[:, cut].astype(jnp.float32), axis=-1)
+    soft_ce = -jnp.sum(q_tilde * logp, axis=-1)
+    l_diff, wsum = obj.weighted_block_loss(soft_ce, {"slot": batch["slot"][:, cut]}, gamma)
     loss = l_diff + ar_weight * l_ar
     return loss, {"loss": loss, "loss_diff": l_diff, "loss_ar": l_ar, "diff_weight_sum": wsum,
                   "ar_tokens": n_ar}
 
 
-def make_distillation_loss(teacher_graphdef: Any, *, margin: float, gamma: float,
-                           ar_weight: float) -> Callable:
+def make_distillation_loss(teacher_graphdef: Any, *, margin: float, gamma: float, ar_weight: float,
+                           block_tokens: int | None = None) -> Callable:
     """``loss_fn(model, batch, teacher_state)`` for :class:`d3d_jax.training.loop.Trainer`
     (``loss_extra=teacher_state``: the frozen teacher travels as a jit argument)."""
 
@@ -289,7 +300,8 @@ def make_distillation_loss(teacher_graphdef: Any, *, margin: float, gamma: float
         teacher_logits = jax.lax.stop_gradient(
             nnx.merge(teacher_graphdef, teacher_state)(batch["tokens"], meta))
         return distillation_loss_from_logits(model(batch["tokens"], meta), teacher_logits, batch,
-                                             margin=margin, gamma=gamma, ar_weight=ar_weight)
+                                             margin=margin, gamma=gamma, ar_weight=ar_weight,
+                                             block_tokens=block_tokens)
 
     return loss_fn
 
@@ -306,7 +318,8 @@ def trainer_recovery(run_cfg: Any, teacher: Qwen3, train_data: Any, out_dir: str
 
     tgraph, tstate = nnx.split(teacher)
     loss_fn = make_distillation_loss(tgraph, margin=margin, gamma=run_cfg.objective.gamma,
-                                     ar_weight=run_cfg.objective.ar_weight)
+                                     ar_weight=run_cfg.objective.ar_weight,
+                                     block_tokens=run_cfg.data.num_anchors * run_cfg.data.block_size)
 
     def recover(student: Qwen3, name: str) -> Qwen3:
         tc = dataclasses.replace(run_cfg.train, out_dir=str(Path(out_dir) / name), init_from="",
