@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import time
 from pathlib import Path
 
@@ -13,73 +14,41 @@ from d3d_jax.evaluation import benchmarks as B
 from d3d_jax.evaluation import plots
 
 
-def _records(path: Path) -> list[dict]:
-    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
-
-
-def _sequences(p, records: list[dict], clean_len: int) -> tuple[list[list[int]], list[int]]:
-    tok = p.tokenizer()
-    seqs, plens = [], []
-    for r in records:
-        prompt = demo.chat_prompt_ids(tok, r["messages"])
-        seq = (prompt + list(r["response_token_ids"]))[:clean_len]
-        if len(seq) > len(prompt) + p.cfg.block_size:
-            seqs.append(seq)
-            plens.append(len(prompt))
-    return seqs, plens
-
-
-def _pruning_batches(p, seqs, plens, rng, batch_size: int, clean_len: int) -> list[dict]:
-    from d3d_jax.training import pruning
-
-    c = p.cfg
-    out = []
-    for i in range(0, len(seqs) - batch_size + 1, batch_size):
-        s, pl = seqs[i:i + batch_size], plens[i:i + batch_size]
-        anchors = [pruning.sample_anchors(rng, len(x), n, c.block_size, c.drafter_num_anchors)
-                   for x, n in zip(s, pl)]
-        out.append(pruning.pack_rows(s, pl, anchors, c.block_size, p.special_ids()["mask"], clean_len,
-                                     pad_token_id=p.special_ids()["pad"]))
-    return out
-
-
 def prune(p) -> None:
-    """Acceptance-guided progressive layer pruning (spec §3) of ``cfg.prune_drafter``."""
+    """Acceptance-guided progressive layer pruning (spec §3) of ``cfg.prune_drafter``, through the
+    pruning module's run (offline τ on the dev split, distillation recovery in the training loop)."""
+    from d3d_jax import config as C
     from d3d_jax.io.checkpoint import load_model
-    from d3d_jax.io.hf import save_qwen3
     from d3d_jax.training import pruning
 
     c = p.cfg
-    clean_len = c.drafter_packed_length - c.drafter_num_anchors * c.block_size
-    rng = np.random.default_rng(c.seed)
-    dev_seqs, dev_plens = _sequences(p, _records(p.regen_split("dev")), clean_len)
-    dev = _pruning_batches(p, dev_seqs, dev_plens, rng, c.drafter_batch_size, clean_len)
-    tr_seqs, tr_plens = _sequences(p, _records(p.regen_split("train")), clean_len)
-
-    def recovery():
-        while True:
-            order = rng.permutation(len(tr_seqs))
-            s = [tr_seqs[i] for i in order]
-            pl = [tr_plens[i] for i in order]
-            yield from _pruning_batches(p, s, pl, rng, c.drafter_batch_size, clean_len)
-
-    drafter = load_model(str(p.drafter_dir(c.prune_drafter)))
-    pruned, report = pruning.prune_progressively(
-        drafter, tau_fn=pruning.OfflineTau(dev), similarity_batches=dev[:2], recovery_batches=recovery(),
-        target_layers=c.prune_to_layers, recovery_steps=c.prune_recover_steps,
-        learning_rate=c.drafter_learning_rate * 0.3, margin=c.prune_margin, gamma=c.drafter_gamma,
-        progress=True)
+    src = p.drafter_dir(c.prune_drafter)
+    work = p.work / "prune"
+    run_cfg = C.PruneRunConfig(
+        prune=C.PruneConfig(drafter=str(src), out_dir=str(work), target_layers=c.prune_to_layers,
+                            criterion="acceptance", compare_shortgpt=False, margin=c.prune_margin,
+                            tau_measure="offline", export_rounds=True),
+        mesh=C.MeshConfig(data=1, fsdp=1, tensor=1), num_devices=1, data=p.drafter_data(),
+        objective=C.ObjectiveConfig(kind="d3d", gamma=c.drafter_gamma, ar_weight=1.0),
+        optim=C.OptimConfig(name="adamw", learning_rate=c.drafter_learning_rate * 0.3,
+                            final_learning_rate=c.drafter_learning_rate * 0.03),
+        train=C.TrainConfig(steps=c.prune_recover_steps, log_every=25, async_checkpointing=False,
+                            keep_checkpoints=1, aot_compile=False, out_dir=str(work / "train")))
+    run_cfg.validate()
+    report = pruning.run_pruning(run_cfg, tokenizer=p.tokenizer())
+    final = report.get("final_export")
+    if not final:
+        raise RuntimeError(f"pruning exported no final model (report keys: {sorted(report)})")
     dest = p.drafter_dir(f"{c.prune_drafter}_pruned")
-    save_qwen3(pruned, dest, extra_config={"mask_token_id": p.special_ids()["mask"], "block_size": c.block_size})
-    try:
-        pruning.write_report(report, dest)
-    except Exception as e:  # the report is a bonus; the pruned model is the stage's output
-        print(f"pruning report not written: {e}")
-    tau = p.offline_tau(pruned)
+    shutil.copytree(Path(final) / "hf", dest, dirs_exist_ok=True)
+    for f in ("pruning_report.json", "tau_vs_depth.png"):
+        if (work / f).exists():
+            shutil.copy(work / f, dest / f)
+    before, after = load_model(str(src)), load_model(str(dest))
     (dest / "result.json").write_text(json.dumps(
-        {"pruned_from": c.prune_drafter, "layers": pruned.config.num_layers,
-         "layers_before": drafter.config.num_layers, "offline_tau_dev": tau,
-         "offline_tau_before": p.offline_tau(drafter)}, indent=1, default=float))
+        {"pruned_from": c.prune_drafter, "layers": after.config.num_layers,
+         "layers_before": before.config.num_layers, "offline_tau_dev": p.offline_tau(after),
+         "offline_tau_before": p.offline_tau(before)}, indent=1, default=float))
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,0 +1,101 @@
+"""``infer/bench.py eval``: Table 1 for any target + drafter (HF Qwen3 dirs or param checkpoints).
+
+    python infer/bench.py eval --target /models/Qwen3-8B --drafter /models/d3d-8b \\
+        --benchmarks humaneval gsm8k=/data/gsm8k/test.jsonl mtbench=/data/mt_bench/question.jsonl \\
+        --samples 80 --max-new-tokens 2048 --out runs/eval
+
+Writes ``results.json``, ``table.md`` and the plots under ``--out`` and prints the table.
+Exit status 3 when any sync/async output differs from plain greedy decoding.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+
+def add_eval_subcommand(subparsers) -> argparse.ArgumentParser:
+    ap = subparsers.add_parser("eval", help="per-benchmark τ, speedup, tokens/s, hit rate; Table 1 + plots",
+                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", required=True)
+    ap.add_argument("--drafter", required=True)
+    ap.add_argument("--tokenizer", default=None, help="tokenizer dir (default: the target's dir)")
+    ap.add_argument("--benchmarks", nargs="+", default=["humaneval"],
+                    help="NAME or NAME=PATH (gsm8k, math500, aime25, humaneval, mbpp, livecodebench, "
+                         "mtbench, shakespeare, stdlib)")
+    ap.add_argument("--samples", type=int, default=16, help="per benchmark (fewest prompt-length buckets)")
+    ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--block-size", type=int, default=None, help="default: the drafter's config")
+    ap.add_argument("--modes", default="plain,sync,async")
+    ap.add_argument("--template", choices=("standard", "plain"), default="standard")
+    ap.add_argument("--branch-positions", type=int, default=12, help="async C")
+    ap.add_argument("--branch-fanout", type=int, default=2, help="async F")
+    ap.add_argument("--async-sweep", default="", help="C×F points, e.g. 4x2,8x2,12x2")
+    ap.add_argument("--hf-peer", action="store_true", help="also transformers assisted generation")
+    ap.add_argument("--out", default="runs/eval")
+    ap.set_defaults(func=run_eval)
+    return ap
+
+
+def run_eval(args) -> int:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    from d3d_jax import demo
+    from d3d_jax.evaluation import benchmarks as B
+    from d3d_jax.evaluation import plots
+    from d3d_jax.io.checkpoint import load_model
+    from d3d_jax.io.hf import load_tokenizer
+
+    tok, mask_id = load_tokenizer(args.tokenizer or args.target)
+    target = load_model(args.target)
+    drafter = load_model(args.drafter)
+    mask_id = drafter.config.mask_token_id if drafter.config.mask_token_id is not None else mask_id
+    block = args.block_size or drafter.config.block_size or 16
+    eos = target.config.eos_token_id
+    eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
+    if tok.eos_token_id is not None and tok.eos_token_id not in eos_ids:
+        eos_ids += (tok.eos_token_id,)
+    suites = {}
+    for spec in args.benchmarks:
+        name, _, path = spec.partition("=")
+        samples = B.load_benchmark(name, path or None, template=args.template)
+        lengths = [len(demo.chat_prompt_ids(tok, [{"role": "user", "content": s.turns[0]}])) for s in samples]
+        suites[name] = B.select_by_length(samples, lengths, args.samples)
+    longest = max(len(demo.chat_prompt_ids(tok, [{"role": "user", "content": t}]))
+                  for ss in suites.values() for s in ss for t in s.turns[:1])
+    modes = tuple(m for m in args.modes.split(",") if m)
+    if "plain" not in modes:
+        raise ValueError("--modes must include plain (speedups and the equality check are against it)")
+    settings = B.EvalSettings(max_new_tokens=args.max_new_tokens, block_size=block, modes=modes,
+                              max_cache_len=-(-(2 * longest + 2 * args.max_new_tokens + 4 * block) // 64) * 64,
+                              async_options={"branch_positions": args.branch_positions,
+                                             "branch_fanout": args.branch_fanout} if "async" in modes else {})
+    kw = dict(eos_token_ids=eos_ids, mask_token_id=mask_id, encode_fn=demo.chat_prompt_ids)
+    results, raw = B.evaluate(target, drafter, tok, suites, settings, **kw)
+    report = {"target": args.target, "drafter": args.drafter, "results": results}
+    if args.hf_peer:
+        from d3d_jax.evaluation.assisted import hf_assisted_generation
+
+        for s, samples in suites.items():
+            prompts = [demo.chat_prompt_ids(tok, [{"role": "user", "content": x.turns[0]}]) for x in samples]
+            peer = hf_assisted_generation(args.target, args.drafter, prompts, max_new_tokens=args.max_new_tokens,
+                                          eos_token_ids=eos_ids, reference_outputs=raw[s]["plain"].outputs[:len(prompts)]
+                                          if all(len(x.turns) == 1 for x in samples) else None)
+            results[s]["hf_plain"], results[s]["hf_assisted"] = peer["plain"], peer["hf_assisted"]
+    out = Path(args.out)
+    if args.async_sweep and "async" in modes:
+        grid = [tuple(int(v) for v in pt.split("x")) for pt in args.async_sweep.split(",")]
+        first = next(iter(suites))
+        report["async_sweep"] = B.budget_sweep(target, drafter, tok, suites[first], settings, grid,
+                                               raw[first]["plain"], **kw)
+        plots.budget_sweep(report["async_sweep"], out / "async_budget.png")
+    B.write_json(report, out / "results.json")
+    table = B.table1(results)
+    (out / "table.md").write_text(table + "\n")
+    plots.acceptance_histogram(results, out / "acceptance_histogram.png")
+    plots.tau_per_slot(results, out / "tau_per_slot.png")
+    print(table)
+    ok = all(r[m].get("equals_plain", True) for r in results.values() for m in ("sync", "async") if m in r)
+    print(f"all sync/async outputs equal plain greedy: {ok}")
+    return 0 if ok else 3
