@@ -7,8 +7,6 @@ import shutil
 import time
 from pathlib import Path
 
-import numpy as np
-
 from d3d_jax import demo
 from d3d_jax.evaluation import benchmarks as B
 from d3d_jax.evaluation import plots

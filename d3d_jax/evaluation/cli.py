@@ -1,4 +1,4 @@
-"""``infer/bench.py eval``: Table 1 for any target + drafter (HF Qwen3 dirs or param checkpoints).
+"""``infer/bench.py eval`` (``add_arguments`` + ``main``, the bench command contract): Table 1 for any target + drafter (HF Qwen3 dirs or param checkpoints).
 
     python infer/bench.py eval --target /models/Qwen3-8B --drafter /models/d3d-8b \\
         --benchmarks humaneval gsm8k=/data/gsm8k/test.jsonl mtbench=/data/mt_bench/question.jsonl \\
@@ -15,9 +15,9 @@ import os
 from pathlib import Path
 
 
-def add_eval_subcommand(subparsers) -> argparse.ArgumentParser:
-    ap = subparsers.add_parser("eval", help="per-benchmark τ, speedup, tokens/s, hit rate; Table 1 + plots",
-                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    ap.description = __doc__
+    ap.formatter_class = argparse.RawDescriptionHelpFormatter
     ap.add_argument("--target", required=True)
     ap.add_argument("--drafter", required=True)
     ap.add_argument("--tokenizer", default=None, help="tokenizer dir (default: the target's dir)")
@@ -34,11 +34,10 @@ def add_eval_subcommand(subparsers) -> argparse.ArgumentParser:
     ap.add_argument("--async-sweep", default="", help="C×F points, e.g. 4x2,8x2,12x2")
     ap.add_argument("--hf-peer", action="store_true", help="also transformers assisted generation")
     ap.add_argument("--out", default="runs/eval")
-    ap.set_defaults(func=run_eval)
     return ap
 
 
-def run_eval(args) -> int:
+def main(args) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     from d3d_jax import demo
