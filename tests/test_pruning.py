@@ -399,6 +399,9 @@ def test_prune_drafter_program_keeps_tau_and_compares_rules(tmp_path, capsys):
     other = rnd["other_rule"]
     assert other["rule"] == "shortgpt" and other["layer"] == int(np.argmin(rnd["shortgpt_block_influence"]))
     assert "tau_recovered" in other
+    (cmp,) = report["rule_comparison"]
+    assert cmp["depth"] == 2 and cmp["shortgpt_tau_recovered"] == other["tau_recovered"]
+    assert cmp["acceptance_tau_recovered"] == rnd["tau_recovered"]
     # the round's HF export is the recovered 2-layer drafter: reloaded, it measures the same τ
     exported = load_model(str(out / "round_01" / "export" / "hf"))
     assert exported.config.num_layers == 2

@@ -412,32 +412,42 @@ def prune_progressively(drafter: Qwen3, *, tau_fn: Callable[[Qwen3], float],
             break
         best = model
     report["final_depth"] = best.config.num_layers
+    # Both rules at equal depth (the other rule's pick cut from the same parent each round).
+    report["rule_comparison"] = [
+        {"depth": r["depth_after"], f"{criterion}_layer": r["removed_original_layer"],
+         f"{other_rule}_layer": r["other_rule"]["original_layer"],
+         f"{criterion}_tau_pruned": r["tau_pruned"], f"{other_rule}_tau_pruned": r["other_rule"]["tau_pruned"],
+         f"{criterion}_tau_recovered": r["tau_recovered"],
+         f"{other_rule}_tau_recovered": r["other_rule"].get("tau_recovered")} for r in report["rounds"]]
     report["wall_s"] = time.perf_counter() - t0
     return best, report
 
 
 def plot_tau_vs_depth(report: dict, path: str | Path) -> None:
-    """PNG: τ against depth (pruned and recovered; the other rule's points when compared)."""
+    """PNG: τ against depth, before and after recovery; the other rule's pick (cut from the same
+    parent each round) beside it."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     rounds = report["rounds"]
+    after = [r["depth_after"] for r in rounds]
     fig, ax = plt.subplots(figsize=(6, 4))
-    depths = [report["initial_depth"]] + [r["depth_after"] for r in rounds]
-    ax.plot(depths, [report["initial_tau"]] + [r["tau_recovered"] for r in rounds], "o-",
-            label=f"{report['criterion']}: recovered")
-    ax.plot([r["depth_after"] for r in rounds], [r["tau_pruned"] for r in rounds], "x--",
-            label=f"{report['criterion']}: before recovery")
+    ax.plot([report["initial_depth"]] + after, [report["initial_tau"]] + [r["tau_recovered"] for r in rounds],
+            "o-", label=f"{report['criterion']}: recovered")
+    ax.plot(after, [r["tau_pruned"] for r in rounds], "x--", label=f"{report['criterion']}: before recovery")
     other = [r["other_rule"] for r in rounds]
-    if other and all("tau_recovered" in o for o in other):
-        ax.plot([r["depth_after"] for r in rounds], [o["tau_recovered"] for o in other], "s:",
-                label=f"{other[0]['rule']}: recovered")
+    if other:
+        ax.plot(after, [o["tau_pruned"] for o in other], "+:", label=f"{other[0]['rule']} pick: before recovery")
+        if all("tau_recovered" in o for o in other):
+            ax.plot(after, [o["tau_recovered"] for o in other], "s:", label=f"{other[0]['rule']} pick: recovered")
     ax.set_xlabel("drafter depth (layers)")
-    ax.set_ylabel("offline τ")
+    ax.set_ylabel(f"{report.get('tau_measure', 'offline')} τ")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.invert_xaxis()
     ax.grid(alpha=0.3)
-    ax.legend()
+    ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -470,10 +480,15 @@ def run_pruning(cfg: Any, *, drafter: Qwen3 | None = None, tokenizer: Any = None
     from d3d_jax.config import TrainRunConfig, to_dict
     from d3d_jax.io.checkpoint import load_model
 
+    from d3d_jax.parallel.sharding import make_mesh
+
     pc, dc = cfg.prune, cfg.data
     log = log or (lambda s: print(s, flush=True))
     out = Path(pc.out_dir)
-    drafter = drafter if drafter is not None else load_model(pc.drafter)
+    if drafter is None:  # the teacher (and every candidate cut from it) lives on the run's mesh
+        n_dev = cfg.num_devices or jax.device_count()
+        mesh = make_mesh(cfg.mesh, jax.devices()[:n_dev])
+        drafter = load_model(pc.drafter, mesh=mesh, rules=cfg.mesh.rules)
     if drafter.config.block_size not in (None, dc.block_size):
         raise ValueError(f"data.block_size={dc.block_size} differs from the drafter's block_size "
                          f"{drafter.config.block_size}")
