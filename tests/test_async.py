@@ -22,6 +22,7 @@ BLOCK = 6
 N_NEW = 24
 N_PROMPTS = 20
 BATCH = 4
+DRAWS = 8000  # χ² sample size (test_engine uses 20k; pooled cells keep the approximation valid)
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +73,7 @@ def test_greedy_replay_async_equals_plain(setup, hit_rate):
     elif hit_rate == 0.0:
         assert hit == 0 and syncs == sum(any(r["active"]) for r in tl)  # not after a batch's last round
     else:
-        assert 0.3 * judged < hit < 0.7 * judged, (hit, judged)
+        assert 0.2 * judged < hit < 0.9 * judged, (hit, judged)
     tau = np.mean([o.metrics["tau"] for o in outs])
     assert 1.5 < tau < BLOCK  # drafts really accepted and rejected
     if "hit_rate" in outs[0].metrics:  # per-request metrics (engine merges the runner's)
@@ -132,7 +133,7 @@ def test_sampling_chi2_async(setup):
     law = np.prod([probs[np.arange(len(seqs)), n - 1 + k, seqs[:, n + k]] for k in range(3)], axis=0)
     kw = dict(sampling=TE.SAMPLING, max_new_tokens=3, seed=11, block_size=4)
     tl = []
-    outs = generate(target, [TE.PROMPT] * TE.DRAWS, mode="async", drafter=drafter,
+    outs = generate(target, [TE.PROMPT] * DRAWS, mode="async", drafter=drafter,
                     branch_positions=3, branch_fanout=2, timeline=tl, **kw)
     pvalue = TE._chi2_pvalue(outs, law)
     assert pvalue > 0.01, pvalue
@@ -140,7 +141,7 @@ def test_sampling_chi2_async(setup):
     assert hist[0] > 0 and hist[1:].sum() > 0, hist
     hit, judged = _hits(tl)
     assert 0 < hit < judged
-    plain = generate(target, [TE.PROMPT] * TE.DRAWS, mode="plain", **kw)
+    plain = generate(target, [TE.PROMPT] * DRAWS, mode="plain", **kw)
     assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
 
 

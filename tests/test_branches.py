@@ -10,6 +10,7 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 import pytest
+from flax import nnx
 
 from d3d_jax.config import ConfigError, ModelConfig
 from d3d_jax.decoding import branches as br
@@ -42,12 +43,27 @@ def _committed_cache(model, ctx_rows, max_len=64):
     return cache.with_lengths(s), s
 
 
+REF_LEN = 32  # every reference padded to one length: one compile
+
+
+@nnx.jit
+def _whole_sequence(model, toks, meta):
+    return model(toks, meta)
+
+
 def _reference_block(model, causal_tokens, block_anchor_token):
-    """Logits [B, V] of the block [anchor, MASK…] placed right after ``causal_tokens``."""
+    """Logits [B, V] of the block [anchor, MASK…] placed right after ``causal_tokens``
+    (whole-sequence forward, no cache; trailing padding is invalid and seen by nobody)."""
     n = len(causal_tokens)
-    toks = np.array(list(causal_tokens) + [block_anchor_token] + [MASK] * (B - 1), np.int32)[None]
-    meta = concat_meta([causal_meta(jnp.arange(n, dtype=jnp.int32)[None]), block_meta(jnp.array([[n]]), B)])
-    return np.asarray(model(jnp.asarray(toks), meta))[0, n:]
+    pad = REF_LEN - n - B
+    toks = np.array(list(causal_tokens) + [block_anchor_token] + [MASK] * (B - 1) + [0] * pad,
+                    np.int32)[None]
+    causal_pos = jnp.concatenate([jnp.arange(n), jnp.arange(n + B, REF_LEN)]).astype(jnp.int32)[None]
+    causal = causal_meta(causal_pos, jnp.arange(REF_LEN - B)[None] < n)
+    head = jax.tree.map(lambda x: x[:, :n], causal)
+    tail = jax.tree.map(lambda x: x[:, n:], causal)
+    meta = concat_meta([head, block_meta(jnp.array([[n]]), B), tail])
+    return np.asarray(_whole_sequence(model, jnp.asarray(toks), meta))[0, n:n + B]
 
 
 @pytest.mark.parametrize("c,f", [(4, 2), (B, 1)])
@@ -61,7 +77,6 @@ def test_every_branch_equals_its_own_sync_draft(model, c, f):
     block_alts = np.asarray(br.slot_alternatives(jnp.asarray(rng.normal(size=(2, B, CFG.vocab_size))),
                                                  jnp.asarray(block), f))
     run = br.make_packed_draft(model, layout, MASK, with_logits=True)
-    from flax import nnx
     drafts, new_cache = run(nnx.state(model), cache, jnp.asarray(block), jnp.asarray(block_alts),
                             jnp.asarray(s), jnp.asarray(draft_len))
     print(layout.describe())

@@ -38,7 +38,7 @@ from d3d_jax.config import ConfigError, MeshConfig
 from d3d_jax.decoding import branches as br
 from d3d_jax.decoding import engine as E
 from d3d_jax.decoding import verify as V
-from d3d_jax.decoding.drafting import ModelDraftSpec, ReplayDrafter, ReplayDraftSpec
+from d3d_jax.decoding.drafting import ModelDrafter, ModelDraftSpec, ReplayDrafter, ReplayDraftSpec
 from d3d_jax.model import kv_cache as kvc
 from d3d_jax.model.masks import causal_meta
 from d3d_jax.parallel.sharding import check_disjoint, make_mesh, split_devices, state_shardings
@@ -53,26 +53,74 @@ _GREEDY = V.SamplingParams()
 # Replay drafter with a hit rate
 # --------------------------------------------------------------------------------------
 class AsyncReplayDrafter(ReplayDrafter):
-    """A :class:`ReplayDrafter` whose branch alternatives hit with probability ``hit_rate``.
+    """A :class:`ReplayDrafter` whose branch alternatives hit at a chosen rate.
 
-    ``error_rate`` sets τ (each draft token wrong with that probability); ``hit_rate`` sets how
-    often the branch pack anticipates the target's token (1: every outcome inside the C branch
-    positions hits, 0: none does).  Both coins are keyed by (seed, prompt, position).
+    ``error_rate`` sets τ (each draft token wrong with that probability).  ``hit_rate`` h sets
+    how well the branch pack anticipates the target's token at a position: it is the drafter's
+    first alternative with probability h, else the second with probability h, and so on (rank
+    geometric), so fan-out F catches it with probability 1-(1-h)^F and the all-accept guess
+    (one guess) with probability h.  h = 1: every outcome inside the C branch positions hits;
+    h = 0: none does.  All coins are keyed by (seed, prompt, position).
+
+    ``cost_model`` (a Qwen3 drafter): also run its real forwards (sync draft, branch pack) and
+    discard their tokens, so benchmarks pay true drafting costs with a controlled τ and hit rate.
     """
 
     def __init__(self, continuations: Sequence[Sequence[int]], vocab_size: int,
-                 error_rate: float = 0.0, hit_rate: float = 0.0, seed: int = 0):
+                 error_rate: float = 0.0, hit_rate: float = 0.0, seed: int = 0, cost_model=None,
+                 mask_token_id: int | None = None):
         super().__init__(continuations, vocab_size, error_rate, seed)
         if not 0.0 <= hit_rate <= 1.0:
             raise ValueError(f"AsyncReplayDrafter hit_rate must be in [0, 1], got {hit_rate}")
         # a traced parameter, not part of the static spec: one compile serves every hit rate
         self.params = {"hit_rate": jnp.float32(hit_rate)}
+        self.cost_model = cost_model
+        if cost_model is not None:
+            md = ModelDrafter(cost_model, mask_token_id)
+            if md.vocab_size != self.vocab_size:
+                raise ValueError(f"cost_model vocab_size {md.vocab_size} != replay vocab_size "
+                                 f"{self.vocab_size}")
+            self.spec = CostedReplayDraftSpec(self.spec.vocab_size, self.spec.error_rate,
+                                              self.spec.seed, md.spec)
+            self.params["model"] = md.params
+            self._model_drafter = md
+
+    def init_state(self, prompt_tokens, prompt_lens, row_ids, cache_len):
+        state = super().init_state(prompt_tokens, prompt_lens, row_ids, cache_len)
+        if self.cost_model is not None:
+            state["cache"] = self._model_drafter.init_state(prompt_tokens, prompt_lens, row_ids,
+                                                            cache_len)
+        return state
+
+
+def _tie(tokens: jax.Array, logits: jax.Array) -> jax.Array:
+    """``tokens``, made to depend on ``logits`` so the compiler cannot drop the forward."""
+    return jnp.where(jnp.isnan(jnp.sum(logits)), 0, tokens).astype(jnp.int32)
+
+
+@dataclasses.dataclass(frozen=True)
+class CostedReplayDraftSpec(ReplayDraftSpec):
+    """Replay tokens, real drafter compute (see :class:`AsyncReplayDrafter` ``cost_model``)."""
+
+    model_spec: ModelDraftSpec | None = None
+
+    def prefill(self, params, state, prompt_bt, prefill_len):
+        cache = self.model_spec.prefill(params["model"], state["cache"], prompt_bt, prefill_len)
+        return dict(state, cache=cache)
+
+    def propose(self, params, state, seq, anchor_pos, row_keys, sampling, block_size, sample_drafts):
+        out_m, cache = self.model_spec.propose(params["model"], state["cache"], seq, anchor_pos,
+                                               row_keys, _GREEDY, block_size, False)
+        out, _ = ReplayDraftSpec.propose(self, params, state, seq, anchor_pos, row_keys, sampling,
+                                         block_size, sample_drafts)
+        return dataclasses.replace(out, drafts=_tie(out.drafts, out_m.logits)), dict(state, cache=cache)
 
 
 def _replay_alternatives(spec: ReplayDraftSpec, params, state: dict, positions: jax.Array,
                          fanout: int) -> jax.Array:
-    """``[b, K, F]`` alternatives for the tokens at ``positions [b, K]``: the reference token
-    first when the hit coin says so, otherwise tokens that differ from it."""
+    """``[b, K, F]`` alternatives for the tokens at ``positions [b, K]``: the reference token at
+    a geometric rank (success probability ``hit_rate``) when that rank is < F; elsewhere tokens
+    that differ from it."""
     ref_bs = state["ref"]
     vocab = spec.vocab_size
     tok = jnp.take_along_axis(ref_bs, jnp.clip(positions, 0, ref_bs.shape[1] - 1), axis=1)
@@ -80,14 +128,17 @@ def _replay_alternatives(spec: ReplayDraftSpec, params, state: dict, positions: 
     base = jax.vmap(lambda i: jax.random.fold_in(jax.random.key(spec.seed), i))(
         state["row"].astype(jnp.uint32))
     keys = V.position_keys(base, positions, SALT_HIT)
-    hit_rate = params["hit_rate"] if params is not None else jnp.float32(0.0)  # plain replay: never
-    coin = V.uniform_keyed(keys) < hit_rate
+    h = params["hit_rate"] if params is not None else jnp.float32(0.0)  # plain replay: never
+    u = V.uniform_keyed(keys)
+    never = jnp.int32(fanout)
+    ratio = jnp.log(u) / jnp.log1p(-jnp.clip(h, 1e-7, 1 - 1e-7))  # geometric rank by inversion
+    rank = jnp.where(h >= 1.0, 0, jnp.where(h <= 0.0, never,
+                                              jnp.floor(jnp.minimum(ratio, fanout)).astype(jnp.int32)))
     off = jax.vmap(lambda k: jax.random.randint(jax.random.fold_in(k, 1), (), 0, max(vocab - 1, 1)))(
         keys.reshape(-1)).reshape(positions.shape)
     j = jnp.arange(fanout, dtype=jnp.int32)
     wrong = (tok[..., None] + 1 + (off[..., None] + j) % max(vocab - 1, 1)) % vocab
-    first = jnp.where(coin, tok, wrong[..., 0])
-    return jnp.concatenate([first[..., None], wrong[..., 1:]], axis=-1).astype(jnp.int32)
+    return jnp.where(j == rank[..., None], tok[..., None], wrong).astype(jnp.int32)
 
 
 # --------------------------------------------------------------------------------------
@@ -144,19 +195,31 @@ def _branch_drafts(ast: AsyncStatic, params, dstate, block, block_alts, anchor_p
     offsets = jnp.concatenate([jnp.broadcast_to(r, (b, lay.num_correction)), draft_len[:, None]], 1)
     starts = anchor_pos[:, None] + offsets  # [b, nbr]
     anchors = jnp.concatenate([corr, jnp.take_along_axis(block, draft_len[:, None], axis=1)], 1)
-    drafts = jax.vmap(lambda ap: ast.spec.propose(params, dstate, None, ap, None, _GREEDY, bs,
-                                                  False)[0].drafts, in_axes=1, out_axes=1)(starts)
+    drafts = jax.vmap(lambda ap: ReplayDraftSpec.propose(ast.spec, params, dstate, None, ap, None,
+                                                         _GREEDY, bs, False)[0].drafts,
+                      in_axes=1, out_axes=1)(starts)
     pos = starts[:, :, None] + jnp.arange(bs, dtype=jnp.int32)[None, None]
     alts = _replay_alternatives(ast.spec, params, dstate, pos.reshape(b, -1), lay.fanout)
     alts = alts.reshape(b, lay.num_branches, bs, lay.fanout)
     guess = alts[:, -1, 1, 0]
     drafts = drafts.at[:, -1, 0].set(guess)
     tokens = jnp.concatenate([anchors[:, :, None], drafts], axis=2).astype(jnp.int32)
+    if isinstance(ast.spec, CostedReplayDraftSpec):  # pay for the real branch pack
+        model = nnx.merge(ast.spec.model_spec.graphdef, params["model"])
+        real, cache = br.packed_forward(model, dstate["cache"], block, block_alts, anchor_pos,
+                                        draft_len, lay, ast.mask_token_id, with_logits=True)
+        tokens = _tie(tokens, real.logits)
+        dstate = dict(dstate, cache=cache)
     return br.BranchDrafts(tokens, alts, None), dstate
 
 
 def _with_lengths(dstate, lengths):
-    return dstate.with_lengths(lengths) if isinstance(dstate, kvc.KVCache) else dstate
+    """Commit the drafter cache through ``lengths`` (a replay state may carry one as "cache")."""
+    if isinstance(dstate, kvc.KVCache):
+        return dstate.with_lengths(lengths)
+    if isinstance(dstate, dict) and "cache" in dstate:
+        return dict(dstate, cache=dstate["cache"].with_lengths(lengths))
+    return dstate
 
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
@@ -299,7 +362,8 @@ def run_async(batch: E.PreparedBatch, *, branch_positions: int = DEFAULT_BRANCH_
         raise ValueError(f"mode='async' needs a ModelDrafter or ReplayDrafter, got {type(spec).__name__}")
     layout = br.BranchLayout(static.width, int(branch_positions), int(branch_fanout))
     layout.validate(prefix="async")
-    mask = spec.mask_token_id if isinstance(spec, ModelDraftSpec) else 0
+    mask = (spec.mask_token_id if isinstance(spec, ModelDraftSpec) else
+            spec.model_spec.mask_token_id if isinstance(spec, CostedReplayDraftSpec) else 0)
     ast = AsyncStatic(static, layout, int(mask))
     tstatic = dataclasses.replace(static, drafter_spec=None)  # target-side cores never see the drafter
     if verbose:
