@@ -410,3 +410,33 @@ def test_prune_drafter_program_keeps_tau_and_compares_rules(tmp_path, capsys):
     tau = pruning.OfflineTau(data_lib.take_batches(dev_ds, 4), bs)(exported)
     assert tau == pytest.approx(rnd["tau_recovered"], abs=1e-9)
     assert (out / "round_01" / "export" / "params").exists()
+
+
+def test_progressive_loop_stops_below_retention_floor_and_keeps_last_good_model():
+    model = init_model(TINY, seed=5)
+    rng = np.random.default_rng(4)
+    seqs = [[int(t) for t in rng.integers(0, 63, 14)] for _ in range(2)]
+    dev = pruning.pack_dev_rows(seqs, [3, 3], [[2, 5], [4]], 4, 63, 16)
+    tau_by_depth = {3: 4.0, 2: 3.9, 1: 3.0}
+    calls = []
+
+    def recover(student, name):
+        calls.append((name, student.config.num_layers))
+        return student
+
+    best, report = pruning.prune_progressively(
+        model, tau_fn=lambda m: tau_by_depth[m.config.num_layers], similarity_batches=[dev],
+        recover=recover, target_layers=1, retention_floor=0.95, compare_shortgpt=True)
+    assert [r["depth_after"] for r in report["rounds"]] == [2, 1]
+    assert report["rounds"][0]["retention"] == pytest.approx(3.9 / 4.0)
+    assert "retention floor" in report["stopped"]
+    assert best.config.num_layers == 2 and report["final_depth"] == 2
+    assert [c for c in calls if "shortgpt" not in c[0]] == [("round_01", 2), ("round_02", 1)]
+    for r in report["rounds"]:  # ties in τ: the first layer; ShortGPT's pick recovered separately
+        assert r["removed_layer"] == 0
+        expect = "shortgpt" if r["other_rule"]["layer"] != 0 else None
+        assert (f"round_{r['round']:02d}_shortgpt", r["depth_after"]) in calls or expect is None
+    assert report["rounds"][1]["remaining_original_layers"] == [2]
+    with pytest.raises(ValueError, match="criterion"):
+        pruning.prune_progressively(model, tau_fn=lambda m: 1.0, similarity_batches=[dev],
+                                    recover=recover, target_layers=1, criterion="fisher")
