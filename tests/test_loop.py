@@ -168,3 +168,21 @@ def test_cli_trains_and_exports(corpus, tmp_path):
 
     exported = load_model(out / "export/params")
     assert exported.config.mask_token_id == 3 and exported.config.block_size == 16
+
+
+def test_memory_plan_matches_closed_form():
+    from d3d_jax.training.bench_train import memory_plan
+
+    cfg = str(REPO / "configs/train/d3d-8b.yaml")
+    plan = memory_plan(cfg, 64)
+    n = plan["num_params"]
+    # Qwen3-8B: 36 layers of (q,k,v,o, MLP, 2 norms + qk norms) + untied embedding and head
+    D, F, V, L = 4096, 12288, 151936, 36
+    layer = D * 32 * 128 + 2 * D * 8 * 128 + 32 * 128 * D + 3 * D * F + 2 * D + 2 * 128
+    assert n == L * layer + 2 * V * D + D
+    g = plan["per_device_GiB"]
+    assert abs(g["params"] - n * 4 / 64 / 2**30) < 0.01 * g["params"]  # float32 master, fsdp 64
+    assert n * 2 / 64 / 2**30 <= g["optimizer_state"] <= 1.15 * n * 2 / 64 / 2**30  # int8 + uint8 codes + scales
+    fp32 = memory_plan(cfg, 64, overrides=["optim.name=adamw"])["per_device_GiB"]
+    assert abs(fp32["optimizer_state"] - 2 * g["params"]) < 0.01 * fp32["optimizer_state"]
+    assert g["total"] < 80  # fits an 80 GB accelerator

@@ -1,0 +1,46 @@
+#!/usr/bin/env python
+"""Benchmarks, one subcommand each: ``infer/bench.py engine [options]`` (``--help`` per command).
+
+Each entry of ``COMMANDS`` names a module exposing ``add_arguments(parser)`` and ``main(args)``;
+modules are imported only when their command runs.  To add a benchmark, add one line here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+# command -> (module, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "engine": ("d3d_jax.decoding.bench_engine",
+               "plain decoding vs transformers; sync efficiency with a replay drafter"),
+    "train": ("d3d_jax.training.bench_train",
+              "train-step tokens/s (tiny config) and a per-device memory plan (D3D-8B, 64-device fsdp)"),
+    "eval": ("d3d_jax.evaluation.cli",
+             "Table 1 for a target + drafter: τ, speedup, tokens/s, hit rate per benchmark, plots"),
+}
+
+
+def main(argv: list[str] | None = None):
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{" + ",".join(COMMANDS) + "}")
+    # build only the requested command's parser, so one command's imports never slow another
+    name = next((a for a in argv if not a.startswith("-")), None)
+    for cmd, (module, helptext) in COMMANDS.items():
+        p = sub.add_parser(cmd, help=helptext)
+        if cmd == name:
+            mod = importlib.import_module(module)
+            mod.add_arguments(p)
+            p.set_defaults(func=mod.main)
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    main()
