@@ -148,3 +148,14 @@ def test_lm_rows(tmp_path):
     meta = D.batch_meta(b)
     m = np.asarray(attention_mask(meta, meta))[0]
     np.testing.assert_array_equal(m, np.tril(np.ones((8, 8), bool)))
+
+
+def test_process_shards_partition_the_records(tmp_path):
+    recs = [{"id": i, "prompt_token_ids": [5], "response_token_ids": [10 + i] * 6} for i in range(12)]
+    _write_jsonl(tmp_path / "d.jsonl", recs)
+    cfg = DataConfig(packed_length=8 + 1 * 4, num_anchors=1, block_size=4, batch_size=2, shuffle=False)
+    seen = []
+    for i in range(3):
+        ds, _ = D.build_dataset(cfg, str(tmp_path / "d.jsonl"), mask_token_id=MASK, shard=(i, 3))
+        seen.append({int(ds[j]["tokens"][r, 1]) - 10 for j in range(2) for r in range(2)})
+    assert seen == [{0, 3, 6, 9}, {1, 4, 7, 10}, {2, 5, 8, 11}]

@@ -267,10 +267,10 @@ class _LMWindows:
 # grain pipelines
 # --------------------------------------------------------------------------------------
 def d3d_dataset(examples: Sequence[Example], cfg: DataConfig, mask_token_id: int, *, seed: int | None = None,
-                shuffle: bool | None = None) -> grain.MapDataset:
+                shuffle: bool | None = None, shard: tuple[int, int] = (0, 1)) -> grain.MapDataset:
     """Infinite (reshuffled each epoch), batched packed rows; anchors fixed by (seed, index)."""
     seed = cfg.seed if seed is None else seed
-    ds = grain.MapDataset.source(list(examples))
+    ds = grain.MapDataset.source(list(examples))[shard[0]::shard[1]]
     if cfg.shuffle if shuffle is None else shuffle:
         ds = ds.shuffle(seed=seed)
     ds = ds.repeat()
@@ -283,9 +283,9 @@ def d3d_dataset(examples: Sequence[Example], cfg: DataConfig, mask_token_id: int
 
 
 def lm_dataset(stream: np.ndarray, cfg: DataConfig, *, seed: int | None = None,
-               shuffle: bool | None = None) -> grain.MapDataset:
+               shuffle: bool | None = None, shard: tuple[int, int] = (0, 1)) -> grain.MapDataset:
     seed = cfg.seed if seed is None else seed
-    ds = grain.MapDataset.source(_LMWindows(stream, cfg.packed_length))
+    ds = grain.MapDataset.source(_LMWindows(stream, cfg.packed_length))[shard[0]::shard[1]]
     if cfg.shuffle if shuffle is None else shuffle:
         ds = ds.shuffle(seed=seed)
     return ds.repeat().map(lambda wl: lm_row(wl[0], wl[1], cfg)).batch(cfg.batch_size, drop_remainder=True)
@@ -312,18 +312,19 @@ def resolve_mask_token_id(cfg: DataConfig, model_mask_id: int | None, tokenizer:
 
 
 def build_dataset(cfg: DataConfig, path: str, *, tokenizer: Any = None, mask_token_id: int | None = None,
-                  eos_token_id: int | None = None, seed: int | None = None,
-                  shuffle: bool | None = None) -> tuple[grain.MapDataset, DataStats]:
-    """The batched dataset for ``path`` in ``cfg.mode``."""
+                  eos_token_id: int | None = None, seed: int | None = None, shuffle: bool | None = None,
+                  shard: tuple[int, int] = (0, 1)) -> tuple[grain.MapDataset, DataStats]:
+    """The batched dataset for ``path`` in ``cfg.mode``; ``shard=(i, n)`` keeps every n-th record from i
+    (one process's share on a multi-host run; ``cfg.batch_size`` is then that process's rows)."""
     if not path:
         raise ValueError("data path is empty (set data.train_path / data.dev_path)")
     if cfg.mode == "lm":
         stream, stats = load_lm_stream(path, tokenizer, eos_token_id)
-        return lm_dataset(stream, cfg, seed=seed, shuffle=shuffle), stats
+        return lm_dataset(stream, cfg, seed=seed, shuffle=shuffle, shard=shard), stats
     if mask_token_id is None:
         raise ValueError("data.mask_token_id: required for mode 'd3d'")
     examples, stats = load_examples(path, tokenizer, cfg)
-    return d3d_dataset(examples, cfg, mask_token_id, seed=seed, shuffle=shuffle), stats
+    return d3d_dataset(examples, cfg, mask_token_id, seed=seed, shuffle=shuffle, shard=shard), stats
 
 
 def take_batches(ds: grain.MapDataset, n: int) -> list[dict]:

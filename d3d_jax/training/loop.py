@@ -163,9 +163,13 @@ class Trainer:
             self.mask_token_id = data_lib.resolve_mask_token_id(dc, cfg.model.mask_token_id, self.tokenizer)
         self.data_stats: dict = {}
         if train_data is None:
-            train_data, stats = data_lib.build_dataset(dc, dc.train_path, tokenizer=self.tokenizer,
+            # Multi-host: each process reads its own records and builds its share of the batch.
+            pc = jax.process_count()
+            local = dataclasses.replace(dc, batch_size=dc.batch_size // pc) if pc > 1 else dc
+            train_data, stats = data_lib.build_dataset(local, dc.train_path, tokenizer=self.tokenizer,
                                                        mask_token_id=self.mask_token_id,
-                                                       eos_token_id=_first(cfg.model.eos_token_id))
+                                                       eos_token_id=_first(cfg.model.eos_token_id),
+                                                       shard=(jax.process_index(), pc))
             self.data_stats["train"] = stats.as_dict()
         if dev_batches is None and dc.dev_path and dc.dev_batches:
             dev_ds, stats = data_lib.build_dataset(dc, dc.dev_path, tokenizer=self.tokenizer,
@@ -175,8 +179,6 @@ class Trainer:
             self.data_stats["dev"] = stats.as_dict()
             dev_batches = data_lib.take_batches(dev_ds, dc.dev_batches)
         self.dev_batches = dev_batches or []
-        if jax.process_count() > 1:  # each host reads its own slice of the global batch
-            train_data = train_data[jax.process_index()::jax.process_count()]
         self.train_iter = train_data.to_iter_dataset(
             grain.ReadOptions(num_threads=1, prefetch_buffer_size=2)).__iter__()
 
@@ -415,7 +417,7 @@ class Trainer:
 
             extra = {k: getattr(model.config, k) for k in ("mask_token_id", "block_size")
                      if getattr(model.config, k) is not None}
-            paths["hf"] = str(save_qwen3(model, out / "hf", extra_config=extra))
+            paths["hf"] = str(save_qwen3(model, out / "hf", extra_config=extra, tokenizer=self.tokenizer))
         return paths
 
     def close(self) -> None:
