@@ -65,6 +65,10 @@ def test_greedy_replay_async_equals_plain(setup, hit_rate):
     tl = []
     outs = _async(s, drafter, tl)
     assert [o.token_ids for o in outs] == s["plain"]
+    if hit_rate == 0.5:  # and sync with the same drafter agrees (sync == plain: test_engine)
+        sync = generate(s["target"], s["prompts"], mode="sync", drafter=drafter,
+                        max_new_tokens=N_NEW, block_size=BLOCK, batch_size=BATCH)
+        assert [o.token_ids for o in sync] == s["plain"]
     hit, judged = _hits(tl)
     syncs = sum(r["sync_draft"] for r in tl)
     assert judged > 50
@@ -107,9 +111,10 @@ def test_a_miss_runs_exactly_one_sync_draft_and_a_hit_none(setup, monkeypatch):
         return real(*args, **kw)
 
     monkeypatch.setattr(A, "miss_step", counting)
-    drafter = A.AsyncReplayDrafter(s["plain"], VOCAB, error_rate=0.3, hit_rate=0.5, seed=2)
+    # C = 1: only the all-accept branch, so hits shorten the next block (draft_len = B-2)
+    drafter = A.AsyncReplayDrafter(s["plain"], VOCAB, error_rate=0.1, hit_rate=0.5, seed=2)
     tl = []
-    outs = _async(s, drafter, tl, batch_size=1, prompts=s["prompts"][:3])
+    outs = _async(s, drafter, tl, batch_size=1, prompts=s["prompts"][:3], branch_positions=1)
     assert [o.token_ids for o in outs] == s["plain"][:3]
     per_round = [(r["hit"][0], r["sync_draft"]) for r in tl if r["active"][0]]
     assert any(h for h, _ in per_round) and any(not h for h, _ in per_round)

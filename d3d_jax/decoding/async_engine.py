@@ -47,6 +47,7 @@ DEFAULT_BRANCH_POSITIONS = 12  # C (spec §5: the paper's optimum with F = 2)
 DEFAULT_BRANCH_FANOUT = 2  # F
 SALT_HIT = 5  # replay drafter's hit coin (verify.py uses salts 0..4)
 _GREEDY = V.SamplingParams()
+_DESCRIBED: set = set()
 
 
 # --------------------------------------------------------------------------------------
@@ -366,7 +367,8 @@ def run_async(batch: E.PreparedBatch, *, branch_positions: int = DEFAULT_BRANCH_
             spec.model_spec.mask_token_id if isinstance(spec, CostedReplayDraftSpec) else 0)
     ast = AsyncStatic(static, layout, int(mask))
     tstatic = dataclasses.replace(static, drafter_spec=None)  # target-side cores never see the drafter
-    if verbose:
+    if verbose and layout not in _DESCRIBED:  # once per layout, not once per batch
+        _DESCRIBED.add(layout)
         print(layout.describe(), flush=True)
     t_devs, d_devs = resolve_slices(target_devices, drafter_devices)
     t_params_put, t_put = _placer(t_devs)
