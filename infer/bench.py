@@ -21,6 +21,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
                "plain decoding vs transformers; sync efficiency with a replay drafter"),
     "train": ("d3d_jax.training.bench_train",
               "train-step tokens/s (tiny config) and a per-device memory plan (D3D-8B, 64-device fsdp)"),
+    "async": ("d3d_jax.decoding.async_bench",
+              "async vs sync vs plain (tokens/s, τ, hit rate); C×F sweep, speedup/hit rate vs budget PNG"),
     "eval": ("d3d_jax.evaluation.cli",
              "Table 1 for a target + drafter: τ, speedup, tokens/s, hit rate per benchmark, plots"),
 }

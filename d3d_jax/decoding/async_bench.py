@@ -39,7 +39,7 @@ def error_rate_for_tau(tau: float, block_size: int) -> float:
     return (lo + hi) / 2
 
 
-def add_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--target", default="tiny", help="model config name/YAML for the target")
     p.add_argument("--drafter", default="tiny-drafter", help="model config name/YAML for the drafter")
     p.add_argument("--dtype", default=None, help="compute/param dtype for both (e.g. bfloat16)")
@@ -219,12 +219,11 @@ def plot_sweep(sweep: list[dict], path: Path, title: str = "") -> Path:
     return path
 
 
-def main(argv=None) -> dict:
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    args = add_args(argparse.ArgumentParser(prog="bench.py async", description=__doc__.split("\n")[0])
-                    ).parse_args(argv)
+def main(args: argparse.Namespace) -> dict:
+    """Entry point of ``infer/bench.py async`` (parsed by :func:`add_arguments`)."""
     return run(args)
 
 
 if __name__ == "__main__":
-    main()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    main(add_arguments(argparse.ArgumentParser(prog="bench.py async")).parse_args())
