@@ -346,3 +346,17 @@ def test_cli_on_a_saved_target_matches_the_library(full_run, target, tokenizer, 
     assert records[0]["target"]["path"] == str(Path(target_dir).resolve())
     with pytest.raises(Exception, match="top_p"):
         cli.main(args + ["top_p=1.5"])
+
+
+def test_benchmark_reports_tokens_per_s_per_batch_size(target, tokenizer, prompts_file, tmp_path):
+    from d3d_jax.training import regenerate_bench as bench
+
+    rows = bench.benchmark_regeneration(target, tokenizer, prompts_file, batch_sizes=(1, 4), settings=SAMPLED,
+                                        workdir=tmp_path)
+    assert [r["batch_size"] for r in rows] == [1, 4]
+    for r in rows:  # every prompt regenerated in the timed run, tokens counted from the records
+        assert r["records"] == 11 and r["generated_tokens"] > 0 and r["tokens_per_s"] > 0
+    # Same per-id seeds: both batch sizes sample the same responses, so the same token count.
+    assert rows[0]["generated_tokens"] == rows[1]["generated_tokens"]
+    table = bench.format_table(rows)
+    assert "tokens/s" in table and len(table.splitlines()) == 3
