@@ -23,6 +23,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
               "train-step tokens/s (tiny config) and a per-device memory plan (D3D-8B, 64-device fsdp)"),
     "async": ("d3d_jax.decoding.async_bench",
               "async vs sync vs plain (tokens/s, τ, hit rate); C×F sweep, speedup/hit rate vs budget PNG"),
+    "regenerate": ("d3d_jax.training.regenerate_bench",
+                   "regeneration tokens/s at batch 1 vs 8 (tiny target), the data-regeneration path"),
     "eval": ("d3d_jax.evaluation.cli",
              "Table 1 for a target + drafter: τ, speedup, tokens/s, hit rate per benchmark, plots"),
 }

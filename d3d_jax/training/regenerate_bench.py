@@ -1,5 +1,9 @@
 """Regeneration throughput: tokens/s of the full regeneration path at several batch sizes.
 
+``infer/bench.py regenerate [--target DIR --prompts FILE] [--batch-sizes 1,8] [--max-new-tokens 32]
+[--num-prompts 32] [--greedy] [--json out.json]``.  Without ``--target``: a random-weight
+``configs/models/tiny.yaml`` target, a tokenizer trained on Shakespeare, held-out-play prompts.
+
 Each batch size runs :func:`d3d_jax.training.regenerate.regenerate` twice on the same prompts
 into fresh files: the first run compiles every shape, the second is timed (generation plus
 record writing; prompt reading and rendering happen before the clock starts).
@@ -7,6 +11,7 @@ record writing; prompt reading and rendering happen before the clock starts).
 
 from __future__ import annotations
 
+import argparse
 import json
 import tempfile
 from pathlib import Path
@@ -72,3 +77,46 @@ def format_table(rows: Sequence[dict]) -> str:
     lines = [head] + [f"{r['batch_size']:>5} {r['records']:>7} {r['generated_tokens']:>7} {r['seconds']:>8.2f} "
                       f"{r['tokens_per_s']:>9.1f} {r['speedup_vs_first']:>10.2f}" for r in rows]
     return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------------------
+# infer/bench.py regenerate
+# --------------------------------------------------------------------------------------------
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--target", help="HF Qwen3 dir or d3d_jax checkpoint (default: random tiny target)")
+    ap.add_argument("--tokenizer", help="tokenizer dir (default: --target)")
+    ap.add_argument("--prompts", help="prompt JSONL (required with --target)")
+    ap.add_argument("--model", default="tiny", help="config name of the random target without --target")
+    ap.add_argument("--num-prompts", type=int, default=32)
+    ap.add_argument("--batch-sizes", default="1,8")
+    ap.add_argument("--max-new-tokens", type=int, default=32)
+    ap.add_argument("--greedy", action="store_true", help="argmax instead of Qwen3 non-thinking sampling")
+    ap.add_argument("--json", help="write the rows here as JSON")
+
+
+def main(args: argparse.Namespace) -> list[dict]:
+    batch_sizes = [int(b) for b in args.batch_sizes.split(",") if b]
+    settings = (rg.GenerationSettings.greedy(args.max_new_tokens) if args.greedy
+                else rg.GenerationSettings(max_new_tokens=args.max_new_tokens))
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.target:
+            if not args.prompts:
+                raise ValueError("--prompts is required with --target")
+            from transformers import AutoTokenizer
+
+            from d3d_jax.io.checkpoint import load_model
+
+            target = load_model(args.target)
+            tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.target, local_files_only=True)
+            prompts = args.prompts
+        else:
+            target, tokenizer, prompts = tiny_setup(tmp, args.num_prompts, args.model)
+        rows = benchmark_regeneration(target, tokenizer, prompts, batch_sizes=batch_sizes, settings=settings,
+                                      workdir=tmp)
+    print(f"regeneration, {'greedy' if args.greedy else 'T=0.7 top-p 0.8 top-k 20'}, "
+          f"max_new_tokens={args.max_new_tokens}")
+    print(format_table(rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=2)
+    return rows
