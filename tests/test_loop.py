@@ -60,7 +60,11 @@ def test_bad_config_combinations_fail_at_load(tmp_path):
 def test_sharded_steps_equal_single_device(corpus, tmp_path):
     runs = {}
     for name, extra in (("one", ["num_devices=1"]),
-                        ("fsdp4_tp2", ["num_devices=8", "mesh.fsdp=4", "mesh.tensor=2"])):
+                        ("fsdp4_tp2", ["num_devices=8", "mesh.fsdp=4", "mesh.tensor=2"]),
+                        # every synthetic row has the same anchor / response-token counts, so the
+                        # mean of two micro-batch losses equals the whole batch's loss
+                        ("fsdp4_tp2_accum2", ["num_devices=8", "mesh.fsdp=4", "mesh.tensor=2",
+                                              "optim.grad_accum_steps=2"])):
         tr = Trainer(_cfg(corpus, tmp_path / name, "train.steps=5", "train.resume=false", "model.num_layers=1",
                           "train.checkpoint_every=0", "data.dev_batches=0", *extra))
         runs[name] = [r["loss"] for r in tr.fit()]
@@ -69,9 +73,10 @@ def test_sharded_steps_equal_single_device(corpus, tmp_path):
             assert any("fsdp" in s for s in specs) and any("tensor" in s for s in specs), specs
             assert len(tr.state["params"]["layers"][0]["mlp"]["gate_proj"]["kernel"].sharding.device_set) == 8
         tr.close()
-    print("losses 1 device:", runs["one"], "\nlosses fsdp4×tp2:", runs["fsdp4_tp2"])
+    print("losses:", runs)
     assert runs["one"][0] > runs["one"][-1]
     np.testing.assert_allclose(runs["fsdp4_tp2"], runs["one"], rtol=1e-4)
+    np.testing.assert_allclose(runs["fsdp4_tp2_accum2"], runs["one"], rtol=1e-4)
 
 
 def test_resume_equals_uninterrupted(corpus, tmp_path):
@@ -186,3 +191,26 @@ def test_memory_plan_matches_closed_form():
     fp32 = memory_plan(cfg, 64, overrides=["optim.name=adamw"])["per_device_GiB"]
     assert abs(fp32["optimizer_state"] - 2 * g["params"]) < 0.01 * fp32["optimizer_state"]
     assert g["total"] < 80  # fits an 80 GB accelerator
+
+
+def test_init_from_hf_dir_with_fp32_master_bf16_compute(corpus, tmp_path):
+    from flax import nnx
+
+    from d3d_jax.config import ModelConfig
+    from d3d_jax.io.hf import save_qwen3
+    from d3d_jax.model.qwen3 import init_model
+
+    src = init_model(ModelConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=1, num_heads=4,
+                                 num_kv_heads=2, head_dim=16, max_position_embeddings=512), seed=5)
+    save_qwen3(src, tmp_path / "hf_src", dtype="float32")
+    tr = Trainer(_cfg(corpus, tmp_path / "run", f"train.init_from={tmp_path}/hf_src", "train.param_dtype=float32",
+                      "train.compute_dtype=bfloat16", "train.gradient_checkpointing=true", "train.steps=1"))
+    m = tr.model()
+    assert m.config.dtype == "bfloat16" and m.config.param_dtype == "float32"
+    assert m.config.gradient_checkpointing and m.config.mask_token_id == 3 and m.config.block_size == 16
+    want = nnx.to_pure_dict(nnx.state(src, nnx.Param))
+    got = nnx.to_pure_dict(nnx.state(m, nnx.Param))
+    for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
+        assert b.dtype == np.float32
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    tr.close()
