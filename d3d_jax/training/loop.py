@@ -104,7 +104,7 @@ def _train_step(graphdef, tx: optax.GradientTransformation, loss_fn: LossFn, sch
         grads = jax.tree.map(lambda g: g / accum, grads)
         metrics = jax.tree.map(lambda m: m / accum, metrics)
     metrics = dict(metrics)
-    metrics["grad_norm"] = optax.global_norm(grads)
+    metrics["grad_norm"] = optax.tree.norm(grads)
     metrics["learning_rate"] = schedule(state["step"])
     updates, opt_state = tx.update(grads, state["opt_state"], params)
     params = optax.apply_updates(params, updates)
@@ -179,6 +179,8 @@ class Trainer:
             self.data_stats["dev"] = stats.as_dict()
             dev_batches = data_lib.take_batches(dev_ds, dc.dev_batches)
         self.dev_batches = dev_batches or []
+        for name, st in self.data_stats.items():
+            self.log(f"data {name}: {st}")
         self.train_iter = train_data.to_iter_dataset(
             grain.ReadOptions(num_threads=1, prefetch_buffer_size=2)).__iter__()
 
