@@ -30,12 +30,27 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+def _limit_cpu_threads(n: int) -> None:
+    """Pin XLA (and torch, via OMP) to ``n`` threads: on a shared CPU, timings stop depending on
+    how many other processes compete for the cores.  Must run before jax/torch are imported."""
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_cpu_multi_thread_eigen="
+                               + ("false intra_op_parallelism_threads=1" if n == 1 else "true")).strip()
+    os.environ["OMP_NUM_THREADS"] = str(n)
+
+
 def main(argv: list[str] | None = None):
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cpu-threads", type=int, default=None,
+                        help="threads for XLA-CPU and torch (1 = steadier timings on a busy machine)")
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--cpu-threads", type=int, default=None)
+    early, _ = pre.parse_known_args(argv)
+    if early.cpu_threads:
+        _limit_cpu_threads(early.cpu_threads)
     sub = parser.add_subparsers(dest="command", required=True, metavar="{" + ",".join(COMMANDS) + "}")
     # build only the requested command's parser, so one command's imports never slow another
-    name = next((a for a in argv if not a.startswith("-")), None)
+    name = next((a for a in argv if a in COMMANDS), None)
     for cmd, (module, helptext) in COMMANDS.items():
         p = sub.add_parser(cmd, help=helptext)
         if cmd == name:

@@ -30,7 +30,8 @@ def slot_accept_rate(hist: np.ndarray) -> list[float]:
 
 def request_metrics(hist: np.ndarray, num_tokens: int, wall_s: float, *, mode: str,
                     batch_index: int = 0, draft_s: float | None = None,
-                    verify_s: float | None = None) -> dict:
+                    verify_s: float | None = None, cpu_s: float | None = None,
+                    compile_s: float | None = None) -> dict:
     """Metrics of one request; ``wall_s`` is the decode time of the batch it ran in."""
     hist = np.asarray(hist, np.int64)
     return {
@@ -45,6 +46,8 @@ def request_metrics(hist: np.ndarray, num_tokens: int, wall_s: float, *, mode: s
         "tokens_per_s": float(num_tokens / wall_s) if wall_s > 0 else float("nan"),
         "draft_s": draft_s,
         "verify_s": verify_s,
+        "batch_cpu_s": cpu_s,  # process CPU time of the batch's decode (CPU hosts)
+        "compile_s": compile_s,
     }
 
 
