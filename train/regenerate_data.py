@@ -1,4 +1,4 @@
-"""Regenerate every response with the target (spec §2.1): resumable, batched, multi-host.
+r"""Regenerate every response with the target (spec §2.1): resumable, batched, multi-host.
 
     python train/regenerate_data.py --target PATH --prompts prompts.jsonl --out data.jsonl \
         [--config regen.yaml] [--greedy] [--max-new-tokens N] [--batch-size N] [--seed N] \
