@@ -37,6 +37,7 @@ from d3d_jax.model import kv_cache as kvc
 from d3d_jax.model.masks import causal_meta
 
 __all__ = ["SamplingParams", "GenerationOutput", "DecodeStatic", "DecodeState", "generate",
+           "summarize_outputs",
            "ModelDrafter", "ReplayDrafter", "register_mode", "FINISH_REASONS"]
 
 # CPU backends cannot donate; the warning says nothing useful there.
@@ -498,3 +499,8 @@ def generate(target, prompts: Sequence[Sequence[int]], *, mode: str = "plain", d
             met.update(timings.get("row_metrics", [{}] * (r + 1))[r])
             outputs[i] = GenerationOutput(ids, FINISH_REASONS.get(int(finish[r]), "length"), met)
     return outputs  # type: ignore[return-value]
+
+
+def summarize_outputs(outputs: Sequence[GenerationOutput]) -> dict:
+    """Overall metrics of one :func:`generate` call (pooled τ and histogram, tokens/s, ...)."""
+    return M.summarize([o.metrics for o in outputs])

@@ -1,0 +1,194 @@
+#!/usr/bin/env python
+"""Generate with plain, synchronous or asynchronous speculative decoding.
+
+  infer/generate.py --target PATH [--drafter PATH] --mode plain|sync|async
+                    (--prompt TEXT | --prompt-ids 1,2,3 | --prompts-file FILE.jsonl) ...
+
+PATH is an HF Qwen3 directory or an exported d3d_jax parameter checkpoint.  A drafter's
+config carries ``mask_token_id`` and ``block_size``; ``--mask-token-id`` / ``--block-size``
+override or supply them.  A prompts file holds one JSON object per line with ``prompt_ids`` (token
+ids), ``prompt`` (text) or ``messages`` (chat turns; the chat template is applied with
+``enable_thinking=False``).  ``--json`` prints one JSON object per prompt.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", required=True, help="HF directory or d3d_jax parameter checkpoint")
+    p.add_argument("--drafter", default=None, help="drafter checkpoint (modes sync, async)")
+    p.add_argument("--mode", default="plain", choices=("plain", "sync", "async"))
+    src = p.add_argument_group("prompts (any mix; at least one)")
+    src.add_argument("--prompt", action="append", default=[], help="text prompt (repeatable)")
+    src.add_argument("--prompt-ids", action="append", default=[], help="comma-separated ids (repeatable)")
+    src.add_argument("--prompts-file", default=None, help="JSONL: prompt_ids | prompt | messages")
+    p.add_argument("--chat", action="store_true", help="wrap --prompt texts as a user turn in the chat template")
+    p.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the target's)")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--batch-size", type=int, default=None)
+    p.add_argument("--block-size", type=int, default=None, help="default: the drafter's config, else 16")
+    p.add_argument("--mask-token-id", type=int, default=None, help="default: the drafter's config")
+    p.add_argument("--max-cache-len", type=int, default=None)
+    p.add_argument("--eos-ids", default=None, help="comma-separated; default: config + tokenizer EOS")
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--stop-ids", default="", help="comma-separated extra stop token ids")
+    p.add_argument("--dtype", default=None, help="parameter/compute dtype (float32, bfloat16)")
+    p.add_argument("--sample-drafts", action="store_true", help="sample drafts from q (sampling only)")
+    p.add_argument("--loop", default="device", choices=("device", "host"),
+                   help="device: fused on-device loop; host: per-round loop that times draft/verify")
+    p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+                   help="extra mode option passed to engine.generate (repeatable)")
+    p.add_argument("--json", action="store_true", help="one JSON object per prompt")
+    return p.parse_args(argv)
+
+
+def _ids(text: str, what: str) -> list[int]:
+    try:
+        return [int(t) for t in text.replace(" ", "").split(",") if t != ""]
+    except ValueError:
+        raise SystemExit(f"error: {what}: expected comma-separated integers, got {text!r}") from None
+
+
+def _load_tokenizer(path):
+    from d3d_jax.io.hf import load_tokenizer
+
+    return load_tokenizer(path)[0]
+
+
+def _has_tokenizer(path: Path) -> bool:
+    return path.is_dir() and any((path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json"))
+
+
+def collect_prompts(args, tokenizer) -> list[list[int]]:
+    def need_tok(what):
+        if tokenizer is None:
+            raise SystemExit(f"error: {what} needs a tokenizer: pass --tokenizer DIR "
+                             "(the target directory has none)")
+        return tokenizer
+
+    def encode_text(text):
+        tok = need_tok("a text prompt")
+        if args.chat:
+            return encode_messages([{"role": "user", "content": text}])
+        return tok.encode(text, add_special_tokens=False)
+
+    def encode_messages(messages):
+        tok = need_tok("a chat prompt")
+        out = tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True,
+                                      enable_thinking=False)
+        return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
+
+    prompts = [encode_text(t) for t in args.prompt]
+    prompts += [_ids(t, "--prompt-ids") for t in args.prompt_ids]
+    if args.prompts_file:
+        with open(args.prompts_file) as f:
+            for n, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise SystemExit(f"error: {args.prompts_file}:{n}: not JSON ({e})") from None
+                if "prompt_ids" in rec:
+                    prompts.append([int(t) for t in rec["prompt_ids"]])
+                elif "messages" in rec:
+                    prompts.append(encode_messages(rec["messages"]))
+                elif "prompt" in rec:
+                    prompts.append(encode_text(rec["prompt"]))
+                else:
+                    raise SystemExit(f"error: {args.prompts_file}:{n}: needs prompt_ids, prompt or messages")
+    if not prompts:
+        raise SystemExit("error: no prompts: give --prompt, --prompt-ids or --prompts-file")
+    return prompts
+
+
+def eos_ids(args, target_cfg, tokenizer) -> list[int]:
+    if args.ignore_eos:
+        return []
+    if args.eos_ids is not None:
+        return _ids(args.eos_ids, "--eos-ids")
+    ids = target_cfg.eos_token_id
+    ids = [] if ids is None else ([ids] if isinstance(ids, int) else list(ids))
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.append(int(tokenizer.eos_token_id))
+    return sorted({i for i in ids if 0 <= i < target_cfg.vocab_size})
+
+
+def parse_option(text: str):
+    import yaml
+
+    if "=" not in text:
+        raise SystemExit(f"error: --option expects KEY=VALUE, got {text!r}")
+    key, value = text.split("=", 1)
+    return key.strip(), yaml.safe_load(value)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    from d3d_jax.decoding.engine import SamplingParams, generate, summarize_outputs
+    from d3d_jax.io.checkpoint import load_model
+
+    target = load_model(args.target, dtype=args.dtype)
+    tok_path = Path(args.tokenizer) if args.tokenizer else Path(args.target)
+    if args.tokenizer and not _has_tokenizer(tok_path):
+        raise SystemExit(f"error: --tokenizer {tok_path}: no tokenizer files there")
+    tokenizer = _load_tokenizer(tok_path) if _has_tokenizer(tok_path) else None
+    prompts = collect_prompts(args, tokenizer)
+
+    drafter, block, mask = None, args.block_size, args.mask_token_id
+    if args.mode != "plain":
+        if args.drafter is None:
+            raise SystemExit(f"error: --mode {args.mode} needs --drafter")
+        drafter = load_model(args.drafter, dtype=args.dtype)
+        mask = mask if mask is not None else drafter.config.mask_token_id
+        block = block if block is not None else drafter.config.block_size
+        if mask is None:
+            raise SystemExit("error: the drafter's config has no mask_token_id: pass --mask-token-id")
+    elif args.drafter is not None:
+        raise SystemExit("error: --drafter given with --mode plain")
+    options = dict(parse_option(o) for o in args.option)
+    if args.mode in ("plain", "sync"):
+        options.update(loop=args.loop)
+    if args.sample_drafts:
+        options.update(sample_drafts=True)
+    try:
+        outs = generate(target, prompts, mode=args.mode, drafter=drafter,
+                        sampling=SamplingParams(args.temperature, args.top_p, args.top_k),
+                        max_new_tokens=args.max_new_tokens, eos_token_ids=eos_ids(args, target.config, tokenizer),
+                        stop_token_ids=_ids(args.stop_ids, "--stop-ids"), batch_size=args.batch_size,
+                        seed=args.seed, block_size=block or 16, mask_token_id=mask,
+                        max_cache_len=args.max_cache_len, **options)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
+    for i, o in enumerate(outs):
+        text = tokenizer.decode(o.token_ids, skip_special_tokens=False) if tokenizer is not None else None
+        if args.json:
+            print(json.dumps({"index": i, "token_ids": o.token_ids, "text": text,
+                              "finish_reason": o.finish_reason, "tau": o.metrics["tau"],
+                              "tokens_per_s": o.metrics["tokens_per_s"], "metrics": o.metrics}))
+        else:
+            print(f"--- [{i}] {o.finish_reason}, {len(o.token_ids)} tokens, tau {o.metrics['tau']:.2f}")
+            print(text if text is not None else " ".join(map(str, o.token_ids)))
+    summary = summarize_outputs(outs)
+    print(json.dumps({"summary": summary}) if args.json else
+          f"=== {summary['requests']} prompts, {summary['num_tokens']} tokens, tau {summary['tau']:.2f}, "
+          f"{summary['tokens_per_s']:.1f} tokens/s", file=sys.stderr)
+    return outs
+
+
+if __name__ == "__main__":
+    main()
