@@ -50,6 +50,13 @@ def parse_args(argv=None):
     p.add_argument("--sample-drafts", action="store_true", help="sample drafts from q (sampling only)")
     p.add_argument("--loop", default="device", choices=("device", "host"),
                    help="device: fused on-device loop; host: per-round loop that times draft/verify")
+    asy = p.add_argument_group("async mode (spec §5)")
+    asy.add_argument("--branch-positions", type=int, default=None,
+                     help="C: rejection slots 1..C-1 get branches (default min(12, block size))")
+    asy.add_argument("--branch-fanout", type=int, default=None, help="F: alternatives per slot (default 2)")
+    asy.add_argument("--target-devices", type=int, default=None,
+                     help="devices for the target (with --drafter-devices: disjoint slices)")
+    asy.add_argument("--drafter-devices", type=int, default=None, help="devices for the drafter")
     p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                    help="extra mode option passed to engine.generate (repeatable)")
     p.add_argument("--json", action="store_true", help="one JSON object per prompt")
@@ -165,6 +172,13 @@ def main(argv=None):
         options.update(loop=args.loop)
     if args.sample_drafts:
         options.update(sample_drafts=True)
+    async_flags = {k: getattr(args, k) for k in ("branch_positions", "branch_fanout", "target_devices",
+                                                 "drafter_devices") if getattr(args, k) is not None}
+    if args.mode == "async":
+        options.update(branch_positions=min(12, block or 16), branch_fanout=2)
+        options.update(async_flags)
+    elif async_flags:
+        raise SystemExit(f"error: --{next(iter(async_flags)).replace('_', '-')} needs --mode async")
     try:
         outs = generate(target, prompts, mode=args.mode, drafter=drafter,
                         sampling=SamplingParams(args.temperature, args.top_p, args.top_k),

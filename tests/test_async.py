@@ -7,6 +7,8 @@ would); counted calls for "a miss runs exactly one synchronous draft"; wall-cloc
 for the overlap of verify and packed forward on two devices.
 """
 
+import json
+
 import numpy as np
 import jax
 import pytest
@@ -189,3 +191,38 @@ def test_bad_inputs_fail_clearly(setup, kw, err, msg):
     with pytest.raises(err, match=msg):
         generate(setup["target"], setup["prompts"][:1], mode="async", drafter=setup["drafter"],
                  max_new_tokens=4, block_size=BLOCK, **kw)
+
+
+def test_generate_cli_async_flags(setup, tmp_path, capsys):
+    """infer/generate.py --mode async --branch-positions C --branch-fanout F: same ids as plain;
+    a bad C is one clear error."""
+    import importlib.util
+    from pathlib import Path
+
+    from d3d_jax.io.hf import save_qwen3
+
+    spec = importlib.util.spec_from_file_location(
+        "generate_cli", Path(__file__).resolve().parent.parent / "infer" / "generate.py")
+    cli = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cli)
+    save_qwen3(setup["target"], tmp_path / "t")
+    save_qwen3(setup["drafter"], tmp_path / "d", extra_config={"block_size": BLOCK})
+    base = ["--target", str(tmp_path / "t"), "--max-new-tokens", "12", "--json", "--ignore-eos"]
+    base += sum([["--prompt-ids", ",".join(map(str, p))] for p in setup["prompts"][:3]], [])
+
+    def ids(mode_args):
+        capsys.readouterr()
+        cli.main(base + mode_args)
+        lines = [json.loads(x) for x in capsys.readouterr().out.splitlines() if x.startswith("{")]
+        return [r["token_ids"] for r in lines if "token_ids" in r], [r for r in lines if "metrics" in r]
+
+    plain, _ = ids(["--mode", "plain"])
+    asy, recs = ids(["--mode", "async", "--drafter", str(tmp_path / "d"), "--branch-positions", "3",
+                     "--branch-fanout", "2"])
+    assert asy == plain and len(plain) == 3
+    assert recs[0]["metrics"]["n_async"] == BLOCK * ((3 - 1) * 2 + 2)
+    with pytest.raises(SystemExit, match="branch_positions"):
+        cli.main(base + ["--mode", "async", "--drafter", str(tmp_path / "d"), "--branch-positions",
+                         str(BLOCK + 1)])
+    with pytest.raises(SystemExit, match="needs --mode async"):
+        cli.main(base + ["--mode", "plain", "--branch-fanout", "2"])

@@ -453,7 +453,8 @@ def run_async(batch: E.PreparedBatch, *, branch_positions: int = DEFAULT_BRANCH_
                         hit_rate_batch=float(hits.sum() / judged.sum()) if judged.sum() else float("nan"),
                         n_async=layout.budget, branch_positions=layout.positions,
                         branch_fanout=layout.fanout, wait_s=totals["wait_s"],
-                        sync_s=totals["sync_s"], packed_s=totals["packed_s"]),
+                        sync_s=totals["sync_s"], packed_s=totals["packed_s"],
+                        sync_draft_s=totals["sync_s"] / sync_drafts if sync_drafts else 0.0),
         "row_metrics": [dict(hits=int(h), misses=int(m),
                              hit_rate=float(h / (h + m)) if h + m else float("nan"))
                         for h, m in zip(hits, misses)],
