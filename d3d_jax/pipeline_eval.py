@@ -75,6 +75,8 @@ def _suites(p) -> dict[str, list[B.Sample]]:
 
 
 def benchmark(p) -> dict:
+    import jax
+
     from d3d_jax.io.checkpoint import load_model
 
     c, tok = p.cfg, p.tokenizer()
@@ -88,9 +90,12 @@ def benchmark(p) -> dict:
                               max_cache_len=384 + c.eval_max_new_tokens + 4 * c.block_size, modes=modes,
                               async_options={"branch_positions": c.async_positions, "branch_fanout": c.async_fanout}
                               if has_async else {})
+    if has_async and jax.device_count() >= 2:  # spec §5: target and drafter on disjoint devices
+        settings.async_options.update(target_devices=1, drafter_devices=1)
     mask = p.special_ids()["mask"]
     kw = dict(eos_token_ids=p.eos_ids(), mask_token_id=mask, encode_fn=demo.chat_prompt_ids)
     report: dict = {"suites": {k: len(v) for k, v in suites.items()}, "modes": list(modes),
+                    "devices": [str(d) for d in jax.devices()],
                     "async_available": has_async, "settings": vars(settings) | {}, "drafters": {}}
     plain_runs = None
     for dname in c.eval_drafters:

@@ -242,6 +242,10 @@ def summarize(runs: dict[str, ModeRun], block_size: int) -> dict:
             # slot k (1..B-1) is accepted in a round iff τ > k
             at_least = hist[::-1].cumsum()[::-1]
             d["slot_accept_rate"] = (at_least[1:] / rounds).tolist()
+            # Why a speedup is what it is: speedup = τ / (cost of one round in plain-decoding steps).
+            d["ms_per_round"] = 1e3 * run.seconds / rounds
+            if plain is not None and plain.new_tokens:
+                d["round_cost_in_plain_steps"] = d["ms_per_round"] / (1e3 * plain.seconds / plain.new_tokens)
         hits = [m for m in run.metrics if "hits" in m and "misses" in m]
         if hits:  # async: a round is judged a hit or a miss of the branch pack
             judged = sum(m["hits"] + m["misses"] for m in hits)

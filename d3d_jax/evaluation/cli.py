@@ -29,7 +29,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
     ap.add_argument("--block-size", type=int, default=None, help="default: the drafter's config")
     ap.add_argument("--modes", default="plain,sync,async")
     ap.add_argument("--template", choices=("standard", "plain"), default="standard")
-    ap.add_argument("--branch-positions", type=int, default=12, help="async C")
+    ap.add_argument("--branch-positions", type=int, default=None, help="async C (default min(12, B))")
     ap.add_argument("--branch-fanout", type=int, default=2, help="async F")
     ap.add_argument("--async-sweep", default="", help="C×F points, e.g. 4x2,8x2,12x2")
     ap.add_argument("--hf-peer", action="store_true", help="also transformers assisted generation")
@@ -68,7 +68,7 @@ def main(args) -> int:
         raise ValueError("--modes must include plain (speedups and the equality check are against it)")
     settings = B.EvalSettings(max_new_tokens=args.max_new_tokens, block_size=block, modes=modes,
                               max_cache_len=-(-(2 * longest + 2 * args.max_new_tokens + 4 * block) // 64) * 64,
-                              async_options={"branch_positions": args.branch_positions,
+                              async_options={"branch_positions": args.branch_positions or min(12, block),
                                              "branch_fanout": args.branch_fanout} if "async" in modes else {})
     kw = dict(eos_token_ids=eos_ids, mask_token_id=mask_id, encode_fn=demo.chat_prompt_ids)
     results, raw = B.evaluate(target, drafter, tok, suites, settings, **kw)
