@@ -89,21 +89,27 @@ def target_step_fn(model, width: int, context_len: int, cache_len: int, iters: i
     graphdef, params = nnx.split(model)
 
     @jax.jit
-    def run(params, cache):
+    def run(params, cache, ctx):
+        # ctx is traced, as the engine's positions are: a constant would let XLA fold RoPE
+        # tables and masks and make the step look cheaper than any real decoding step
         m = nnx.merge(graphdef, params)
-        pos = context_len + jnp.arange(width, dtype=jnp.int32)[None]
+        pos = ctx + jnp.arange(width, dtype=jnp.int32)[None]
         tokens = jnp.zeros((1, width), jnp.int32)
 
         def body(i, carry):
             cache, acc = carry
             logits, cache = m(tokens + i % 7, causal_meta(pos), cache=cache)
-            return cache.with_lengths(jnp.full((1,), context_len, jnp.int32)), acc + logits[0, -1, 0]
+            # consume every logit (argmax, as decoding does): reading one would let XLA shrink
+            # the LM-head matmul to that element
+            return (cache.with_lengths(jnp.full((1,), ctx, jnp.int32)),
+                    acc + jnp.sum(jnp.argmax(logits, axis=-1)))
 
-        return jax.lax.fori_loop(0, iters, body, (cache, jnp.float32(0)))[1]
+        return jax.lax.fori_loop(0, iters, body, (cache, jnp.int32(0)))[1]
 
+    ctx = jnp.int32(context_len)
     cache = kvc.init_cache(model.config, 1, cache_len).with_lengths(jnp.full((1,), context_len, jnp.int32))
-    jax.block_until_ready(run(params, cache))  # compile
-    return lambda: jax.block_until_ready(run(params, cache))
+    jax.block_until_ready(run(params, cache, ctx))  # compile
+    return lambda: jax.block_until_ready(run(params, cache, ctx))
 
 
 def run(args) -> dict:
@@ -125,16 +131,17 @@ def run(args) -> dict:
                     "device": str(jax.devices()[0]),
                     "timing": f"{clock} clock, minimum over {args.repeats} interleaved repeats"}
 
-    def decode(**kw):
-        return generate(target, [prompt], max_new_tokens=n_new, block_size=bs, max_cache_len=cache_len,
+    def decode(n=n_new, **kw):
+        return generate(target, [prompt], max_new_tokens=n, block_size=bs, max_cache_len=cache_len,
                         **kw)[0]
 
     plain_out = decode()  # compiles
     drafter = ReplayDrafter([plain_out.token_ids], args.vocab, error_rate=args.error_rate)
     sync_out = decode(mode="sync", drafter=drafter)
     ctx = args.prompt_len + n_new // 2  # a representative context: halfway through the output
-    step_1 = target_step_fn(target, 1, ctx, cache_len)
-    step_b = target_step_fn(target, bs, ctx, cache_len)
+    iters_1, iters_b = 128, 32  # comparable durations, long enough for a steady minimum
+    step_1 = target_step_fn(target, 1, ctx, cache_len, iters_1)
+    step_b = target_step_fn(target, bs, ctx, cache_len, iters_b)
     ids = torch.tensor([prompt])
 
     def hf_generate():
@@ -150,9 +157,10 @@ def run(args) -> dict:
 
     measures = {
         "plain": lambda: decode().metrics[time_key],
+        "plain_1_token": lambda: decode(1).metrics[time_key],  # prefill + one step
         "sync": lambda: decode(mode="sync", drafter=drafter).metrics[time_key],
-        "t1": lambda: timed(step_1) / 32,
-        "tB": lambda: timed(step_b) / 32,
+        "t1": lambda: timed(step_1) / iters_1,
+        "tB": lambda: timed(step_b) / iters_b,
     }
     hf_tokens = None
     if not args.skip_transformers:
@@ -175,15 +183,22 @@ def run(args) -> dict:
     tau, rounds = sync_out.metrics["tau"], sync_out.metrics["rounds"]
     ideal = tau * best["t1"] / best["tB"]
     speedup = best["plain"] / best["sync"]
+    # τ·t₁/t_B models decoding rounds only; with 128 tokens at τ = 16 there are 8 rounds, and the
+    # prompt's prefill (shared by both modes, ≈ a round or two) weighs on the sync time.  The
+    # decode-phase figures subtract it (prefill ≈ plain time for 1 token − t₁).
+    prefill = max(best["plain_1_token"] - best["t1"], 0.0)
+    decode_speedup = (best["plain"] - prefill) / (best["sync"] - prefill)
     result["sync_efficiency"] = {
         "block_size": bs, "error_rate": args.error_rate, "tau": tau, "rounds": rounds,
         "same_tokens_as_plain": sync_out.token_ids == plain_out.token_ids,
         "plain_ms_per_token": 1e3 * best["plain"] / n_new, "sync_ms_per_token": 1e3 * best["sync"] / n_new,
         "t1_ms": 1e3 * best["t1"], "tB_ms": 1e3 * best["tB"], "ideal_speedup": ideal,
         "speedup": speedup, "efficiency": speedup / ideal, "goal": 0.85,
-        # where time goes: plain time per token ÷ t₁, sync time per round ÷ t_B (both include prefill)
-        "plain_token_over_t1": best["plain"] / n_new / best["t1"],
-        "sync_round_over_tB": best["sync"] / rounds / best["tB"],
+        "prefill_ms": 1e3 * prefill, "decode_speedup": decode_speedup,
+        "decode_efficiency": decode_speedup / ideal,
+        # where time goes: plain time per token ÷ t₁, sync time per round ÷ t_B (prefill excluded)
+        "plain_token_over_t1": (best["plain"] - prefill) / n_new / best["t1"],
+        "sync_round_over_tB": (best["sync"] - prefill) / rounds / best["tB"],
     }
     return result
 
@@ -198,9 +213,12 @@ def format_table(result: dict) -> str:
     rows += [("(b) tau (replay drafter)", f"{b['tau']:.2f}"),
              ("(b) t1 / tB, ms", f"{b['t1_ms']:.3f} / {b['tB_ms']:.3f}"),
              ("(b) plain / sync, ms/token", f"{b['plain_ms_per_token']:.3f} / {b['sync_ms_per_token']:.3f}"),
-             ("(b) speedup / ideal tau*t1/tB", f"{b['speedup']:.2f}x / {b['ideal_speedup']:.2f}x"),
-             ("(b) efficiency (goal >= 0.85)", f"{b['efficiency']:.3f}"),
-             ("(b) plain token / t1, sync round / tB",
+             ("(b) ideal speedup tau*t1/tB", f"{b['ideal_speedup']:.2f}x"),
+             ("(b) speedup: end to end / decode phase",
+              f"{b['speedup']:.2f}x / {b['decode_speedup']:.2f}x (prefill {b['prefill_ms']:.2f} ms)"),
+             ("(b) efficiency: end to end / decode phase (goal >= 0.85)",
+              f"{b['efficiency']:.3f} / {b['decode_efficiency']:.3f}"),
+             ("(b) plain token / t1, sync round / tB (decode phase)",
               f"{b['plain_token_over_t1']:.2f} / {b['sync_round_over_tB']:.2f}"),
              ("(b) identical tokens", str(b["same_tokens_as_plain"])),
              ("timing", result["timing"]),
