@@ -124,6 +124,7 @@ def test_a_miss_runs_exactly_one_sync_draft_and_a_hit_none(setup, monkeypatch):
     assert len(calls) == sum(not h for h, _ in per_round)
 
 
+@pytest.mark.slow
 def test_sampling_chi2_async(setup):
     """Sampling: async follows the target's exact law (χ²) and, with position-keyed randomness,
     reproduces plain sampling token for token."""
@@ -135,7 +136,7 @@ def test_sampling_chi2_async(setup):
     import jax.numpy as jnp
     from d3d_jax.decoding import verify as V
     seqs = np.array([TE.PROMPT + list(c) for c in itertools.product(range(TE.SMALL_V), repeat=3)])
-    probs = np.asarray(V.processed_probs(target(jnp.asarray(seqs)), TE.SAMPLING))
+    probs = np.asarray(V.processed_probs(target(jnp.asarray(seqs)), TE.SAMPLING), np.float64)
     n = len(TE.PROMPT)
     law = np.prod([probs[np.arange(len(seqs)), n - 1 + k, seqs[:, n + k]] for k in range(3)], axis=0)
     kw = dict(sampling=TE.SAMPLING, max_new_tokens=3, seed=11, block_size=4)
@@ -152,6 +153,7 @@ def test_sampling_chi2_async(setup):
     assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
 
 
+@pytest.mark.slow
 def test_verify_and_packed_forward_in_flight_together_on_two_devices():
     cfg = ModelConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_layers=2,
                       num_heads=4, num_kv_heads=2, head_dim=32, mask_token_id=255)
