@@ -370,6 +370,7 @@ def run_async(batch: E.PreparedBatch, *, branch_positions: int = DEFAULT_BRANCH_
     if verbose and layout not in _DESCRIBED:  # once per layout, not once per batch
         _DESCRIBED.add(layout)
         print(layout.describe(), flush=True)
+    t_start = time.perf_counter()
     t_devs, d_devs = resolve_slices(target_devices, drafter_devices)
     t_params_put, t_put = _placer(t_devs)
     d_params_put, d_put = _placer(d_devs)
@@ -393,6 +394,8 @@ def run_async(batch: E.PreparedBatch, *, branch_positions: int = DEFAULT_BRANCH_
     totals = dict(verify_s=0.0, packed_s=0.0, sync_s=0.0, wait_s=0.0)
     rounds = sync_drafts = 0
     max_rounds = int(getattr(batch, "max_new_tokens", 0) or static.max_new_tokens)
+    jax.block_until_ready((state.seq, fed))
+    setup_s = time.perf_counter() - t_start  # placement, both prefills, the first (sync) block
     pool = cf.ThreadPoolExecutor(max_workers=2)
     try:
         for _ in range(max_rounds):  # every round commits >= 1 token per active row
@@ -454,7 +457,8 @@ def run_async(batch: E.PreparedBatch, *, branch_positions: int = DEFAULT_BRANCH_
                         n_async=layout.budget, branch_positions=layout.positions,
                         branch_fanout=layout.fanout, wait_s=totals["wait_s"],
                         sync_s=totals["sync_s"], packed_s=totals["packed_s"],
-                        sync_draft_s=totals["sync_s"] / sync_drafts if sync_drafts else 0.0),
+                        sync_draft_s=totals["sync_s"] / sync_drafts if sync_drafts else 0.0,
+                        setup_s=setup_s, loop_s=time.perf_counter() - t_start - setup_s),
         "row_metrics": [dict(hits=int(h), misses=int(m),
                              hit_rate=float(h / (h + m)) if h + m else float("nan"))
                         for h, m in zip(hits, misses)],
