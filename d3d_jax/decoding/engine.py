@@ -274,7 +274,9 @@ _COMPILED: dict = {}
 def compiled_fused(static: DecodeStatic, args: tuple):
     """AOT-compiled :func:`decode_fused` for these shapes (so timings exclude compilation)."""
     leaves, treedef = jax.tree.flatten(args)
-    key = (static, treedef, tuple((np.shape(x), jnp.result_type(x)) for x in leaves))
+    # shardings too: an executable compiled for single-device params rejects mesh-sharded ones
+    key = (static, treedef, tuple((np.shape(x), jnp.result_type(x), getattr(x, "sharding", None))
+                                  for x in leaves))
     if key not in _COMPILED:
         _COMPILED[key] = decode_fused.lower(static, *args).compile()
     return _COMPILED[key]
