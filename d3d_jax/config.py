@@ -631,8 +631,14 @@ class RegenerateConfig:
     process_index: int | None = None  # None: jax.process_index()
     process_count: int | None = None  # None: jax.process_count()
     dtype: str | None = None  # cast the target after loading (None: as stored)
+    # Each process loads the target onto a mesh over its own devices (prompts, not tensors, are
+    # split across processes); num_devices 0 = all of this process's devices.
+    mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+    num_devices: int = 0
 
     def validate(self, prefix: str = "regenerate") -> None:
+        self.mesh.validate(f"{prefix}.mesh")
+        _require(self.num_devices >= 0, f"{prefix}.num_devices", "must be >= 0")
         _require(self.temperature >= 0, f"{prefix}.temperature", f"must be >= 0, got {self.temperature}")
         _require(0 < self.top_p <= 1, f"{prefix}.top_p", f"must be in (0, 1], got {self.top_p}")
         _require(self.top_k >= 0, f"{prefix}.top_k", f"must be >= 0 (0 = off), got {self.top_k}")

@@ -322,7 +322,7 @@ def test_records_load_in_training_pipeline_without_conversion(full_run, tokenize
     np.testing.assert_array_equal(batch["tokens"][0, :len(first)], first)
 
 
-def test_cli_on_a_saved_target_matches_the_library(full_run, target, tokenizer, prompts_file, tmp_path):
+def test_cli_on_a_saved_sharded_target_matches_the_library(full_run, target, tokenizer, prompts_file, tmp_path):
     import importlib.util
     from pathlib import Path
 
@@ -337,6 +337,8 @@ def test_cli_on_a_saved_target_matches_the_library(full_run, target, tokenizer, 
     out = tmp_path / "cli.jsonl"
     args = ["--target", str(target_dir), "--prompts", str(prompts_file), "--out", str(out), "--batch-size", "4",
             "--max-new-tokens", "10", "--seed", "3", "--process-count", "1", "--process-index", "0", "--no-progress"]
+    # Each process loads the target onto its own devices: here 2 of the 8 test devices, fsdp-sharded.
+    args += ["mesh.fsdp=2", "num_devices=2"]
     assert cli.main(args + ["--max-records", "2"]) == 0
     assert cli.main(args) == 0  # resumes
     strip = lambda rs: sorted(json.dumps({k: v for k, v in r.items() if k != "target"}, sort_keys=True)  # noqa: E731
@@ -352,7 +354,7 @@ def test_benchmark_reports_tokens_per_s_per_batch_size(target, tokenizer, prompt
     from d3d_jax.training import regenerate_bench as bench
 
     rows = bench.benchmark_regeneration(target, tokenizer, prompts_file, batch_sizes=(1, 4), settings=SAMPLED,
-                                        workdir=tmp_path)
+                                        repeats=1, workdir=tmp_path)
     assert [r["batch_size"] for r in rows] == [1, 4]
     for r in rows:  # every prompt regenerated in the timed run, tokens counted from the records
         assert r["records"] == 11 and r["generated_tokens"] > 0 and r["tokens_per_s"] > 0

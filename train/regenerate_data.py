@@ -6,7 +6,8 @@ r"""Regenerate every response with the target (spec §2.1): resumable, batched, 
 
 Rerun the same command after an interruption: only prompts whose ids are not in ``--out`` yet
 are generated.  With several processes each writes ``<out stem>-<i>-of-<n><suffix>``.
-Settings are ``d3d_jax.config.RegenerateConfig`` fields (YAML, flags, or ``key=value``).
+Settings are ``d3d_jax.config.RegenerateConfig`` fields (YAML, flags, or ``key=value``); each
+process loads the target onto ``mesh`` over its own ``num_devices`` devices (default: all).
 """
 
 from __future__ import annotations
@@ -45,13 +46,20 @@ def main(argv=None) -> int:
     overrides = [f"{k}={v}" for k, v in flags.items() if v is not None] + list(args.overrides)
     cfg = load_config(RegenerateConfig, args.config, overrides)
 
+    import jax
     from transformers import AutoTokenizer
 
     from d3d_jax.io.checkpoint import load_model
+    from d3d_jax.parallel.sharding import make_mesh
     from d3d_jax.training import regenerate as rg
 
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.target, local_files_only=True)
-    target = load_model(args.target, dtype=cfg.dtype)
+    # This process's own devices only: other processes regenerate other prompts.
+    devices = jax.local_devices()
+    if cfg.num_devices > len(devices):
+        raise ValueError(f"num_devices={cfg.num_devices} but this process has {len(devices)} devices")
+    mesh = make_mesh(cfg.mesh, devices[: cfg.num_devices or len(devices)])
+    target = load_model(args.target, mesh=mesh, dtype=cfg.dtype)
     summary = rg.regenerate(target, tokenizer, args.prompts, args.out, settings=rg.settings_from_config(cfg),
                             batch_size=cfg.batch_size, process_index=cfg.process_index,
                             process_count=cfg.process_count, target_path=args.target,

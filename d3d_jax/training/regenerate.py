@@ -388,7 +388,8 @@ class RegenerationSummary:
     already_done: int = 0  # found in the output file at start
     written: int = 0  # appended by this run
     generated_tokens: int = 0
-    seconds: float = 0.0
+    seconds: float = 0.0  # wall clock of the generation loop
+    cpu_seconds: float = 0.0  # this process's CPU time in it (steadier on a shared host)
     padding_waste: float = 0.0
     malformed: list[tuple[int, str]] = dataclasses.field(default_factory=list)
     skipped: list[tuple[int, str]] = dataclasses.field(default_factory=list)  # usable JSON, unusable here
@@ -485,7 +486,7 @@ def regenerate(target, tokenizer, prompts_path: str | os.PathLike, out_path: str
 
     out.parent.mkdir(parents=True, exist_ok=True)
     bar = tqdm(total=todo_total, unit="prompt", desc=f"regenerate {out.name}", disable=not progress)
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     with open(out, "ab") as f:
         for batch in batches:
             if max_records is not None and summary.written >= max_records:
@@ -512,6 +513,7 @@ def regenerate(target, tokenizer, prompts_path: str | os.PathLike, out_path: str
             bar.set_postfix(tok_s=f"{summary.tokens_per_s:.1f}")
     bar.close()
     summary.seconds = time.perf_counter() - start
+    summary.cpu_seconds = time.process_time() - cpu_start
     return summary
 
 
