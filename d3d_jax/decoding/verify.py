@@ -59,11 +59,14 @@ def processed_probs(logits: jax.Array, sampling: SamplingParams) -> jax.Array:
     x = logits.astype(jnp.float32) / jnp.float32(sampling.temperature if sampling.temperature > 0 else 1.0)
     v = x.shape[-1]
     neg = jnp.float32(-jnp.inf)
+    x_desc = None
     if 0 < sampling.top_k < v:
-        kth = jax.lax.top_k(x, sampling.top_k)[0][..., -1:]
-        x = jnp.where(x < kth, neg, x)
+        x_desc = jax.lax.top_k(x, sampling.top_k)[0]  # sorted, descending
+        x = jnp.where(x < x_desc[..., -1:], neg, x)
     if sampling.top_p < 1.0:
-        x_desc = -jnp.sort(-x, axis=-1)
+        if x_desc is None:
+            x_desc = -jnp.sort(-x, axis=-1)
+        # after top-k only the k kept values matter: top-p sorts those, not the whole vocabulary
         p_desc = jax.nn.softmax(x_desc, axis=-1)
         mass_before = jnp.cumsum(p_desc, axis=-1) - p_desc
         # keep the smallest prefix whose mass reaches top_p (at least the top token)
