@@ -264,6 +264,14 @@ def test_process_shards_are_disjoint_complete_and_batch_independent(full_run, ta
     # Per-id seeds: the same records as the single-process run, although batches were composed differently.
     canon = lambda rs: sorted(json.dumps(r, sort_keys=True) for r in rs)  # noqa: E731
     assert canon([r for shard in shards for r in shard]) == canon(_lines(full_run[0]))
+    # Merged into the one file training reads; every prompt accounted for.
+    merged = rg.merge_shards(tmp_path / "out.jsonl", 3, prompts_file)
+    assert merged["records"] == 11 and merged["missing"] == []
+    assert canon(_lines(tmp_path / "out.jsonl")) == canon(_lines(full_run[0]))
+    with open(rg.shard_output_path(tmp_path / "out.jsonl", 2, 3), "a") as f:
+        f.write(json.dumps(shards[0][0]) + "\n")
+    with pytest.raises(ValueError, match="is also in"):
+        rg.merge_shards(tmp_path / "out.jsonl", 3)
 
 
 def test_greedy_regeneration_equals_engine_plain_greedy(target, tokenizer, prompts_file, tmp_path):

@@ -5,7 +5,9 @@ r"""Regenerate every response with the target (spec §2.1): resumable, batched, 
         [--process-index I --process-count N] [key=value ...]
 
 Rerun the same command after an interruption: only prompts whose ids are not in ``--out`` yet
-are generated.  With several processes each writes ``<out stem>-<i>-of-<n><suffix>``.
+are generated.  With several processes each writes ``<out stem>-<i>-of-<n><suffix>``; when all
+have finished, ``--merge --process-count N --prompts FILE --out FILE`` joins them into ``--out``
+and reports prompts still without a record.
 Settings are ``d3d_jax.config.RegenerateConfig`` fields (YAML, flags, or ``key=value``); each
 process loads the target onto ``mesh`` over its own ``num_devices`` devices (default: all).
 """
@@ -24,7 +26,7 @@ from d3d_jax.config import RegenerateConfig, load_config  # noqa: E402
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--target", required=True, help="HF Qwen3 directory or d3d_jax parameter checkpoint")
+    ap.add_argument("--target", help="HF Qwen3 directory or d3d_jax parameter checkpoint")
     ap.add_argument("--tokenizer", default=None, help="tokenizer directory (default: --target)")
     ap.add_argument("--prompts", required=True, help="JSONL: messages / conversations / prompt per line")
     ap.add_argument("--out", required=True, help="output JSONL (appended to; resumable)")
@@ -37,6 +39,8 @@ def main(argv=None) -> int:
     ap.add_argument("--process-index", type=int)
     ap.add_argument("--process-count", type=int)
     ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("--merge", action="store_true",
+                    help="after every process finished: join the --process-count shard files into --out")
     ap.add_argument("overrides", nargs="*", help="key=value RegenerateConfig overrides")
     args = ap.parse_args(argv)
 
@@ -45,6 +49,18 @@ def main(argv=None) -> int:
              "process_count": args.process_count}
     overrides = [f"{k}={v}" for k, v in flags.items() if v is not None] + list(args.overrides)
     cfg = load_config(RegenerateConfig, args.config, overrides)
+    if args.merge:
+        import json
+
+        from d3d_jax.training.regenerate import merge_shards
+
+        if cfg.process_count is None:
+            ap.error("--merge needs --process-count")
+        result = merge_shards(args.out, cfg.process_count, args.prompts)
+        print(json.dumps({**result, "missing": len(result["missing"]), "missing_ids": result["missing"][:50]}))
+        return 0
+    if not args.target:
+        ap.error("--target is required (except with --merge)")
 
     import jax
     from transformers import AutoTokenizer

@@ -5,21 +5,15 @@ target's chat template (generation prompt, thinking disabled) -> length-bucketed
 engine's plain sampling -> one JSONL record per prompt, appended and fsynced so that an
 interrupted run resumes exactly where it stopped.
 
-Choices worth knowing:
+Choices worth knowing (prompt formats, the user side and ids: :mod:`d3d_jax.training.chat_prompts`):
 
-* **User side** = every system/user turn up to the first assistant answer.  Later turns are
-  dropped: they were written in reply to the *original* answer, which the target replaces, so
-  keeping them would train on a conversation the target never had.  (One prompt per line, one
-  response per prompt.)
-* **Ids**: the line's ``id`` field; without one, ``h`` + 16 hex digits of the SHA-256 of the
-  user-side messages (a repeated identical prompt gets ``-1``, ``-2``… so nothing is merged).
-  A repeated explicit id is reported as malformed: records are keyed by id.
 * **Determinism**: each row samples from its own key derived from ``(seed, id)``, and batches are
   planned from *all* prompts of a shard (sorted by prompt length, then id) before resumption
   filters anything; a partially written batch is regenerated whole and only its missing ids
   are written.  So a resumed run writes exactly the records an uninterrupted one would.
 * **Shards**: prompt ``id`` goes to process ``sha256(id) mod process_count`` (stable when the
-  prompt file grows); each process writes its own file ``<stem>-<i>-of-<n><suffix>``.
+  prompt file grows); each process writes its own file ``<stem>-<i>-of-<n><suffix>``, and
+  :func:`merge_shards` joins them into the one file the training data pipeline reads.
 """
 
 from __future__ import annotations
@@ -34,25 +28,11 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
-ROLE_ALIASES = {
-    "system": "system",
-    "user": "user", "human": "user",
-    "assistant": "assistant", "gpt": "assistant", "model": "assistant", "chatgpt": "assistant",
-    "bot": "assistant",
-}
+from d3d_jax.training.chat_prompts import (  # noqa: F401  (re-exported: the regeneration API)
+    MalformedPrompt, Prompt, content_id, read_prompts, render_prompt, user_side)
+
 QWEN3_NON_THINKING = dict(temperature=0.7, top_p=0.8, top_k=20)
 ENGINE_BLOCK_SLACK = 16  # engine.generate reserves block_size (default 16) cache slots, even for plain
-
-
-class MalformedPrompt(ValueError):
-    """A prompt line that cannot be used; the message says why (it goes into the summary)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Prompt:
-    id: str
-    messages: list[dict]  # user side only: [{"role": "system"|"user", "content": str}, ...]
-    line: int  # 1-based line number in the prompt file
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,124 +68,8 @@ def settings_from_config(cfg) -> GenerationSettings:
 
 
 # --------------------------------------------------------------------------------------------
-# Reading prompts
+# Sharding, bucketing, seeds
 # --------------------------------------------------------------------------------------------
-def _content_text(content: Any, where: str) -> str:
-    """A message's text: a string, or OpenAI-style parts ``[{"type": "text", "text": ...}]``."""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list) and all(isinstance(p, dict) for p in content):
-        if all(p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
-            return "".join(p["text"] for p in content)
-    raise MalformedPrompt(f"{where}: content must be a string or text parts, got {type(content).__name__}")
-
-
-def _turns(obj: dict) -> list[tuple[str, str]]:
-    """(raw role, text) turns of a line in any supported format."""
-    if "messages" in obj or ("prompt" in obj and isinstance(obj["prompt"], list)):
-        key = "messages" if "messages" in obj else "prompt"
-        turns = obj[key]
-        if not isinstance(turns, list):
-            raise MalformedPrompt(f"'{key}' must be a list of {{role, content}}")
-        out = []
-        for i, t in enumerate(turns):
-            if not isinstance(t, dict) or "role" not in t or "content" not in t:
-                raise MalformedPrompt(f"{key}[{i}] must be an object with 'role' and 'content'")
-            out.append((t["role"], _content_text(t["content"], f"{key}[{i}]")))
-        return out
-    if "conversations" in obj:
-        turns = obj["conversations"]
-        if not isinstance(turns, list):
-            raise MalformedPrompt("'conversations' must be a list of {from, value}")
-        out = []
-        for i, t in enumerate(turns):
-            if not isinstance(t, dict) or "from" not in t or "value" not in t:
-                raise MalformedPrompt(f"conversations[{i}] must be an object with 'from' and 'value'")
-            out.append((t["from"], _content_text(t["value"], f"conversations[{i}]")))
-        return out
-    if "prompt" in obj:
-        if not isinstance(obj["prompt"], str):
-            raise MalformedPrompt("'prompt' must be a string or a list of messages")
-        turns = []
-        if "system" in obj:
-            if not isinstance(obj["system"], str):
-                raise MalformedPrompt("'system' must be a string")
-            turns.append(("system", obj["system"]))
-        return turns + [("user", obj["prompt"])]
-    raise MalformedPrompt("no 'messages', 'conversations' or 'prompt' field")
-
-
-def user_side(obj: dict) -> list[dict]:
-    """System and user turns up to the first assistant answer (see the module docstring)."""
-    kept = []
-    for raw_role, text in _turns(obj):
-        role = ROLE_ALIASES.get(str(raw_role).lower()) if isinstance(raw_role, str) else None
-        if role == "assistant":
-            break
-        if role is None:
-            raise MalformedPrompt(f"unsupported role {raw_role!r} before the first assistant answer")
-        kept.append({"role": role, "content": text})
-    if not any(m["role"] == "user" and m["content"].strip() for m in kept):
-        raise MalformedPrompt("no non-empty user turn before the first assistant answer")
-    return kept
-
-
-def content_id(messages: Sequence[dict]) -> str:
-    canon = json.dumps(list(messages), sort_keys=True, ensure_ascii=False, separators=(",", ":"))
-    return "h" + hashlib.sha256(canon.encode("utf-8")).hexdigest()[:16]
-
-
-def read_prompts(path: str | os.PathLike) -> tuple[list[Prompt], list[tuple[int, str]]]:
-    """Every usable prompt of a JSONL file, and ``(line, reason)`` for each malformed line.
-
-    Blank lines are not prompts and are ignored; every other line is either a prompt or listed.
-    """
-    prompts: list[Prompt] = []
-    malformed: list[tuple[int, str]] = []
-    first_line_of: dict[str, int] = {}
-    repeats: dict[str, int] = {}
-    with open(path, "rb") as f:
-        for line_no, raw in enumerate(f, 1):
-            if not raw.strip():
-                continue
-            try:
-                try:
-                    obj = json.loads(raw.decode("utf-8"))
-                except (UnicodeDecodeError, json.JSONDecodeError) as e:
-                    raise MalformedPrompt(f"not valid JSON ({e})") from None
-                if not isinstance(obj, dict):
-                    raise MalformedPrompt(f"a line must be a JSON object, got {type(obj).__name__}")
-                messages = user_side(obj)
-                pid = obj.get("id")
-                if pid is not None:
-                    if isinstance(pid, bool) or not isinstance(pid, (str, int)) or str(pid) == "":
-                        raise MalformedPrompt(f"'id' must be a non-empty string or an integer, got {pid!r}")
-                    pid = str(pid)
-                else:
-                    base = content_id(messages)
-                    n = repeats.get(base, 0)
-                    repeats[base] = n + 1
-                    pid = base if n == 0 else f"{base}-{n}"
-                if pid in first_line_of:
-                    raise MalformedPrompt(f"duplicate id {pid!r} (first on line {first_line_of[pid]})")
-            except MalformedPrompt as e:
-                malformed.append((line_no, str(e)))
-                continue
-            first_line_of[pid] = line_no
-            prompts.append(Prompt(pid, messages, line_no))
-    return prompts, malformed
-
-
-# --------------------------------------------------------------------------------------------
-# Rendering, sharding, bucketing, seeds
-# --------------------------------------------------------------------------------------------
-def render_prompt(tokenizer, messages: Sequence[dict]) -> list[int]:
-    """Token ids of the chat-templated prompt, generation prompt added, thinking disabled."""
-    text = tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True,
-                                         enable_thinking=False)
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
-
-
 def _hash_int(text: str, nbytes: int = 8) -> int:
     return int.from_bytes(hashlib.sha256(text.encode("utf-8")).digest()[:nbytes], "big")
 
@@ -301,6 +165,46 @@ def append_records(f, records: Sequence[dict]) -> None:
     f.write(b"".join(json.dumps(r, ensure_ascii=False).encode("utf-8") + b"\n" for r in records))
     f.flush()
     os.fsync(f.fileno())
+
+
+def merge_shards(out_path: str | os.PathLike, process_count: int,
+                 prompts_path: str | os.PathLike | None = None) -> dict:
+    """Concatenate the per-process files into ``out_path`` (the one file training reads).
+
+    Shard files are only read (a torn last line is left out, not cut); every id must occur once
+    across them.  The merged file is written beside the target and renamed into place.  With
+    ``prompts_path``, ``missing`` lists the usable prompt ids that have no record (not generated
+    yet, or skipped as too long).
+    """
+    if process_count < 2:
+        raise ValueError(f"process_count must be >= 2 to merge shard files, got {process_count}")
+    out = Path(out_path)
+    seen: dict[str, Path] = {}
+    tmp = out.with_name(out.name + ".merging")
+    with open(tmp, "wb") as f:
+        for i in range(process_count):
+            part = shard_output_path(out, i, process_count)
+            if not part.exists():
+                raise ValueError(f"{part}: missing (process {i} of {process_count} wrote nothing)")
+            data = part.read_bytes()
+            for line_no, raw in enumerate(data[: data.rfind(b"\n") + 1].splitlines(keepends=True), 1):
+                if not raw.strip():
+                    continue
+                try:
+                    pid = json.loads(raw.decode("utf-8"))["id"]
+                except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
+                    raise ValueError(f"{part}:{line_no}: not a regeneration record ({e})") from None
+                if pid in seen:
+                    raise ValueError(f"{part}:{line_no}: id {pid!r} is also in {seen[pid]}")
+                seen[pid] = part
+                f.write(raw)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, out)
+    missing = []
+    if prompts_path is not None:
+        missing = [p.id for p in read_prompts(prompts_path)[0] if p.id not in seen]
+    return {"output": str(out), "records": len(seen), "missing": missing}
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,0 +1,153 @@
+"""Prompt lines in the common chat formats, reduced to what the target must answer.
+
+Formats, one JSON object a line: ``{"messages": [{role, content}...]}`` (content may be OpenAI-style
+text parts), ShareGPT ``{"conversations": [{from, value}...]}`` (human/gpt/system, as
+Open-PerfectBlend uses), or ``{"prompt": str | messages, "system": str}``.
+
+* **User side** = every system/user turn up to the first assistant answer.  Later turns are
+  dropped: they were written in reply to the *original* answer, which the target replaces, so
+  keeping them would train on a conversation the target never had.  (One prompt per line, one
+  response per prompt.)
+* **Ids**: the line's ``id`` field; without one, ``h`` + 16 hex digits of the SHA-256 of the
+  user-side messages (a repeated identical prompt gets ``-1``, ``-2``… so nothing is merged).
+  A repeated explicit id is reported as malformed: records are keyed by id.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+from typing import Any, Sequence
+
+ROLE_ALIASES = {
+    "system": "system",
+    "user": "user", "human": "user",
+    "assistant": "assistant", "gpt": "assistant", "model": "assistant", "chatgpt": "assistant",
+    "bot": "assistant",
+}
+
+
+class MalformedPrompt(ValueError):
+    """A prompt line that cannot be used; the message says why (it goes into the summary)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Prompt:
+    id: str
+    messages: list[dict]  # user side only: [{"role": "system"|"user", "content": str}, ...]
+    line: int  # 1-based line number in the prompt file
+
+
+def _content_text(content: Any, where: str) -> str:
+    """A message's text: a string, or OpenAI-style parts ``[{"type": "text", "text": ...}]``."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(p, dict) for p in content):
+        if all(p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
+            return "".join(p["text"] for p in content)
+    raise MalformedPrompt(f"{where}: content must be a string or text parts, got {type(content).__name__}")
+
+
+def _turns(obj: dict) -> list[tuple[str, str]]:
+    """(raw role, text) turns of a line in any supported format."""
+    if "messages" in obj or ("prompt" in obj and isinstance(obj["prompt"], list)):
+        key = "messages" if "messages" in obj else "prompt"
+        turns = obj[key]
+        if not isinstance(turns, list):
+            raise MalformedPrompt(f"'{key}' must be a list of {{role, content}}")
+        out = []
+        for i, t in enumerate(turns):
+            if not isinstance(t, dict) or "role" not in t or "content" not in t:
+                raise MalformedPrompt(f"{key}[{i}] must be an object with 'role' and 'content'")
+            out.append((t["role"], _content_text(t["content"], f"{key}[{i}]")))
+        return out
+    if "conversations" in obj:
+        turns = obj["conversations"]
+        if not isinstance(turns, list):
+            raise MalformedPrompt("'conversations' must be a list of {from, value}")
+        out = []
+        for i, t in enumerate(turns):
+            if not isinstance(t, dict) or "from" not in t or "value" not in t:
+                raise MalformedPrompt(f"conversations[{i}] must be an object with 'from' and 'value'")
+            out.append((t["from"], _content_text(t["value"], f"conversations[{i}]")))
+        return out
+    if "prompt" in obj:
+        if not isinstance(obj["prompt"], str):
+            raise MalformedPrompt("'prompt' must be a string or a list of messages")
+        turns = []
+        if "system" in obj:
+            if not isinstance(obj["system"], str):
+                raise MalformedPrompt("'system' must be a string")
+            turns.append(("system", obj["system"]))
+        return turns + [("user", obj["prompt"])]
+    raise MalformedPrompt("no 'messages', 'conversations' or 'prompt' field")
+
+
+def user_side(obj: dict) -> list[dict]:
+    """System and user turns up to the first assistant answer (see the module docstring)."""
+    kept = []
+    for raw_role, text in _turns(obj):
+        role = ROLE_ALIASES.get(str(raw_role).lower()) if isinstance(raw_role, str) else None
+        if role == "assistant":
+            break
+        if role is None:
+            raise MalformedPrompt(f"unsupported role {raw_role!r} before the first assistant answer")
+        kept.append({"role": role, "content": text})
+    if not any(m["role"] == "user" and m["content"].strip() for m in kept):
+        raise MalformedPrompt("no non-empty user turn before the first assistant answer")
+    return kept
+
+
+def content_id(messages: Sequence[dict]) -> str:
+    canon = json.dumps(list(messages), sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+    return "h" + hashlib.sha256(canon.encode("utf-8")).hexdigest()[:16]
+
+
+def read_prompts(path: str | os.PathLike) -> tuple[list[Prompt], list[tuple[int, str]]]:
+    """Every usable prompt of a JSONL file, and ``(line, reason)`` for each malformed line.
+
+    Blank lines are not prompts and are ignored; every other line is either a prompt or listed.
+    """
+    prompts: list[Prompt] = []
+    malformed: list[tuple[int, str]] = []
+    first_line_of: dict[str, int] = {}
+    repeats: dict[str, int] = {}
+    with open(path, "rb") as f:
+        for line_no, raw in enumerate(f, 1):
+            if not raw.strip():
+                continue
+            try:
+                try:
+                    obj = json.loads(raw.decode("utf-8"))
+                except (UnicodeDecodeError, json.JSONDecodeError) as e:
+                    raise MalformedPrompt(f"not valid JSON ({e})") from None
+                if not isinstance(obj, dict):
+                    raise MalformedPrompt(f"a line must be a JSON object, got {type(obj).__name__}")
+                messages = user_side(obj)
+                pid = obj.get("id")
+                if pid is not None:
+                    if isinstance(pid, bool) or not isinstance(pid, (str, int)) or str(pid) == "":
+                        raise MalformedPrompt(f"'id' must be a non-empty string or an integer, got {pid!r}")
+                    pid = str(pid)
+                else:
+                    base = content_id(messages)
+                    n = repeats.get(base, 0)
+                    repeats[base] = n + 1
+                    pid = base if n == 0 else f"{base}-{n}"
+                if pid in first_line_of:
+                    raise MalformedPrompt(f"duplicate id {pid!r} (first on line {first_line_of[pid]})")
+            except MalformedPrompt as e:
+                malformed.append((line_no, str(e)))
+                continue
+            first_line_of[pid] = line_no
+            prompts.append(Prompt(pid, messages, line_no))
+    return prompts, malformed
+
+
+def render_prompt(tokenizer, messages: Sequence[dict]) -> list[int]:
+    """Token ids of the chat-templated prompt, generation prompt added, thinking disabled."""
+    text = tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True,
+                                         enable_thinking=False)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
