@@ -19,6 +19,7 @@ for host-driven loops (the async mode, per-phase timing) and :func:`decode_fused
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import time
 import warnings
@@ -268,7 +269,8 @@ class PreparedBatch:
                 jnp.asarray(stop_is_eos, bool))
 
 
-_COMPILED: dict = {}
+_COMPILED: "collections.OrderedDict" = collections.OrderedDict()
+_COMPILED_MAX = 32  # executables kept (least recently used dropped): long-lived servers see many shapes
 
 
 def compiled_fused(static: DecodeStatic, args: tuple):
@@ -279,6 +281,9 @@ def compiled_fused(static: DecodeStatic, args: tuple):
                                   for x in leaves))
     if key not in _COMPILED:
         _COMPILED[key] = decode_fused.lower(static, *args).compile()
+        while len(_COMPILED) > _COMPILED_MAX:
+            _COMPILED.popitem(last=False)
+    _COMPILED.move_to_end(key)
     return _COMPILED[key]
 
 
