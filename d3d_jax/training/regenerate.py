@@ -380,7 +380,7 @@ def regenerate(target, tokenizer, prompts_path: str | os.PathLike, out_path: str
             summary.skipped.append((p.line, f"id {p.id!r}: prompt has {len(ids)} tokens > {max_prompt_tokens}"))
             continue
         usable.append(p)
-        token_ids.append(ids)
+        token_ids.append(np.asarray(ids, np.int32))  # not a list: ~36 bytes/token as Python ints
     lengths = [len(t) for t in token_ids]
     batches = plan_batches([p.id for p in usable], lengths, batch_size)
     summary.padding_waste = padding_waste(lengths, batches)
@@ -421,13 +421,13 @@ def regenerate(target, tokenizer, prompts_path: str | os.PathLike, out_path: str
     return summary
 
 
-def _record(prompt: Prompt, prompt_ids: list[int], output, tokenizer, generation: dict, template: dict,
+def _record(prompt: Prompt, prompt_ids: Sequence[int], output, tokenizer, generation: dict, template: dict,
             target_id: dict) -> dict:
     ids = [int(t) for t in output.token_ids]
     return {
         "id": prompt.id,
         "messages": prompt.messages,
-        "prompt_token_ids": prompt_ids,
+        "prompt_token_ids": [int(t) for t in prompt_ids],
         "response": tokenizer.decode(ids, skip_special_tokens=True),
         "response_token_ids": ids,
         "finish_reason": output.finish_reason,
@@ -437,7 +437,7 @@ def _record(prompt: Prompt, prompt_ids: list[int], output, tokenizer, generation
     }
 
 
-def _generate_batch(target, prompt_ids: list[list[int]], row_seeds: list[int], settings: GenerationSettings,
+def _generate_batch(target, prompt_ids: Sequence[Sequence[int]], row_seeds: list[int], settings: GenerationSettings,
                     eos_ids: Sequence[int], batch_size: int, cache_multiple: int):
     """One planned batch through the engine's plain sampling.
 
