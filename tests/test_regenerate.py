@@ -144,6 +144,8 @@ def test_recover_output_drops_only_a_trailing_partial_line(tmp_path):
     out.write_bytes(full + b'{"id": "c", "resp')
     assert [r["id"] for r in rg.recover_output(out)] == ["a", "b"]
     assert out.read_bytes() == full
+    out.write_bytes(full + b'{"id": "c", "response_token_ids": [' + b"1, " * 900_000)  # > 1 MiB read-back chunk
+    assert [r["id"] for r in rg.recover_output(out)] == ["a", "b"] and out.read_bytes() == full
     out.write_bytes(b'{"id": "a"}\ngarbage\n{"id": "b"}\n')
     with pytest.raises(ValueError, match=":2: not a JSON record"):
         rg.recover_output(out)

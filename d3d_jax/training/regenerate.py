@@ -116,8 +116,25 @@ def padding_waste(lengths: Sequence[int], batches: Sequence[Sequence[int]]) -> f
 # --------------------------------------------------------------------------------------------
 # Output file: resume and whole-record appends
 # --------------------------------------------------------------------------------------------
+RESUME_FIELDS = ("id", "generation", "target")
+
+
+def _end_of_last_line(f, size: int, chunk: int = 1 << 20) -> int:
+    """Offset just past the file's last newline (0 if none), reading backwards from the end."""
+    pos = size
+    while pos > 0:
+        start = max(0, pos - chunk)
+        f.seek(start)
+        i = f.read(pos - start).rfind(b"\n")
+        if i >= 0:
+            return start + i + 1
+        pos = start
+    return 0
+
+
 def recover_output(path: str | os.PathLike) -> list[dict]:
-    """Records already in ``path``; a trailing partial line (a crash mid-write) is truncated away.
+    """The ``id``/``generation``/``target`` of every record already in ``path`` (streamed: the file
+    may hold millions); a trailing partial line (a crash mid-write) is truncated away.
 
     Any complete line that is not a JSON record is an error, not something to delete silently.
     """
@@ -125,23 +142,24 @@ def recover_output(path: str | os.PathLike) -> list[dict]:
     if not path.exists():
         return []
     with open(path, "r+b") as f:
-        data = f.read()
-        end = data.rfind(b"\n") + 1
-        if end != len(data):
+        size = f.seek(0, os.SEEK_END)
+        end = _end_of_last_line(f, size)
+        if end != size:
             f.truncate(end)
             f.flush()
             os.fsync(f.fileno())
     records = []
-    for line_no, raw in enumerate(data[:end].splitlines(), 1):
-        if not raw.strip():
-            continue
-        try:
-            rec = json.loads(raw.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise ValueError(f"{path}:{line_no}: not a JSON record ({e}); fix or move the file") from None
-        if not isinstance(rec, dict) or "id" not in rec:
-            raise ValueError(f"{path}:{line_no}: not a regeneration record (no 'id')")
-        records.append(rec)
+    with open(path, "rb") as f:
+        for line_no, raw in enumerate(f, 1):
+            if not raw.strip():
+                continue
+            try:
+                rec = json.loads(raw.decode("utf-8"))
+            except (UnicodeDecodeError, json.JSONDecodeError) as e:
+                raise ValueError(f"{path}:{line_no}: not a JSON record ({e}); fix or move the file") from None
+            if not isinstance(rec, dict) or "id" not in rec:
+                raise ValueError(f"{path}:{line_no}: not a regeneration record (no 'id')")
+            records.append({k: rec.get(k) for k in RESUME_FIELDS})
     return records
 
 
