@@ -199,25 +199,31 @@ def merge_shards(out_path: str | os.PathLike, process_count: int,
     out = Path(out_path)
     seen: dict[str, Path] = {}
     tmp = out.with_name(out.name + ".merging")
-    with open(tmp, "wb") as f:
-        for i in range(process_count):
-            part = shard_output_path(out, i, process_count)
-            if not part.exists():
-                raise ValueError(f"{part}: missing (process {i} of {process_count} wrote nothing)")
-            data = part.read_bytes()
-            for line_no, raw in enumerate(data[: data.rfind(b"\n") + 1].splitlines(keepends=True), 1):
-                if not raw.strip():
-                    continue
-                try:
-                    pid = json.loads(raw.decode("utf-8"))["id"]
-                except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
-                    raise ValueError(f"{part}:{line_no}: not a regeneration record ({e})") from None
-                if pid in seen:
-                    raise ValueError(f"{part}:{line_no}: id {pid!r} is also in {seen[pid]}")
-                seen[pid] = part
-                f.write(raw)
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with open(tmp, "wb") as f:
+            for i in range(process_count):
+                part = shard_output_path(out, i, process_count)
+                if not part.exists():
+                    raise ValueError(f"{part}: missing (process {i} of {process_count} wrote nothing)")
+                with open(part, "rb") as src:  # streamed: a shard may hold millions of records
+                    for line_no, raw in enumerate(src, 1):
+                        if not raw.endswith(b"\n"):
+                            break  # torn tail of a still-running or crashed process: not a record
+                        if not raw.strip():
+                            continue
+                        try:
+                            pid = json.loads(raw.decode("utf-8"))["id"]
+                        except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
+                            raise ValueError(f"{part}:{line_no}: not a regeneration record ({e})") from None
+                        if pid in seen:
+                            raise ValueError(f"{part}:{line_no}: id {pid!r} is also in {seen[pid]}")
+                        seen[pid] = part
+                        f.write(raw)
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     os.replace(tmp, out)
     missing = []
     if prompts_path is not None:
