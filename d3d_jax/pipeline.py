@@ -97,7 +97,10 @@ class Pipeline:
         self._stage("1-tokenizer", (self.tokenizer_dir / "tokenizer.json").exists(), self.train_tokenizer)
         self._stage("2-pretrain-target", (self.model_dir("target") / "config.json").exists(),
                     lambda: self.pretrain("target", c.target))
-        self._stage("3-pretrain-small", (self.model_dir("small") / "config.json").exists(),
+        # The small model only seeds drafters; once they exist it is not needed (nor shipped).
+        small_needed = any(v.init in ("small", "random") and not (self.drafter_dir(v.name) / "result.json").exists()
+                           for v in c.drafters)
+        self._stage("3-pretrain-small", (self.model_dir("small") / "config.json").exists() or not small_needed,
                     lambda: self.pretrain("small", c.small))
         self._stage("4-regenerate", self.regen_split("dev").exists(), self.regenerate)
         for v in c.drafters:
@@ -232,10 +235,22 @@ class Pipeline:
         from d3d_jax.io.checkpoint import load_model
 
         tau = self.offline_tau(load_model(str(dest)))
+        if v.name not in c.eval_drafters and v.name != c.prune_drafter:
+            self.store_compact(dest)
         _write_json({"variant": dataclasses.asdict(v), "steps": steps, "init_from": str(init_dir or "random"),
                      "final_loss": losses[-1] if losses else None, "offline_tau_dev": tau},
                     dest / "result.json")
         _log(f"drafter {v.name}: offline τ on dev = {tau['tau']:.3f}")
+
+    @staticmethod
+    def store_compact(hf_dir: Path) -> None:
+        """Re-save an ablation drafter in bfloat16 (half the shipped size; evaluated in float32)."""
+        from d3d_jax.io.checkpoint import load_model
+        from d3d_jax.io.hf import save_qwen3
+
+        model = load_model(str(hf_dir))
+        extra = {k: getattr(model.config, k) for k in ("mask_token_id", "block_size")}
+        save_qwen3(model, hf_dir, dtype="bfloat16", extra_config=extra)
 
     def dev_batches(self) -> list[dict]:
         from d3d_jax.training import data as data_lib

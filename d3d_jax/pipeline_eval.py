@@ -99,7 +99,7 @@ def benchmark(p) -> dict:
                     "async_available": has_async, "settings": vars(settings) | {}, "drafters": {}}
     plain_runs = None
     for dname in c.eval_drafters:
-        drafter = load_model(str(p.drafter_dir(dname)))
+        drafter = load_model(str(p.drafter_dir(dname)), dtype="float32")
         res, raw = B.evaluate(target, drafter, tok, suites, settings, **kw)
         report["drafters"][dname] = {"layers": drafter.config.num_layers, "results": res}
         if plain_runs is None:
@@ -115,7 +115,7 @@ def benchmark(p) -> dict:
             row["online"] = {s: {k: report["drafters"][v.name]["results"][s]["sync"].get(k)
                                  for k in ("tau", "speedup", "equals_plain")} for s in suites}
         elif (p.drafter_dir(v.name) / "config.json").exists():
-            drafter = load_model(str(p.drafter_dir(v.name)))
+            drafter = load_model(str(p.drafter_dir(v.name)), dtype="float32")
             s_set = B.dataclasses.replace(settings, modes=("sync",))
             _, raw_ab = B.evaluate(target, drafter, tok, suites, s_set, **kw)
             row["online"] = {}
