@@ -32,7 +32,7 @@ from d3d_jax.model.masks import block_meta, causal_meta, concat_meta
 @dataclasses.dataclass(frozen=True)
 class DraftOutput:
     drafts: jax.Array  # [b, B-1] int32 proposals for positions s+1 .. s+B-1
-    probs: jax.Array | None  # [b, B-1, V] q (sampling) or None
+    probs: jax.Array | None  # [b, B-1, V] q for sampled drafts, else None
     logits: jax.Array | None  # [b, B-1, V] per-slot logits (async alternatives) or None
 
 
@@ -69,10 +69,9 @@ class ModelDraftSpec:
         meta = concat_meta([causal_meta(pos_u, valid_u), block_meta(anchor_pos[:, None], bs)])
         logits, cache = model(jnp.concatenate([tok_u, tok_blk], axis=1), meta, cache=state)
         slot_logits = logits[:, bs + 1:]  # slots 1..B-1 -> positions s+1..s+B-1
-        probs = None
-        if not sampling.greedy:
-            probs = V.processed_probs(slot_logits, sampling)
+        probs = None  # q is needed only to verify sampled drafts
         if sample_drafts and not sampling.greedy:
+            probs = V.processed_probs(slot_logits, sampling)
             positions = anchor_pos[:, None] + 1 + jnp.arange(bs - 1, dtype=jnp.int32)[None]
             drafts = V.sample_keyed(V.position_keys(row_keys, positions, V.SALT_DRAFT), probs)
         else:
@@ -116,7 +115,7 @@ class ReplayDraftSpec:
     def propose(self, params, state: dict, seq, anchor_pos, row_keys, sampling, block_size,
                 sample_drafts):
         """Reference token at each position; wrong (a different token) with prob ``error_rate``."""
-        del params, seq, row_keys, sample_drafts
+        del params, seq, row_keys
         ref_bs = state["ref"]
         positions = anchor_pos[:, None] + 1 + jnp.arange(block_size - 1, dtype=jnp.int32)[None]
         ref = jnp.take_along_axis(ref_bs, jnp.minimum(positions, ref_bs.shape[1] - 1), axis=1)
@@ -131,7 +130,7 @@ class ReplayDraftSpec:
         wrong = (ref + shift.reshape(ref.shape)) % self.vocab_size
         drafts = jnp.where(coin < self.error_rate, wrong, ref).astype(jnp.int32)
         probs = None
-        if not sampling.greedy:
+        if sample_drafts and not sampling.greedy:  # a point mass: q(d) = 1
             probs = jax.nn.one_hot(drafts, self.vocab_size, dtype=jnp.float32)
         return DraftOutput(drafts, probs, None), state
 
