@@ -48,8 +48,19 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype: str | None = N
 def write_layer(cache_bskh: jax.Array, new_btkh: jax.Array, positions_bt: jax.Array,
                 keep_bt: jax.Array) -> jax.Array:
     """Scatter new K or V rows into one layer's cache at their positions; dropped where not kept."""
+    return write_all(cache_bskh[None], new_btkh[None], positions_bt, keep_bt)[0]
+
+
+def write_all(cache_lbskh: jax.Array, new_lbtkh: jax.Array, positions_bt: jax.Array,
+              keep_bt: jax.Array) -> jax.Array:
+    """One scatter of every layer's new K or V rows into the stacked cache.
+
+    Writing once after the layer loop (instead of per layer, then stacking) keeps XLA from
+    copying the whole cache once per layer: on CPU that copy made a 4-layer step at batch 8
+    and 1024 slots ~10x slower than the attention itself.
+    """
     b, t = positions_bt.shape
-    s = cache_bskh.shape[1]
+    s = cache_lbskh.shape[2]
     idx = jnp.where(keep_bt, positions_bt, s)  # out of range -> dropped
     rows = jnp.broadcast_to(jnp.arange(b)[:, None], (b, t))
-    return cache_bskh.at[rows, idx].set(new_btkh.astype(cache_bskh.dtype), mode="drop")
+    return cache_lbskh.at[:, rows, idx].set(new_lbtkh.astype(cache_lbskh.dtype), mode="drop")

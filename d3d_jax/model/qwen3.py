@@ -219,14 +219,16 @@ class Qwen3(nnx.Module):
             cv = cache.v_lbskh[i] if cache is not None else None
             x, k, v = fwd(layer, x, meta, ck, cv, cache_meta)
             if cache is not None:
-                new_k.append(kvc.write_layer(ck, k, meta.positions, keep))
-                new_v.append(kvc.write_layer(cv, v, meta.positions, keep))
+                new_k.append(k)
+                new_v.append(v)
             if return_hidden_states:
                 hidden.append(x)
         logits = self.logits(self.norm(x))
         outs: tuple = (logits,)
         if cache is not None:
-            outs += (kvc.KVCache(jnp.stack(new_k), jnp.stack(new_v), cache.lengths),)
+            outs += (kvc.KVCache(kvc.write_all(cache.k_lbskh, jnp.stack(new_k), meta.positions, keep),
+                                 kvc.write_all(cache.v_lbskh, jnp.stack(new_v), meta.positions, keep),
+                                 cache.lengths),)
         if return_hidden_states:
             outs += (hidden,)
         return outs[0] if len(outs) == 1 else outs
