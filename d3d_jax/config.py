@@ -402,6 +402,30 @@ def load_config(cls: type, paths: Sequence[str | os.PathLike] = (), overrides: S
     return cfg
 
 
+def parse_config_cli(cls: type, argv: Sequence[str] | None, description: str | None = None,
+                     add_arguments: Any = None) -> tuple[Any, Any]:
+    """The shared shape of our config-driven programs: ``--config A.yaml [--config B.yaml] key=value …``.
+
+    Returns ``(config, args)``; a bad config prints ``config error: …`` naming the key and
+    returns ``(None, args)`` so the program can exit with status 2.
+    """
+    import argparse
+    import sys
+
+    ap = argparse.ArgumentParser(description=description,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", action="append", default=[], help=f"YAML with {cls.__name__} fields")
+    if add_arguments is not None:
+        add_arguments(ap)
+    ap.add_argument("overrides", nargs="*", help="key=value overrides, e.g. train.steps=100")
+    args = ap.parse_args(argv)
+    try:
+        return load_config(cls, args.config, args.overrides), args
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return None, args
+
+
 def load_model_config(path_or_name: str | os.PathLike, overrides: Sequence[str] = ()) -> ModelConfig:
     """A model config from a YAML file, a name in configs/models, or an HF directory/config.json."""
     p = Path(path_or_name)

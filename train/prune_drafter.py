@@ -13,25 +13,18 @@ fields.  Per round: importance of every layer (offline τ without it, or online 
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-from d3d_jax.config import ConfigError, PruneRunConfig, load_config  # noqa: E402
+from d3d_jax.config import PruneRunConfig, parse_config_cli  # noqa: E402
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--config", action="append", default=[], help="YAML with PruneRunConfig fields")
-    ap.add_argument("overrides", nargs="*", help="key=value overrides, e.g. prune.target_layers=31")
-    args = ap.parse_args(argv)
-    try:
-        cfg = load_config(PruneRunConfig, args.config, args.overrides)
-    except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
+    cfg, _ = parse_config_cli(PruneRunConfig, argv, __doc__)
+    if cfg is None:
         return 2
 
     from d3d_jax.training.loop import maybe_initialize_distributed

@@ -12,7 +12,6 @@ Multi-host: launched with JAX's coordinator environment variables set, it calls
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -20,19 +19,15 @@ import sys
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-from d3d_jax.config import ConfigError, TrainRunConfig, load_config, to_dict  # noqa: E402
+from d3d_jax.config import TrainRunConfig, parse_config_cli, to_dict  # noqa: E402
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--config", action="append", default=[], help="YAML with TrainRunConfig sections")
-    ap.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
-    ap.add_argument("overrides", nargs="*", help="key=value overrides, e.g. train.steps=100")
-    args = ap.parse_args(argv)
-    try:
-        cfg = load_config(TrainRunConfig, args.config, args.overrides)
-    except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
+    cfg, args = parse_config_cli(
+        TrainRunConfig, argv, __doc__,
+        lambda ap: ap.add_argument("--print-config", action="store_true",
+                                   help="print the resolved config and exit"))
+    if cfg is None:
         return 2
     if args.print_config:
         print(json.dumps(to_dict(cfg), indent=2))
