@@ -137,7 +137,7 @@ def benchmark(p) -> dict:
             peer = hf_assisted_generation(str(p.model_dir("target")), str(p.drafter_dir(main)), prompts,
                                           max_new_tokens=c.eval_max_new_tokens, eos_token_ids=p.eos_ids(),
                                           pad_token_id=p.special_ids()["pad"],
-                                          reference_outputs=plain_runs[s].outputs)
+                                          reference_outputs=plain_runs[s].outputs, num_threads=1)
             report["drafters"][main]["results"][s]["hf_plain"] = peer["plain"]
             report["drafters"][main]["results"][s]["hf_assisted"] = peer["hf_assisted"]
 

@@ -33,21 +33,24 @@ def hf_assisted_generation(target_dir: str, drafter_dir: str, prompts: Sequence[
     target.register_forward_pre_hook(lambda *_: calls.__setitem__("n", calls["n"] + 1))
     common = dict(do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=list(eos_token_ids),
                   pad_token_id=pad_token_id, temperature=None, top_p=None, top_k=None)
-    out: dict = {}
-    for name, extra in (("plain", {}), ("hf_assisted", {"assistant_model": drafter})):
-        # One untimed call so lazy initialisation is not billed to the first prompt.
-        with torch.no_grad():
+    modes = (("plain", {}), ("hf_assisted", {"assistant_model": drafter}))
+    with torch.no_grad():  # one untimed call each, so lazy initialisation is not billed to a prompt
+        for _, extra in modes:
             target.generate(torch.tensor([list(prompts[0])]), **{**common, "max_new_tokens": 4}, **extra)
-        outputs, seconds, forwards = [], 0.0, 0
-        for p in prompts:
-            ids = torch.tensor([list(p)])
+    acc = {name: {"outputs": [], "seconds": 0.0, "forwards": 0} for name, _ in modes}
+    for p in prompts:  # modes interleaved per prompt: load drift on a shared host hits both alike
+        ids = torch.tensor([list(p)])
+        for name, extra in modes:
             calls["n"] = 0
             t0 = time.perf_counter()
             with torch.no_grad():
                 gen = target.generate(ids, attention_mask=torch.ones_like(ids), **common, **extra)
-            seconds += time.perf_counter() - t0
-            forwards += calls["n"]
-            outputs.append([int(t) for t in gen[0, ids.shape[1]:]])
+            acc[name]["seconds"] += time.perf_counter() - t0
+            acc[name]["forwards"] += calls["n"]
+            acc[name]["outputs"].append([int(t) for t in gen[0, ids.shape[1]:]])
+    out: dict = {}
+    for name, a in acc.items():
+        outputs, seconds, forwards = a["outputs"], a["seconds"], a["forwards"]
         n_tok = sum(len(o) for o in outputs)
         r = {"new_tokens": n_tok, "seconds": seconds, "time_per_token_ms": 1e3 * seconds / max(n_tok, 1),
              "tokens_per_s": n_tok / max(seconds, 1e-9), "target_forwards": forwards,
