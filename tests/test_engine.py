@@ -261,3 +261,26 @@ def test_first_three_tokens_follow_the_target_law(sampling_setup, case):
     if case != "plain":  # drafts were really used: some accepted, some rejected
         hist = np.sum([o.metrics["accept_hist"] for o in outs], axis=0)
         assert hist[0] > 0 and hist[1:].sum() > 0, hist
+
+
+def test_long_context_uses_attention_span_buckets(greedy_setup):
+    """A 256-slot cache is attended in span buckets (128, 256): prompts that start past slot 128
+    or cross it while generating still decode exactly like transformers, plain and sync."""
+    from d3d_jax.model.kv_cache import span_buckets
+
+    assert span_buckets(256) == (128, 256) and span_buckets(100) == (100,)
+    s = greedy_setup
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(0, MASK_ID, n).tolist() for n in (140, 115)]
+    refs = []
+    with torch.no_grad():
+        for p in prompts:
+            out = s["hf"].generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                                   do_sample=False, max_new_tokens=N_NEW, min_new_tokens=N_NEW,
+                                   eos_token_id=None, pad_token_id=0)
+            refs.append(out[0, len(p):].tolist())
+    for mode, drafter in (("plain", None), ("sync", s["drafters"]["random_model"])):
+        kw = {} if drafter is None else dict(drafter=drafter, block_size=BLOCK)
+        outs = generate(s["target"], prompts, mode=mode, max_new_tokens=N_NEW, max_cache_len=256,
+                        batch_size=1, **kw)
+        assert [o.token_ids for o in outs] == refs, mode

@@ -224,3 +224,40 @@ def test_load_onto_fsdp4_tensor2_mesh_matches_transformers(checkpoints):
     save_qwen3(model, out_dir)
     reloaded = Qwen3ForCausalLM.from_pretrained(out_dir, dtype=torch.float32).eval()
     assert np.abs(hf_logits(reloaded, tokens) - hf_logits(hf_model, tokens)).max() <= 1e-6
+
+
+def test_cache_span_and_logits_start_match_transformers(checkpoints):
+    """Attending only to the first ``cache_span`` slots (all valid ones lie there) and computing
+    logits only from ``logits_start`` on give transformers' logits; writes past the span land."""
+    hf_model, path = checkpoints["tied_gqa_wide_heads"]
+    model = load_qwen3(path)
+    tokens = np.random.default_rng(2).integers(0, model.config.vocab_size, (2, 40))
+    lengths = np.array([30, 20])  # committed per row; both <= span 32
+    ref = [hf_logits(hf_model, tokens[r:r + 1])[0] for r in range(2)]
+
+    @nnx.jit(static_argnames=("span", "start"))
+    def step(model, toks, meta, cache, span, start):
+        return model(toks, meta, cache=cache, cache_span=span, logits_start=start)
+
+    cache = kvc.init_cache(model.config, 2, CACHE_LEN)
+    pos = np.arange(30)[None].repeat(2, 0)
+    _, cache = cached_step(model, jnp.asarray(tokens[:, :30]), causal_meta(jnp.asarray(pos),
+                                                                          jnp.asarray(pos < lengths[:, None])), cache)
+    cache = cache.with_lengths(jnp.asarray(lengths))
+    pos = lengths[:, None] + np.arange(6)[None]  # row 0 writes positions 30..35, past the span
+    logits, cache = step(model, jnp.asarray(np.take_along_axis(tokens, pos, 1)), causal_meta(jnp.asarray(pos)),
+                         cache, span=32, start=2)
+    assert logits.shape == (2, 4, model.config.vocab_size)
+    for r in range(2):
+        assert np.abs(np.asarray(logits[r]) - ref[r][pos[r, 2:]]).max() <= TOL
+    # the full-span step after it reads what the short-span step wrote beyond slot 32
+    cache = cache.with_lengths(jnp.asarray(lengths + 6))
+    pos = (lengths + 6)[:, None] + np.arange(2)[None]
+    logits, _ = step(model, jnp.asarray(np.take_along_axis(tokens, pos, 1)), causal_meta(jnp.asarray(pos)),
+                     cache, span=CACHE_LEN, start=0)
+    for r in range(2):
+        assert np.abs(np.asarray(logits[r]) - ref[r][pos[r]]).max() <= TOL
+    with pytest.raises(ValueError, match="cache_span"):
+        model(jnp.asarray(tokens[:, :2]), cache=cache, cache_span=CACHE_LEN + 1)
+    with pytest.raises(ValueError, match="logits_start"):
+        model(jnp.asarray(tokens[:, :2]), logits_start=2)

@@ -67,8 +67,14 @@ class ModelDraftSpec:
         anchor = jnp.take_along_axis(seq, anchor_pos[:, None], axis=1)
         tok_blk = jnp.concatenate([anchor, jnp.full((b, bs - 1), self.mask_token_id, jnp.int32)], 1)
         meta = concat_meta([causal_meta(pos_u, valid_u), block_meta(anchor_pos[:, None], bs)])
-        logits, cache = model(jnp.concatenate([tok_u, tok_blk], axis=1), meta, cache=state)
-        slot_logits = logits[:, bs + 1:]  # slots 1..B-1 -> positions s+1..s+B-1
+
+        def forward(span, tokens, meta, cache):
+            # logits only for block slots 1..B-1 -> positions s+1..s+B-1
+            return model(tokens, meta, cache=cache, logits_start=bs + 1, cache_span=span)
+
+        slot_logits, cache = kvc.call_with_span(forward, jnp.max(state.lengths), state.max_len,
+                                                jnp.concatenate([tok_u, tok_blk], axis=1), meta,
+                                                state)
         probs = None  # q is needed only to verify sampled drafts
         if sample_drafts and not sampling.greedy:
             probs = V.processed_probs(slot_logits, sampling)

@@ -142,7 +142,13 @@ def _verify(static: DecodeStatic, target_params, state: DecodeState, draft: Draf
     anchor = jnp.take_along_axis(state.seq, s[:, None], axis=1)
     tokens = jnp.concatenate([anchor, draft.drafts], axis=1)
     pos = s[:, None] + jnp.arange(static.width, dtype=jnp.int32)[None]
-    logits, cache = target(tokens, causal_meta(pos), cache=state.target_cache)
+    cache_in = state.target_cache
+
+    def forward(span, tokens, pos, cache):
+        return target(tokens, causal_meta(pos), cache=cache, cache_span=span)
+
+    logits, cache = kvc.call_with_span(forward, jnp.max(cache_in.lengths), cache_in.max_len,
+                                       tokens, pos, cache_in)
     accepted, next_token = static.acceptance_rule(logits, draft.drafts, draft.probs, s,
                                                   state.row_keys, static.sampling)
     return accepted, next_token, cache, logits

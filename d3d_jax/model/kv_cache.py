@@ -64,3 +64,30 @@ def write_all(cache_lbskh: jax.Array, new_lbtkh: jax.Array, positions_bt: jax.Ar
     idx = jnp.where(keep_bt, positions_bt, s)  # out of range -> dropped
     rows = jnp.broadcast_to(jnp.arange(b)[:, None], (b, t))
     return cache_lbskh.at[:, rows, idx].set(new_lbtkh.astype(cache_lbskh.dtype), mode="drop")
+
+
+MIN_SPAN = 128  # smallest attention span bucket (slots)
+
+
+def span_buckets(cache_len: int, min_span: int = MIN_SPAN) -> tuple[int, ...]:
+    """Static attention spans for a cache of ``cache_len`` slots: ``min_span`` doubling, capped."""
+    spans, s = [], min_span
+    while s < cache_len:
+        spans.append(s)
+        s *= 2
+    return tuple(spans) + (cache_len,)
+
+
+def call_with_span(fn, needed: jax.Array, cache_len: int, *operands):
+    """``fn(span, *operands)`` with the smallest bucketed ``span >= needed`` (a traced scalar).
+
+    Attention over a fixed-length cache otherwise costs every slot every step (at 576 slots and
+    ~200 committed tokens most of the work is masked out).  One ``lax.switch`` branch per bucket:
+    shapes stay static, compile time grows with the number of buckets (log2 of cache_len/128).
+    """
+    spans = span_buckets(cache_len)
+    if len(spans) == 1:
+        return fn(spans[0], *operands)
+    index = jnp.searchsorted(jnp.asarray(spans, jnp.int32), jnp.asarray(needed, jnp.int32))
+    index = jnp.minimum(index, len(spans) - 1)
+    return jax.lax.switch(index, [lambda *ops, sp=sp: fn(sp, *ops) for sp in spans], *operands)

@@ -193,11 +193,18 @@ class Qwen3(nnx.Module):
 
     def __call__(self, tokens_bt: jax.Array, meta: TokenMeta | None = None,
                  cache: kvc.KVCache | None = None, keep: jax.Array | None = None, *,
-                 return_hidden_states: bool = False):
+                 return_hidden_states: bool = False, logits_start: int = 0,
+                 cache_span: int | None = None):
         """Logits ``[B, T, V]`` (float32); with ``cache``: ``(logits, new_cache)``.
 
         ``return_hidden_states`` adds the list of every layer's input plus the final
         (pre-norm) residual stream, ``num_layers + 1`` arrays ``[B, T, D]``, as the last output.
+        ``logits_start`` (static) computes logits only for tokens ``logits_start..T-1``
+        (``[B, T - logits_start, V]``): a drafter needs them only on its block slots, and the
+        vocabulary projection is a large share of a small model's work.
+        ``cache_span`` (static) attends only to cache slots ``< cache_span``; the caller promises
+        every valid slot lies there (lengths <= cache_span).  Attention over a fixed-length cache
+        otherwise costs the whole cache per step; writes still go to the full cache.
         """
         tokens_bt = jnp.asarray(tokens_bt, jnp.int32)
         b, t = tokens_bt.shape
@@ -207,23 +214,29 @@ class Qwen3(nnx.Module):
         hidden = [x]
         cache_meta = None
         new_k, new_v = [], []
+        span = None
         if cache is not None:
-            cache_meta = cache_key_meta(cache.lengths, cache.max_len)
+            span = cache.max_len if cache_span is None else int(cache_span)
+            if not 0 < span <= cache.max_len:
+                raise ValueError(f"cache_span {cache_span} must be in [1, cache length {cache.max_len}]")
+            cache_meta = cache_key_meta(cache.lengths, span)
             if keep is None:
                 keep = (meta.block_ids < 0) & meta.valid
         fwd = _layer_forward
         if self.config.gradient_checkpointing:
             fwd = nnx.remat(_layer_forward, prevent_cse=True)
         for i, layer in enumerate(self.layers):
-            ck = cache.k_lbskh[i] if cache is not None else None
-            cv = cache.v_lbskh[i] if cache is not None else None
+            ck = cache.k_lbskh[i, :, :span] if cache is not None else None
+            cv = cache.v_lbskh[i, :, :span] if cache is not None else None
             x, k, v = fwd(layer, x, meta, ck, cv, cache_meta)
             if cache is not None:
                 new_k.append(k)
                 new_v.append(v)
             if return_hidden_states:
                 hidden.append(x)
-        logits = self.logits(self.norm(x))
+        if not 0 <= logits_start < t:
+            raise ValueError(f"logits_start {logits_start} must be in [0, {t})")
+        logits = self.logits(self.norm(x[:, logits_start:] if logits_start else x))
         outs: tuple = (logits,)
         if cache is not None:
             outs += (kvc.KVCache(kvc.write_all(cache.k_lbskh, jnp.stack(new_k), meta.positions, keep),
