@@ -147,13 +147,38 @@ def _replay_alternatives(spec: ReplayDraftSpec, params, state: dict, positions: 
 # --------------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class AsyncStatic:
-    decode: E.DecodeStatic
+    """The static argument of every async core, hashed ONCE.
+
+    ``jit`` hashes its static arguments on every call; a :class:`~d3d_jax.decoding.engine.DecodeStatic`
+    holds NNX graphdefs whose hash walks the whole module graph (~0.15 ms per graphdef for the
+    tiny config), paid by each of a round's 3-4 calls.  Caching the hash makes it a field read.
+    The parameter treedefs live here too: the cores take flat leaf lists, because flattening an
+    ``nnx.State`` on the host costs tens of microseconds per call (a list flattens in C++).
+    """
+
+    decode: E.DecodeStatic  # with the drafter spec (drafter-side cores)
     layout: br.BranchLayout
     mask_token_id: int
+    target: E.DecodeStatic | None = None  # drafter-free copy (target-side cores)
+    target_tree: Any = None  # treedef of the target params
+    drafter_tree: Any = None  # treedef of the drafter params
+
+    def __post_init__(self):
+        object.__setattr__(self, "_hash", hash((self.decode, self.layout, self.mask_token_id,
+                                                self.target, self.target_tree, self.drafter_tree)))
+
+    def __hash__(self):
+        return self._hash
 
     @property
     def spec(self):
         return self.decode.drafter_spec
+
+    def drafter_params(self, leaves):
+        return jax.tree.unflatten(self.drafter_tree, leaves)
+
+    def target_params(self, leaves):
+        return jax.tree.unflatten(self.target_tree, leaves)
 
 
 def _verify_inputs(block: jax.Array, draft_len: jax.Array, mask_token_id: int):
@@ -223,35 +248,46 @@ def _with_lengths(dstate, lengths):
     return dstate
 
 
+# Decisions travel as one small int32 array [b, k] (columns below): one transfer, not four.
+D_ACCEPTED, D_NEXT, D_ANCHOR, D_DONE = range(4)
+
+
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
-def first_block_step(ast: AsyncStatic, params, dstate, anchor_tok, anchor_pos, row_keys):
-    block, alts, dl, dstate = _sync_block(ast, params, dstate, anchor_tok, anchor_pos, row_keys)
+def first_block_step(ast: AsyncStatic, d_leaves, dstate, anchor_tok, anchor_pos, row_keys):
+    block, alts, dl, dstate = _sync_block(ast, ast.drafter_params(d_leaves), dstate, anchor_tok,
+                                          anchor_pos, row_keys)
     return block, alts, dl, _verify_inputs(block, dl, ast.mask_token_id), dstate
 
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
-def packed_step(ast: AsyncStatic, params, dstate, block, block_alts, anchor_pos, draft_len):
-    return _branch_drafts(ast, params, dstate, block, block_alts, anchor_pos, draft_len)
+def packed_step(ast: AsyncStatic, d_leaves, dstate, block, block_alts, anchor_pos, draft_len):
+    return _branch_drafts(ast, ast.drafter_params(d_leaves), dstate, block, block_alts, anchor_pos,
+                          draft_len)
 
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
-def select_step(ast: AsyncStatic, drafts: br.BranchDrafts, dstate, block_alts, draft_len,
-                accepted, next_token, new_anchor):
-    """Match the verified outcome; on a hit the branch is the next block.  The drafter cache
-    commits through the new anchor (the shared prefix already wrote those K/V)."""
+def select_step(ast: AsyncStatic, drafts: br.BranchDrafts, dstate, block_alts, draft_len, decision):
+    """Match the verified outcome (``decision``, from :func:`verify_commit_step`); on a hit the
+    branch is the next block.  The drafter cache commits through the new anchor (the shared
+    prefix already wrote those K/V).  Dispatched right behind the packed forward, with no host
+    wait between: ``host_view [b, 2]`` (done, hit) is the round's only device→host transfer."""
+    accepted, next_token = decision[:, D_ACCEPTED], decision[:, D_NEXT]
+    new_anchor, done = decision[:, D_ANCHOR], decision[:, D_DONE]
     guess = drafts.tokens[:, ast.layout.all_accept_index, 1]
     hit, branch = br.match_branch(block_alts, draft_len, guess, accepted, next_token, ast.layout)
     block, alts, dl = br.next_block_from_branch(drafts, branch, next_token, ast.layout,
                                                 ast.mask_token_id)
-    return hit, block, alts, dl, _verify_inputs(block, dl, ast.mask_token_id), \
-        _with_lengths(dstate, new_anchor)
+    host_view = jnp.stack([done, hit.astype(jnp.int32)], axis=1)
+    return (host_view, hit, block, alts, dl, _verify_inputs(block, dl, ast.mask_token_id),
+            new_anchor, _with_lengths(dstate, new_anchor))
 
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
-def miss_step(ast: AsyncStatic, params, dstate, hit, block, block_alts, draft_len, anchor_pos,
+def miss_step(ast: AsyncStatic, d_leaves, dstate, hit, block, block_alts, draft_len, anchor_pos,
               row_keys):
     """Synchronous draft for the rows that missed (computed for all rows, kept where missed)."""
-    s_block, s_alts, s_dl, dstate = _sync_block(ast, params, dstate, block[:, 0], anchor_pos, row_keys)
+    s_block, s_alts, s_dl, dstate = _sync_block(ast, ast.drafter_params(d_leaves), dstate,
+                                                block[:, 0], anchor_pos, row_keys)
     block = jnp.where(hit[:, None], block, s_block)
     block_alts = jnp.where(hit[:, None, None], block_alts, s_alts)
     draft_len = jnp.where(hit, draft_len, s_dl)
@@ -276,7 +312,15 @@ def _verify_commit(static: E.DecodeStatic, target_params, state: E.DecodeState, 
     return state, accepted, next_token
 
 
-verify_commit_step = jax.jit(_verify_commit, static_argnums=0, donate_argnums=2)
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
+def verify_commit_step(ast: AsyncStatic, t_leaves, state: E.DecodeState, drafts_fed, drafts_cmp):
+    """:func:`_verify_commit` plus the round's decision ``[b, 4]`` (accepted, target token, new
+    anchor, done) for :func:`select_step` — it stays on device (no host round trip)."""
+    state, accepted, next_token = _verify_commit(ast.target, ast.target_params(t_leaves), state,
+                                                 drafts_fed, drafts_cmp)
+    decision = jnp.stack([accepted, next_token, state.anchor_pos, state.done.astype(jnp.int32)],
+                         axis=1).astype(jnp.int32)
+    return state, decision
 
 
 def _target_prefill(static, target_params, *prefill_args):
@@ -365,25 +409,30 @@ def run_async(batch: E.PreparedBatch, *, branch_positions: int = DEFAULT_BRANCH_
     layout.validate(prefix="async")
     mask = (spec.mask_token_id if isinstance(spec, ModelDraftSpec) else
             spec.model_spec.mask_token_id if isinstance(spec, CostedReplayDraftSpec) else 0)
-    ast = AsyncStatic(static, layout, int(mask))
     tstatic = dataclasses.replace(static, drafter_spec=None)  # target-side cores never see the drafter
     if verbose and layout not in _DESCRIBED:  # once per layout, not once per batch
         _DESCRIBED.add(layout)
         print(layout.describe(), flush=True)
     t_start = time.perf_counter()
     t_devs, d_devs = resolve_slices(target_devices, drafter_devices)
+    shared = list(t_devs) == list(d_devs)  # one slice: nothing to move between the two sides
     t_params_put, t_put = _placer(t_devs)
     d_params_put, d_put = _placer(d_devs)
+    to_target = (lambda x: x) if shared else t_put  # device-to-device, never through the host
+    to_drafter = (lambda x: x) if shared else d_put
 
     tparams = t_params_put(batch.target_params)
     dparams = d_params_put(batch.drafter_params) if batch.drafter_params is not None else None
+    t_leaves, t_tree = jax.tree.flatten(tparams)  # flattened once, not once per call
+    d_leaves, d_tree = jax.tree.flatten(dparams)
+    ast = AsyncStatic(static, layout, int(mask), tstatic, t_tree, d_tree)
     prompt_len = np.asarray(batch.prompt_len)
     state = target_prefill_step(tstatic, tparams, *t_put(batch.args()[3:]))
     prompt_d, plen_d = d_put(batch.prompt_bt), d_put(jnp.asarray(prompt_len - 1, jnp.int32))
     dstate = drafter_prefill_step(spec, dparams, d_put(batch.drafter_state), prompt_d, plen_d)
     row_keys_d = d_put(state.row_keys)
     anchor_tok = np.asarray(batch.prompt_bt)[np.arange(len(prompt_len)), prompt_len - 1]
-    block, alts, dl, (fed, cmp), dstate = first_block_step(ast, dparams, dstate,
+    block, alts, dl, (fed, cmp), dstate = first_block_step(ast, d_leaves, dstate,
                                                            d_put(jnp.asarray(anchor_tok, jnp.int32)),
                                                            plen_d, row_keys_d)
     anchor_d = plen_d
@@ -397,56 +446,55 @@ def run_async(batch: E.PreparedBatch, *, branch_positions: int = DEFAULT_BRANCH_
     jax.block_until_ready((state.seq, fed))
     setup_s = time.perf_counter() - t_start  # placement, both prefills, the first (sync) block
     pool = cf.ThreadPoolExecutor(max_workers=2)
+    host0 = time.thread_time()  # this thread's CPU time: the host cost of the rounds, no waits
     try:
         for _ in range(max_rounds):  # every round commits >= 1 token per active row
             if done.all():
                 break
-            fed_t, cmp_t = t_put((fed, cmp))
-            # ---- dispatch both, wait on neither
+            fed_t, cmp_t = to_target((fed, cmp))
+            # ---- dispatch verify, packed forward and selection; wait on none of them
             tv0 = time.perf_counter()
-            state, accepted, next_token = verify_commit_step(tstatic, tparams, state, fed_t, cmp_t)
+            state, decision = verify_commit_step(ast, t_leaves, state, fed_t, cmp_t)
             tv1 = time.perf_counter()
-            drafts, dstate = packed_step(ast, dparams, dstate, block, alts, anchor_d, dl)
+            drafts, dstate = packed_step(ast, d_leaves, dstate, block, alts, anchor_d, dl)
             td1 = time.perf_counter()
-            v_ready = pool.submit(_ready_at, next_token)
+            v_ready = pool.submit(_ready_at, decision)
             d_ready = pool.submit(_ready_at, drafts.tokens)
-            # ---- wait only for what decides the next round
-            acc_h, nt_h, anchor_h, done_h = jax.device_get(
-                (accepted, next_token, state.anchor_pos, state.done))
-            new_anchor = d_put(jnp.asarray(anchor_h))
-            hit, block_h, alts_h, dl_h, (fed_h, cmp_h), dstate = select_step(
-                ast, drafts, dstate, alts, dl, d_put(jnp.asarray(acc_h)), d_put(jnp.asarray(nt_h)),
-                new_anchor)
-            hit_h = np.asarray(jax.device_get(hit))
+            view, hit, block, alts, dl, (fed, cmp), anchor_d, dstate = select_step(
+                ast, drafts, dstate, alts, dl, to_drafter(decision))
+            # ---- the round's one device->host transfer: (done, hit) per row
+            view_h = np.asarray(view)
             tw = time.perf_counter()
+            done, hit_h = view_h[:, 0].astype(bool), view_h[:, 1].astype(bool)
             t_vr, t_dr = v_ready.result(), d_ready.result()
-            need = ~done_h  # rows that go on need a next block
+            need = ~done  # rows that go on need a next block
+            missed_rows = need & ~hit_h
             hits += hit_h & need
-            misses += ~hit_h & need
+            misses += missed_rows
             ts0 = time.perf_counter()
-            missed = bool((~hit_h & need).any())
+            missed = bool(missed_rows.any())
             if missed:
-                block_h, alts_h, dl_h, (fed_h, cmp_h), dstate = miss_step(
-                    ast, dparams, dstate, hit, block_h, alts_h, dl_h, new_anchor, row_keys_d)
-                jax.block_until_ready(fed_h)
+                block, alts, dl, (fed, cmp), dstate = miss_step(
+                    ast, d_leaves, dstate, hit, block, alts, dl, anchor_d, row_keys_d)
+                jax.block_until_ready(fed)  # so sync_s times the draft (verify needs it next anyway)
                 sync_drafts += 1
             ts1 = time.perf_counter()
-            block, alts, dl, fed, cmp, anchor_d = block_h, alts_h, dl_h, fed_h, cmp_h, new_anchor
-            done = done_h
             rounds += 1
-            rec = dict(verify_dispatch=tv0, verify_ready=t_vr, packed_dispatch=tv1,
-                       packed_dispatched=td1, packed_ready=t_dr, wait_s=tw - td1,
-                       sync_s=ts1 - ts0 if missed else 0.0, sync_draft=missed,
-                       hit=[bool(h) for h in hit_h], active=[bool(a) for a in need],
-                       verify_devices=next_token.devices(), packed_devices=drafts.tokens.devices())
+            sync_s = ts1 - ts0 if missed else 0.0
             totals["verify_s"] += t_vr - tv0
             totals["packed_s"] += t_dr - tv1
-            totals["sync_s"] += rec["sync_s"]
-            totals["wait_s"] += rec["wait_s"]
+            totals["sync_s"] += sync_s
+            totals["wait_s"] += tw - td1
             if timeline is not None:
-                timeline.append(rec)
+                timeline.append(dict(
+                    verify_dispatch=tv0, verify_ready=t_vr, packed_dispatch=tv1,
+                    packed_dispatched=td1, packed_ready=t_dr, wait_s=tw - td1, sync_s=sync_s,
+                    sync_draft=missed, hit=hit_h.tolist(), active=need.tolist(),
+                    verify_devices=decision.devices(), packed_devices=drafts.tokens.devices()))
     finally:
+        host_s = time.thread_time() - host0
         pool.shutdown(wait=True)
+    totals["host_s"] = host_s
     per_round = {f"round_{k}": (v / rounds if rounds else 0.0) for k, v in totals.items()}
     judged = hits + misses
     timings = {
