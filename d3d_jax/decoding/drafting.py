@@ -36,6 +36,9 @@ class DraftOutput:
     logits: jax.Array | None  # [b, B-1, V] per-slot logits (async alternatives) or None
 
 
+UNCACHED_NARROW = 4  # uncached committed tokens fed by the drafter's narrow variant
+
+
 # --------------------------------------------------------------------------------------
 # Model drafter
 # --------------------------------------------------------------------------------------
@@ -59,22 +62,37 @@ class ModelDraftSpec:
         model = nnx.merge(self.graphdef, params)
         b = seq.shape[0]
         bs = block_size
-        slot = jnp.arange(bs, dtype=jnp.int32)[None]
-        # committed tokens at positions cached_len .. s-1 (at most B of them: one round's commit)
-        pos_u = state.lengths[:, None] + slot
-        valid_u = pos_u < anchor_pos[:, None]
-        tok_u = jnp.take_along_axis(seq, jnp.minimum(pos_u, seq.shape[1] - 1), axis=1)
         anchor = jnp.take_along_axis(seq, anchor_pos[:, None], axis=1)
         tok_blk = jnp.concatenate([anchor, jnp.full((b, bs - 1), self.mask_token_id, jnp.int32)], 1)
-        meta = concat_meta([causal_meta(pos_u, valid_u), block_meta(anchor_pos[:, None], bs)])
+        meta_blk = block_meta(anchor_pos[:, None], bs)
 
-        def forward(span, tokens, meta, cache):
-            # logits only for block slots 1..B-1 -> positions s+1..s+B-1
-            return model(tokens, meta, cache=cache, logits_start=bs + 1, cache_span=span)
+        def forward(n_u, state):
+            # committed tokens at positions cached_len .. s-1 (at most B: one round's commit),
+            # padded to n_u slots with valid=False
+            pos_u = state.lengths[:, None] + jnp.arange(n_u, dtype=jnp.int32)[None]
+            valid_u = pos_u < anchor_pos[:, None]
+            tok_u = jnp.take_along_axis(seq, jnp.minimum(pos_u, seq.shape[1] - 1), axis=1)
+            meta = concat_meta([causal_meta(pos_u, valid_u), meta_blk])
 
-        slot_logits, cache = kvc.call_with_span(forward, jnp.max(state.lengths), state.max_len,
-                                                jnp.concatenate([tok_u, tok_blk], axis=1), meta,
-                                                state)
+            def with_span(span, cache, tokens, meta):
+                # logits only for block slots 1..B-1 -> positions s+1..s+B-1
+                return model(tokens, meta, cache=cache, logits_start=n_u + 1, cache_span=span,
+                             defer_cache_write=True)
+
+            logits, write = kvc.call_with_span(with_span, jnp.max(state.lengths), state,
+                                               jnp.concatenate([tok_u, tok_blk], axis=1), meta)
+            return logits, write.pad_to(2 * bs)
+
+        # Most rounds commit a few tokens: padding the uncached part to B would spend most of
+        # the drafter's layer work on padding, so a narrow variant serves rounds that fit it.
+        if bs > UNCACHED_NARROW:
+            wide = jnp.max(anchor_pos - state.lengths) > UNCACHED_NARROW
+            slot_logits, write = jax.lax.switch(
+                wide.astype(jnp.int32), [lambda st: forward(UNCACHED_NARROW, st),
+                                         lambda st: forward(bs, st)], state)
+        else:
+            slot_logits, write = forward(bs, state)
+        cache = write.apply(state)  # outside the switches: in place, no cache copy
         probs = None  # q is needed only to verify sampled drafts
         if sample_drafts and not sampling.greedy:
             probs = V.processed_probs(slot_logits, sampling)

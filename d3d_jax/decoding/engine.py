@@ -144,11 +144,12 @@ def _verify(static: DecodeStatic, target_params, state: DecodeState, draft: Draf
     pos = s[:, None] + jnp.arange(static.width, dtype=jnp.int32)[None]
     cache_in = state.target_cache
 
-    def forward(span, tokens, pos, cache):
-        return target(tokens, causal_meta(pos), cache=cache, cache_span=span)
+    def forward(span, cache, tokens, pos):
+        return target(tokens, causal_meta(pos), cache=cache, cache_span=span,
+                      defer_cache_write=True)
 
-    logits, cache = kvc.call_with_span(forward, jnp.max(cache_in.lengths), cache_in.max_len,
-                                       tokens, pos, cache_in)
+    logits, write = kvc.call_with_span(forward, jnp.max(cache_in.lengths), cache_in, tokens, pos)
+    cache = write.apply(cache_in)
     accepted, next_token = static.acceptance_rule(logits, draft.drafts, draft.probs, s,
                                                   state.row_keys, static.sampling)
     return accepted, next_token, cache, logits

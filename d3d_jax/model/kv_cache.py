@@ -51,6 +51,32 @@ def write_layer(cache_bskh: jax.Array, new_btkh: jax.Array, positions_bt: jax.Ar
     return write_all(cache_bskh[None], new_btkh[None], positions_bt, keep_bt)[0]
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class PendingWrite:
+    """New K/V rows of one forward, not yet scattered into a cache (see ``defer_cache_write``)."""
+
+    k_lbtkh: jax.Array
+    v_lbtkh: jax.Array
+    positions_bt: jax.Array
+    keep_bt: jax.Array
+
+    def pad_to(self, t: int) -> "PendingWrite":
+        """Pad to ``t`` tokens (not kept), so branches of different widths return one shape."""
+        extra = t - self.positions_bt.shape[1]
+        if extra == 0:
+            return self
+        pad5 = ((0, 0), (0, 0), (0, extra), (0, 0), (0, 0))
+        return PendingWrite(jnp.pad(self.k_lbtkh, pad5), jnp.pad(self.v_lbtkh, pad5),
+                            jnp.pad(self.positions_bt, ((0, 0), (0, extra))),
+                            jnp.pad(self.keep_bt, ((0, 0), (0, extra))))
+
+    def apply(self, cache: KVCache) -> KVCache:
+        return KVCache(write_all(cache.k_lbskh, self.k_lbtkh, self.positions_bt, self.keep_bt),
+                       write_all(cache.v_lbskh, self.v_lbtkh, self.positions_bt, self.keep_bt),
+                       cache.lengths)
+
+
 def write_all(cache_lbskh: jax.Array, new_lbtkh: jax.Array, positions_bt: jax.Array,
               keep_bt: jax.Array) -> jax.Array:
     """One scatter of every layer's new K or V rows into the stacked cache.
@@ -78,16 +104,22 @@ def span_buckets(cache_len: int, min_span: int = MIN_SPAN) -> tuple[int, ...]:
     return tuple(spans) + (cache_len,)
 
 
-def call_with_span(fn, needed: jax.Array, cache_len: int, *operands):
-    """``fn(span, *operands)`` with the smallest bucketed ``span >= needed`` (a traced scalar).
+def call_with_span(fn, needed: jax.Array, cache: KVCache, *operands):
+    """``fn(span, cache, *operands) -> (out, PendingWrite)`` with the smallest bucketed
+    ``span >= needed`` (a traced scalar); returns ``(out, write)``: apply the write outside any
+    ``lax.switch``.
 
     Attention over a fixed-length cache otherwise costs every slot every step (at 576 slots and
     ~200 committed tokens most of the work is masked out).  One ``lax.switch`` branch per bucket:
     shapes stay static, compile time grows with the number of buckets (log2 of cache_len/128).
+    Writes are applied by the caller after the switch: inside a branch XLA copies the cache first.
     """
-    spans = span_buckets(cache_len)
+    spans = span_buckets(cache.max_len)
     if len(spans) == 1:
-        return fn(spans[0], *operands)
-    index = jnp.searchsorted(jnp.asarray(spans, jnp.int32), jnp.asarray(needed, jnp.int32))
-    index = jnp.minimum(index, len(spans) - 1)
-    return jax.lax.switch(index, [lambda *ops, sp=sp: fn(sp, *ops) for sp in spans], *operands)
+        out, write = fn(spans[0], cache, *operands)
+    else:
+        index = jnp.searchsorted(jnp.asarray(spans, jnp.int32), jnp.asarray(needed, jnp.int32))
+        index = jnp.minimum(index, len(spans) - 1)
+        out, write = jax.lax.switch(index, [lambda *ops, sp=sp: fn(sp, *ops) for sp in spans],
+                                    cache, *operands)
+    return out, write

@@ -194,7 +194,7 @@ class Qwen3(nnx.Module):
     def __call__(self, tokens_bt: jax.Array, meta: TokenMeta | None = None,
                  cache: kvc.KVCache | None = None, keep: jax.Array | None = None, *,
                  return_hidden_states: bool = False, logits_start: int = 0,
-                 cache_span: int | None = None):
+                 cache_span: int | None = None, defer_cache_write: bool = False):
         """Logits ``[B, T, V]`` (float32); with ``cache``: ``(logits, new_cache)``.
 
         ``return_hidden_states`` adds the list of every layer's input plus the final
@@ -205,6 +205,9 @@ class Qwen3(nnx.Module):
         ``cache_span`` (static) attends only to cache slots ``< cache_span``; the caller promises
         every valid slot lies there (lengths <= cache_span).  Attention over a fixed-length cache
         otherwise costs the whole cache per step; writes still go to the full cache.
+        ``defer_cache_write`` returns a :class:`~d3d_jax.model.kv_cache.PendingWrite` instead of
+        the new cache (apply it with ``write.apply(cache)``): inside a ``lax.switch`` branch an
+        in-place cache write would make XLA copy the whole cache first.
         """
         tokens_bt = jnp.asarray(tokens_bt, jnp.int32)
         b, t = tokens_bt.shape
@@ -239,9 +242,8 @@ class Qwen3(nnx.Module):
         logits = self.logits(self.norm(x[:, logits_start:] if logits_start else x))
         outs: tuple = (logits,)
         if cache is not None:
-            outs += (kvc.KVCache(kvc.write_all(cache.k_lbskh, jnp.stack(new_k), meta.positions, keep),
-                                 kvc.write_all(cache.v_lbskh, jnp.stack(new_v), meta.positions, keep),
-                                 cache.lengths),)
+            write = kvc.PendingWrite(jnp.stack(new_k), jnp.stack(new_v), meta.positions, keep)
+            outs += (write if defer_cache_write else write.apply(cache),)
         if return_hidden_states:
             outs += (hidden,)
         return outs[0] if len(outs) == 1 else outs
