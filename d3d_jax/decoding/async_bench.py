@@ -76,7 +76,8 @@ def _summary(outs) -> dict:
     s = M.summarize([o.metrics for o in outs])
     m0 = outs[0].metrics
     for k in ("hit_rate_batch", "sync_drafts", "async_rounds", "n_async", "round_verify_s",
-              "round_packed_s", "round_sync_s", "round_wait_s", "sync_draft_s", "setup_s", "loop_s"):
+              "round_packed_s", "round_sync_s", "round_wait_s", "round_host_s", "sync_draft_s",
+              "setup_s", "loop_s"):
         if k in m0:
             s[k] = m0[k] if k == "n_async" else (
                 float(np.mean([o.metrics[k] for o in outs])) if k.startswith("round") else m0[k])
@@ -155,7 +156,7 @@ def run(args) -> dict:
         print(f"{r['mode']:<18}{r['tokens_per_s']:>10.1f}{r['tau']:>7.2f}{hr:>10}{r['speedup']:>9.2f}")
     print("async per-round means (s): " + ", ".join(
         f"{k[6:]}={main[k]:.4f}" for k in ("round_verify_s", "round_packed_s", "round_sync_s",
-                                           "round_wait_s"))
+                                           "round_wait_s", "round_host_s"))
           + f"; one sync draft {main['sync_draft_s']:.4f}; sync drafts {main['sync_drafts']} of "
           f"{main['async_rounds']} rounds; N_async={main['n_async']}; per batch: setup (prefills, "
           f"first block) {main['setup_s']:.4f} s, round loop {main['loop_s']:.4f} s", flush=True)
