@@ -53,7 +53,9 @@ class ModelDraftSpec:
         b, p = prompt_bt.shape
         pos = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
         meta = causal_meta(pos, pos < prefill_len[:, None])
-        _, cache = model(prompt_bt, meta, cache=state.with_lengths(jnp.zeros_like(prefill_len)))
+        # nothing cached yet: attend to one (masked) slot instead of the whole cache
+        _, cache = model(prompt_bt, meta, cache=state.with_lengths(jnp.zeros_like(prefill_len)),
+                         cache_span=1)
         return cache.with_lengths(prefill_len)
 
     def propose(self, params, state: kvc.KVCache, seq: jax.Array, anchor_pos: jax.Array,

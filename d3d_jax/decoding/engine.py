@@ -105,7 +105,10 @@ def _prefill(static: DecodeStatic, target_params, drafter_params, drafter_state,
     cache = kvc.init_cache(cfg, b, static.cache_len)
     pos = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
     cached_len = prompt_len - 1
-    _, cache = target(prompt_bt, causal_meta(pos, pos < cached_len[:, None]), cache=cache)
+    # the fresh cache holds nothing valid: attend to one (masked) slot, not all of them, which
+    # XLA would otherwise constant-fold over the whole zero cache at compile time
+    _, cache = target(prompt_bt, causal_meta(pos, pos < cached_len[:, None]), cache=cache,
+                      cache_span=1)
     cache = cache.with_lengths(cached_len)
     if static.drafter_spec is not None:
         drafter_state = static.drafter_spec.prefill(drafter_params, drafter_state, prompt_bt, cached_len)
