@@ -50,29 +50,25 @@ def _content_text(content: Any, where: str) -> str:
     raise MalformedPrompt(f"{where}: content must be a string or text parts, got {type(content).__name__}")
 
 
+def _turn_list(turns: Any, key: str, role_key: str, text_key: str) -> list[tuple[str, str]]:
+    """``[(role, text)]`` from a list of ``{role_key, text_key}`` objects named ``key`` in errors."""
+    if not isinstance(turns, list):
+        raise MalformedPrompt(f"'{key}' must be a list of {{{role_key}, {text_key}}}")
+    out = []
+    for i, t in enumerate(turns):
+        if not isinstance(t, dict) or role_key not in t or text_key not in t:
+            raise MalformedPrompt(f"{key}[{i}] must be an object with '{role_key}' and '{text_key}'")
+        out.append((t[role_key], _content_text(t[text_key], f"{key}[{i}]")))
+    return out
+
+
 def _turns(obj: dict) -> list[tuple[str, str]]:
     """(raw role, text) turns of a line in any supported format."""
     if "messages" in obj or ("prompt" in obj and isinstance(obj["prompt"], list)):
         key = "messages" if "messages" in obj else "prompt"
-        turns = obj[key]
-        if not isinstance(turns, list):
-            raise MalformedPrompt(f"'{key}' must be a list of {{role, content}}")
-        out = []
-        for i, t in enumerate(turns):
-            if not isinstance(t, dict) or "role" not in t or "content" not in t:
-                raise MalformedPrompt(f"{key}[{i}] must be an object with 'role' and 'content'")
-            out.append((t["role"], _content_text(t["content"], f"{key}[{i}]")))
-        return out
+        return _turn_list(obj[key], key, "role", "content")
     if "conversations" in obj:
-        turns = obj["conversations"]
-        if not isinstance(turns, list):
-            raise MalformedPrompt("'conversations' must be a list of {from, value}")
-        out = []
-        for i, t in enumerate(turns):
-            if not isinstance(t, dict) or "from" not in t or "value" not in t:
-                raise MalformedPrompt(f"conversations[{i}] must be an object with 'from' and 'value'")
-            out.append((t["from"], _content_text(t["value"], f"conversations[{i}]")))
-        return out
+        return _turn_list(obj["conversations"], "conversations", "from", "value")
     if "prompt" in obj:
         if not isinstance(obj["prompt"], str):
             raise MalformedPrompt("'prompt' must be a string or a list of messages")
