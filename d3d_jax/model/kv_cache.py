@@ -45,12 +45,6 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype: str | None = N
     return KVCache(jnp.zeros(shape, dt), jnp.zeros(shape, dt), jnp.zeros((batch,), jnp.int32))
 
 
-def write_layer(cache_bskh: jax.Array, new_btkh: jax.Array, positions_bt: jax.Array,
-                keep_bt: jax.Array) -> jax.Array:
-    """Scatter new K or V rows into one layer's cache at their positions; dropped where not kept."""
-    return write_all(cache_bskh[None], new_btkh[None], positions_bt, keep_bt)[0]
-
-
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class PendingWrite:
