@@ -32,6 +32,16 @@ def _gap(q, y):
     return q[y] - others.max()
 
 
+def _accepts_by_anchor(seqs, anchors, acc):
+    """Per sequence, the accept count of the block anchored at each position (0 elsewhere)."""
+    tables = []
+    for r, (s, anc) in enumerate(zip(seqs, anchors)):
+        table = np.zeros(len(s), np.int64)
+        table[anc] = acc[r, :len(anc)]
+        tables.append(table)
+    return tables
+
+
 def test_margin_eta_equals_brute_force_and_meets_margin():
     rng = np.random.default_rng(0)
     grid = np.linspace(0.0, 1.0, 20001)
@@ -144,11 +154,7 @@ def test_offline_tau_replays_greedy_speculative_rounds_exactly():
     anchors = [list(range(p - 1, len(s) - 1)) for s, p in zip(seqs, prompt_lens)]
     batch = pruning.pack_dev_rows(seqs, prompt_lens, anchors, bs, mask_id, clean_len=32)
     _, acc = pruning.model_tau_sums(model, batch, bs)
-    by_anchor = []
-    for r, (s, anc) in enumerate(zip(seqs, anchors)):
-        table = np.zeros(len(s), np.int64)
-        table[anc] = acc[r, :len(anc)]
-        by_anchor.append(table)
+    by_anchor = _accepts_by_anchor(seqs, anchors, acc)
     tau, rounds = pruning.trajectory_tau(by_anchor, [p - 1 for p in prompt_lens],
                                          [len(s) - 1 for s in seqs])
     assert rounds == sum(len(a) for a in engine_accepts)
@@ -301,11 +307,7 @@ def test_offline_tau_equals_engine_sync_tau_on_target_greedy_responses():
     anchors = [list(range(len(p) - 1, len(s) - 1)) for s, p in zip(seqs, prompts)]
     batch = pruning.pack_dev_rows(seqs, [len(p) for p in prompts], anchors, bs, v - 1, clean_len=48)
     _, acc = pruning.model_tau_sums(drafter, batch, bs)
-    by_anchor = []
-    for r, (s, anc) in enumerate(zip(seqs, anchors)):
-        table = np.zeros(len(s), np.int64)
-        table[anc] = acc[r, :len(anc)]
-        by_anchor.append(table)
+    by_anchor = _accepts_by_anchor(seqs, anchors, acc)
     tau, rounds = pruning.trajectory_tau(by_anchor, [len(p) - 1 for p in prompts],
                                          [len(p) - 1 + max_new for p in prompts])
     assert rounds == measured["rounds"]
