@@ -1,0 +1,249 @@
+"""Config core: ConfigError, the YAML + ``key=value`` loader and type conversion."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import types
+import typing
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import yaml
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent.parent / "configs"
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+class ConfigError(ValueError):
+    """A configuration value or combination is invalid; the message names the key."""
+
+
+_MISSING = object()
+# ModelConfig field -> HF config.json key, where they differ
+_HF_KEY_NAMES = {"num_layers": "num_hidden_layers", "num_heads": "num_attention_heads",
+                 "num_kv_heads": "num_key_value_heads"}
+
+
+def _require(cond: bool, key: str, msg: str) -> None:
+    if not cond:
+        raise ConfigError(f"{key}: {msg}")
+
+
+
+# --------------------------------------------------------------------------------------
+# Generic YAML + overrides loader
+# --------------------------------------------------------------------------------------
+def _convert(value: Any, tp: Any, key: str) -> Any:
+    """Convert a YAML/CLI value to the declared field type, or raise ConfigError."""
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if tp is Any:
+        return value
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        if isinstance(value, str) and value.lower() in ("none", "null") and type(None) in args:
+            return None
+        errors = []
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return _convert(value, a, key)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(f"{key}: cannot interpret {value!r} as {tp}")
+    if dataclasses.is_dataclass(tp):
+        if isinstance(value, tp):
+            return value
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{key}: expected a mapping for section {tp.__name__}, got {value!r}")
+        return build_dataclass(tp, value, key)
+    if origin in (tuple, list, Sequence) or tp in (tuple, list):
+        if isinstance(value, str):
+            value = [v for v in value.split(",") if v != ""]
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{key}: expected a list, got {value!r}")
+        if args and not (len(args) == 2 and args[1] is Ellipsis) and origin is tuple:
+            if len(args) != len(value):
+                raise ConfigError(f"{key}: expected {len(args)} items, got {len(value)}")
+            return tuple(_convert(v, a, key) for v, a in zip(value, args))
+        elem = args[0] if args else Any
+        out = [_convert(v, elem, key) for v in value]
+        return tuple(out) if (origin is tuple or tp is tuple) else out
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "1", "yes", "on"):
+            return True
+        if isinstance(value, str) and value.lower() in ("false", "0", "no", "off"):
+            return False
+        if isinstance(value, int) and value in (0, 1):
+            return bool(value)
+        raise ConfigError(f"{key}: expected a boolean, got {value!r}")
+    if tp is int:
+        if isinstance(value, bool):
+            raise ConfigError(f"{key}: expected an integer, got {value!r}")
+        if isinstance(value, int):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if isinstance(value, str):
+            try:
+                return int(value)
+            except ValueError:
+                pass
+        raise ConfigError(f"{key}: expected an integer, got {value!r}")
+    if tp is float:
+        if isinstance(value, bool):
+            raise ConfigError(f"{key}: expected a number, got {value!r}")
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{key}: expected a number, got {value!r}") from None
+    if tp is str:
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise ConfigError(f"{key}: expected a string, got {value!r}")
+    return value
+
+
+def build_dataclass(cls: type, data: Mapping[str, Any], prefix: str = "") -> Any:
+    """Build (nested) dataclass ``cls`` from a mapping, converting and checking every key."""
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for k, v in data.items():
+        key = f"{prefix}.{k}" if prefix else k
+        if k not in fields:
+            raise ConfigError(f"{key}: unknown key (known: {', '.join(sorted(fields))})")
+        kwargs[k] = _convert(v, hints[k], key)
+    try:
+        obj = cls(**kwargs)
+    except TypeError as e:
+        raise ConfigError(f"{prefix or cls.__name__}: {e}") from None
+    return obj
+
+
+def _parse_scalar(text: str) -> Any:
+    """Parse the right-hand side of ``key=value`` with YAML rules (numbers, bools, lists)."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+
+
+def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    node = tree
+    for p in parts[:-1]:
+        node = node.setdefault(p, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"{dotted}: {p} is not a section")
+    node[parts[-1]] = value
+
+
+def _deep_merge(base: dict, extra: Mapping) -> dict:
+    out = dict(base)
+    for k, v in extra.items():
+        if isinstance(v, Mapping) and isinstance(out.get(k), dict):
+            out[k] = _deep_merge(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+def read_yaml(path: str | os.PathLike) -> dict:
+    """Read a YAML config, resolving ``include:`` (paths relative to the file or configs/)."""
+    path = Path(path)
+    if not path.exists() and (CONFIG_DIR / path).exists():
+        path = CONFIG_DIR / path
+    if not path.exists():
+        raise ConfigError(f"config file not found: {path}")
+    with open(path) as f:
+        data = yaml.safe_load(f) or {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: top level must be a mapping")
+    includes = data.pop("include", []) or []
+    if isinstance(includes, str):
+        includes = [includes]
+    merged: dict = {}
+    for inc in includes:
+        inc_path = path.parent / inc
+        if not inc_path.exists():
+            inc_path = CONFIG_DIR / inc
+        merged = _deep_merge(merged, read_yaml(inc_path))
+    return _deep_merge(merged, data)
+
+
+def parse_overrides(overrides: Sequence[str]) -> dict:
+    tree: dict = {}
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"{item}: overrides must look like key=value")
+        k, v = item.split("=", 1)
+        _set_dotted(tree, k.strip(), _parse_scalar(v))
+    return tree
+
+
+def load_config(cls: type, paths: Sequence[str | os.PathLike] = (), overrides: Sequence[str] = ()) -> Any:
+    """Load dataclass ``cls`` from YAML ``paths`` merged in order, then ``key=value`` overrides.
+
+    A ``model: path/to/model.yaml`` string value of a section is read as a YAML file too.
+    Validation runs ``cls.validate()`` when it exists.
+    """
+    tree: dict = {}
+    for p in paths:
+        tree = _deep_merge(tree, read_yaml(p))
+    tree = _deep_merge(tree, parse_overrides(overrides))
+    hints = typing.get_type_hints(cls)
+    for k, v in list(tree.items()):
+        if isinstance(v, str) and k in hints and dataclasses.is_dataclass(hints[k]) and (
+                v.endswith(".yaml") or v.endswith(".yml")):
+            tree[k] = read_yaml(v)
+    cfg = build_dataclass(cls, tree)
+    if hasattr(cfg, "validate"):
+        cfg.validate()
+    return cfg
+
+
+def parse_config_cli(cls: type, argv: Sequence[str] | None, description: str | None = None,
+                     add_arguments: Any = None) -> tuple[Any, Any]:
+    """The shared shape of our config-driven programs: ``--config A.yaml [--config B.yaml] key=value …``.
+
+    Returns ``(config, args)``; a bad config prints ``config error: …`` naming the key and
+    returns ``(None, args)`` so the program can exit with status 2.
+    """
+    import argparse
+    import sys
+
+    ap = argparse.ArgumentParser(description=description,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", action="append", default=[], help=f"YAML with {cls.__name__} fields")
+    if add_arguments is not None:
+        add_arguments(ap)
+    ap.add_argument("overrides", nargs="*", help="key=value overrides, e.g. train.steps=100")
+    args = ap.parse_args(argv)
+    try:
+        return load_config(cls, args.config, args.overrides), args
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return None, args
+
+
+
+def to_dict(cfg: Any) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def replace(cfg: Any, **changes: Any) -> Any:
+    """``dataclasses.replace`` that re-validates."""
+    new = dataclasses.replace(cfg, **changes)
+    if hasattr(new, "validate"):
+        new.validate()
+    return new
+
+

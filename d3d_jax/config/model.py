@@ -1,0 +1,223 @@
+"""Model and mesh configs."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import types
+import typing
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import yaml
+
+from d3d_jax.config.base import (CONFIG_DIR, DTYPES, ConfigError, _HF_KEY_NAMES, _MISSING,  # noqa: F401
+                                 _convert, _deep_merge, _require, build_dataclass, load_config,
+                                 parse_overrides)
+
+
+# --------------------------------------------------------------------------------------
+# Model
+# --------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Every field of a Qwen3 decoder (HF ``Qwen3Config``) plus our dtypes and D3D tokens."""
+
+    vocab_size: int = 4096
+    hidden_size: int = 256
+    intermediate_size: int = 768
+    num_layers: int = 4
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 64
+    rope_theta: float = 1_000_000.0
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = True
+    max_position_embeddings: int = 4096
+    param_dtype: str = "float32"
+    dtype: str = "float32"  # compute dtype
+    # D3D drafter fields (written into an exported drafter's config.json).
+    mask_token_id: int | None = None
+    block_size: int | None = None
+    # Token ids the HF config carries, kept for a faithful export.
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+    pad_token_id: int | None = None
+    gradient_checkpointing: bool = False
+
+    def validate(self, prefix: str = "model") -> None:
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
+                     "num_heads", "num_kv_heads", "head_dim", "max_position_embeddings"):
+            _require(getattr(self, name) > 0, f"{prefix}.{name}", f"must be > 0, got {getattr(self, name)}")
+        _require(self.num_heads % self.num_kv_heads == 0, f"{prefix}.num_kv_heads",
+                 f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}")
+        _require(self.head_dim % 2 == 0, f"{prefix}.head_dim", "must be even (RoPE rotates pairs)")
+        _require(self.rope_theta > 0, f"{prefix}.rope_theta", "must be > 0")
+        _require(self.rms_norm_eps > 0, f"{prefix}.rms_norm_eps", "must be > 0")
+        _require(self.param_dtype in DTYPES, f"{prefix}.param_dtype", f"must be one of {DTYPES}")
+        _require(self.dtype in DTYPES, f"{prefix}.dtype", f"must be one of {DTYPES}")
+        if self.mask_token_id is not None:
+            _require(0 <= self.mask_token_id < self.vocab_size, f"{prefix}.mask_token_id",
+                     f"{self.mask_token_id} is outside the vocabulary [0, {self.vocab_size})")
+        if self.block_size is not None:
+            _require(self.block_size >= 2, f"{prefix}.block_size", "must be >= 2")
+
+    @property
+    def num_groups(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    # ---- Hugging Face config.json ------------------------------------------------------
+    @classmethod
+    def from_hf_dict(cls, hf: Mapping[str, Any], **overrides: Any) -> "ModelConfig":
+        """Build from a Qwen3 ``config.json`` (old top-level ``rope_theta`` or new ``rope_parameters``)."""
+        if hf.get("model_type") != "qwen3":
+            raise ConfigError(f"model_type: expected 'qwen3', got {hf.get('model_type')!r}")
+        # Variants our Qwen3 does not implement: refuse them rather than load them wrongly.
+        for key in ("attention_bias", "use_sliding_window"):
+            if hf.get(key):
+                raise ConfigError(f"config.json.{key}: {hf[key]!r} is not supported (Qwen3 uses false)")
+        rope_theta = hf.get("rope_theta")
+        rope_params = hf.get("rope_parameters") or hf.get("rope_scaling")
+        if isinstance(rope_params, Mapping):
+            rtype = rope_params.get("rope_type", rope_params.get("type", "default"))
+            if rtype not in (None, "default"):
+                raise ConfigError(f"rope_parameters.rope_type: only 'default' RoPE is supported, got {rtype!r}")
+            rope_theta = rope_params.get("rope_theta", rope_theta)
+        if rope_theta is None:  # transformers' Qwen3Config default, so both read a file alike
+            rope_theta = 10_000.0
+        def num(key: str, tp: type, default: Any = _MISSING) -> Any:
+            # A wrong value in config.json fails here, naming the key, not deep inside the model.
+            if key not in hf or hf[key] is None:
+                if default is _MISSING:
+                    raise ConfigError(f"config.json.{key}: missing from config.json")
+                return default
+            return _convert(hf[key], tp, f"config.json.{key}")
+
+        hidden = num("hidden_size", int)
+        heads = num("num_attention_heads", int)
+        _require(heads > 0, "config.json.num_attention_heads", f"must be > 0, got {heads}")
+        kwargs = dict(
+            vocab_size=num("vocab_size", int),
+            hidden_size=hidden,
+            intermediate_size=num("intermediate_size", int),
+            num_layers=num("num_hidden_layers", int),
+            num_heads=heads,
+            num_kv_heads=num("num_key_value_heads", int, heads),
+            head_dim=num("head_dim", int, hidden // heads),
+            rope_theta=_convert(rope_theta, float, "config.json.rope_theta"),
+            rms_norm_eps=num("rms_norm_eps", float, 1e-6),
+            tie_word_embeddings=num("tie_word_embeddings", bool, False),
+            max_position_embeddings=num("max_position_embeddings", int, 40960),
+            mask_token_id=num("mask_token_id", int, None),
+            block_size=num("block_size", int, None),
+            bos_token_id=num("bos_token_id", int, None),
+            eos_token_id=hf.get("eos_token_id"),
+            pad_token_id=num("pad_token_id", int, None),
+        )
+        kwargs.update(overrides)
+        cfg = cls(**kwargs)
+        try:
+            cfg.validate("config.json")
+        except ConfigError as e:  # name the key as config.json spells it
+            msg = str(e)
+            for ours, theirs in _HF_KEY_NAMES.items():
+                msg = msg.replace(f"config.json.{ours}:", f"config.json.{theirs}:")
+            raise ConfigError(msg) from None
+        return cfg
+
+    def to_hf_dict(self, torch_dtype: str | None = None) -> dict[str, Any]:
+        d: dict[str, Any] = {
+            "architectures": ["Qwen3ForCausalLM"],
+            "model_type": "qwen3",
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "rope_theta": self.rope_theta,
+            "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
+            "rms_norm_eps": self.rms_norm_eps,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "max_position_embeddings": self.max_position_embeddings,
+            "attention_bias": False,
+            "attention_dropout": 0.0,
+            "use_sliding_window": False,
+            "initializer_range": 0.02,
+            "use_cache": True,
+            "torch_dtype": torch_dtype or self.param_dtype,
+            "dtype": torch_dtype or self.param_dtype,
+        }
+        for k in ("bos_token_id", "eos_token_id", "pad_token_id", "mask_token_id", "block_size"):
+            if getattr(self, k) is not None:
+                d[k] = getattr(self, k)
+        return d
+
+
+# --------------------------------------------------------------------------------------
+# Mesh
+# --------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    """Device mesh ``data × fsdp × tensor``.  ``-1`` on one axis takes the remaining devices.
+
+    ``target_devices`` / ``drafter_devices`` split the devices for serving (spec §5): the
+    first ``target_devices`` go to the target, the next ``drafter_devices`` to the drafter;
+    0 means "share all devices" (one device: both share it).
+    """
+
+    data: int = 1
+    fsdp: int = -1
+    tensor: int = 1
+    target_devices: int = 0
+    drafter_devices: int = 0
+    # logical axis -> mesh axes; None means the defaults in d3d_jax.parallel.sharding
+    rules: tuple[tuple[str, Any], ...] | None = None
+
+    def validate(self, prefix: str = "mesh") -> None:
+        for name in ("data", "fsdp", "tensor"):
+            v = getattr(self, name)
+            _require(v == -1 or v >= 1, f"{prefix}.{name}", f"must be >= 1 or -1, got {v}")
+        _require([self.data, self.fsdp, self.tensor].count(-1) <= 1, prefix,
+                 "at most one of data/fsdp/tensor may be -1")
+        _require(self.target_devices >= 0, f"{prefix}.target_devices", "must be >= 0")
+        _require(self.drafter_devices >= 0, f"{prefix}.drafter_devices", "must be >= 0")
+
+    def axis_sizes(self, num_devices: int) -> tuple[int, int, int]:
+        """Resolve -1 and check the product equals ``num_devices``."""
+        sizes = [self.data, self.fsdp, self.tensor]
+        fixed = 1
+        for s in sizes:
+            if s != -1:
+                fixed *= s
+        if -1 in sizes:
+            if num_devices % fixed:
+                raise ConfigError(f"mesh: data×fsdp×tensor fixed part {fixed} does not divide "
+                                  f"the {num_devices} devices")
+            sizes[sizes.index(-1)] = num_devices // fixed
+        if sizes[0] * sizes[1] * sizes[2] != num_devices:
+            raise ConfigError(f"mesh: data×fsdp×tensor = {sizes[0]}×{sizes[1]}×{sizes[2]} "
+                              f"= {sizes[0] * sizes[1] * sizes[2]} but {num_devices} devices are used")
+        return sizes[0], sizes[1], sizes[2]
+
+def load_model_config(path_or_name: str | os.PathLike, overrides: Sequence[str] = ()) -> ModelConfig:
+    """A model config from a YAML file, a name in configs/models, or an HF directory/config.json."""
+    p = Path(path_or_name)
+    if p.is_dir():
+        p = p / "config.json"
+        if not p.exists():
+            raise ConfigError(f"{path_or_name}: no config.json in this directory")
+    if p.suffix == ".json":
+        with open(p) as f:
+            cfg = ModelConfig.from_hf_dict(json.load(f))
+        if overrides:  # key=value on top of an HF config, converted and checked like YAML ones
+            cfg = build_dataclass(ModelConfig, _deep_merge(dataclasses.asdict(cfg), parse_overrides(overrides)))
+            cfg.validate()
+        return cfg
+    if not p.exists() and p.suffix not in (".yaml", ".yml"):  # a name; may contain dots ("qwen3-0.6b")
+        p = CONFIG_DIR / "models" / f"{path_or_name}.yaml"
+    cfg = load_config(ModelConfig, [p], overrides)
+    return cfg

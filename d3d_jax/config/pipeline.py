@@ -1,0 +1,126 @@
+"""Pipeline config (issue 8): the embedded default end to end."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import types
+import typing
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import yaml
+
+from d3d_jax.config.base import DTYPES, ConfigError, _require  # noqa: F401
+from d3d_jax.config.model import MeshConfig, ModelConfig
+from d3d_jax.config.training import *  # noqa: F401,F403
+from d3d_jax.config.training import DataConfig, ObjectiveConfig, OptimConfig, TrainConfig, TrainRunConfig
+from d3d_jax.config.regenerate import RegenerateConfig
+
+
+# --------------------------------------------------------------------------------------
+# Pipeline (issue 8): the embedded default end to end (train/pipeline.py)
+# --------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class PretrainStageConfig:
+    """Plain LM pretraining of one model on the chat-formatted corpus."""
+
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    steps: int = 300
+    batch_size: int = 16
+    seq_len: int = 128
+    learning_rate: float = 3e-3
+    warmup_steps: int = 20
+    seed: int = 0
+
+    def validate(self, prefix: str = "pretrain") -> None:
+        self.model.validate(f"{prefix}.model")
+        for k in ("steps", "batch_size", "seq_len"):
+            _require(getattr(self, k) >= 1, f"{prefix}.{k}", "must be >= 1")
+        _require(self.learning_rate > 0, f"{prefix}.learning_rate", "must be > 0")
+        _require(self.seq_len <= self.model.max_position_embeddings, f"{prefix}.seq_len",
+                 f"exceeds model.max_position_embeddings={self.model.max_position_embeddings}")
+
+
+@dataclasses.dataclass(frozen=True)
+class DrafterVariantConfig:
+    """One D3D drafter: where its weights start and its AR weight λ."""
+
+    name: str = "small"
+    init: str = "small"  # "small" (pretrained small model) | "target" (target's weights) | "random"
+    ar_weight: float = 1.0
+    steps: int | None = None  # None: the stage's steps
+
+    def validate(self, prefix: str = "drafter") -> None:
+        _require(self.init in ("small", "target", "random"), f"{prefix}.init",
+                 f"must be 'small', 'target' or 'random', got {self.init!r}")
+        _require(self.ar_weight >= 0, f"{prefix}.ar_weight", "must be >= 0")
+        _require(bool(self.name) and "/" not in self.name, f"{prefix}.name", "must be a plain non-empty name")
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineConfig:
+    """Stages of the embedded default; each is skipped when its output exists under ``out_dir``."""
+
+    out_dir: str = "artifacts/demo"
+    seed: int = 0
+    # (1) tokenizer + corpus
+    vocab_size: int = 2048
+    tokenizer_chars: int = 4_000_000
+    passage_chars: int = 700
+    pretrain_chars: int = 3_000_000
+    # (2), (3)
+    target: PretrainStageConfig = dataclasses.field(default_factory=PretrainStageConfig)
+    small: PretrainStageConfig = dataclasses.field(default_factory=PretrainStageConfig)
+    # (4) regeneration
+    regen_prompts: int = 400
+    regen_max_new_tokens: int = 128
+    regen_greedy: bool = True
+    regen_batch_size: int = 16
+    # (5) drafters
+    block_size: int = 16
+    drafter_steps: int = 300
+    drafter_batch_size: int = 8
+    drafter_packed_length: int = 512
+    drafter_num_anchors: int = 16
+    drafter_learning_rate: float = 1e-3
+    drafter_gamma: float = 7.0
+    drafters: tuple[DrafterVariantConfig, ...] = (DrafterVariantConfig(),)
+    # (6) pruning
+    prune_drafter: str = ""  # "" skips pruning
+    prune_to_layers: int = 2
+    prune_recover_steps: int = 50
+    prune_margin: float = 0.1
+    # (7) benchmark
+    eval_benchmarks: tuple[str, ...] = ("humaneval", "shakespeare")
+    eval_samples: int = 8
+    eval_max_new_tokens: int = 128
+    eval_drafters: tuple[str, ...] = ("small",)
+    async_positions: int = 12
+    async_fanout: int = 2
+    async_sweep: tuple[tuple[int, int], ...] = ()
+    hf_peer: bool = True
+
+    def validate(self, prefix: str = "") -> None:
+        p = f"{prefix}." if prefix else ""
+        _require(self.vocab_size >= 300, f"{p}vocab_size", "must be >= 300")
+        self.target.validate(f"{p}target")
+        self.small.validate(f"{p}small")
+        for k in ("regen_prompts", "regen_max_new_tokens", "drafter_steps", "eval_samples",
+                  "eval_max_new_tokens", "passage_chars"):
+            _require(getattr(self, k) >= 1, f"{p}{k}", "must be >= 1")
+        _require(self.block_size >= 3, f"{p}block_size", "must be >= 3")
+        _require(self.drafter_packed_length > self.drafter_num_anchors * self.block_size + self.block_size,
+                 f"{p}drafter_packed_length", "leaves no room for the clean stream")
+        names = [d.name for d in self.drafters]
+        _require(len(set(names)) == len(names), f"{p}drafters", f"names must be unique, got {names}")
+        for i, d in enumerate(self.drafters):
+            d.validate(f"{p}drafters[{i}]")
+        for n in self.eval_drafters:
+            _require(n in names or n == f"{self.prune_drafter}_pruned", f"{p}eval_drafters",
+                     f"{n!r} is not a drafter name ({names}) nor '<prune_drafter>_pruned'")
+        if self.prune_drafter:
+            _require(self.prune_drafter in names, f"{p}prune_drafter", f"{self.prune_drafter!r} not in {names}")
+
+

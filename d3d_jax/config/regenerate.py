@@ -1,0 +1,67 @@
+"""Regeneration config (issue 5)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import types
+import typing
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import yaml
+
+from d3d_jax.config.base import DTYPES, ConfigError, _require  # noqa: F401
+from d3d_jax.config.model import MeshConfig
+
+
+# --------------------------------------------------------------------------------------
+# Regeneration (issue 5): the target rewrites every response (spec §2.1)
+# --------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class RegenerateConfig:
+    """Sampling and batching of ``train/regenerate_data.py`` (defaults: Qwen3 non-thinking)."""
+
+    temperature: float = 0.7
+    top_p: float = 0.8
+    top_k: int = 20  # 0 = off
+    greedy: bool = False  # overrides temperature/top_p/top_k with argmax decoding
+    max_new_tokens: int = 512
+    seed: int = 0
+    batch_size: int = 8
+    max_records: int | None = None  # stop after this many new records (rerun resumes)
+    max_prompt_tokens: int | None = None  # None: max_position_embeddings - max_new_tokens
+    cache_multiple: int = 64  # KV cache lengths are rounded up to this (bounded recompiles)
+    process_index: int | None = None  # None: jax.process_index()
+    process_count: int | None = None  # None: jax.process_count()
+    dtype: str | None = None  # cast the target after loading (None: as stored)
+    # Each process loads the target onto a mesh over its own devices (prompts, not tensors, are
+    # split across processes); num_devices 0 = all of this process's devices.
+    mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+    num_devices: int = 0
+
+    def validate(self, prefix: str = "regenerate") -> None:
+        self.mesh.validate(f"{prefix}.mesh")
+        _require(self.num_devices >= 0, f"{prefix}.num_devices", "must be >= 0")
+        _require(self.temperature >= 0, f"{prefix}.temperature", f"must be >= 0, got {self.temperature}")
+        _require(0 < self.top_p <= 1, f"{prefix}.top_p", f"must be in (0, 1], got {self.top_p}")
+        _require(self.top_k >= 0, f"{prefix}.top_k", f"must be >= 0 (0 = off), got {self.top_k}")
+        _require(self.max_new_tokens >= 1, f"{prefix}.max_new_tokens", "must be >= 1")
+        _require(self.batch_size >= 1, f"{prefix}.batch_size", "must be >= 1")
+        _require(self.cache_multiple >= 1, f"{prefix}.cache_multiple", "must be >= 1")
+        if self.max_records is not None:
+            _require(self.max_records >= 0, f"{prefix}.max_records", "must be >= 0")
+        if self.max_prompt_tokens is not None:
+            _require(self.max_prompt_tokens >= 1, f"{prefix}.max_prompt_tokens", "must be >= 1")
+        if self.process_count is not None:
+            _require(self.process_count >= 1, f"{prefix}.process_count", "must be >= 1")
+        if self.process_index is not None:
+            _require(self.process_index >= 0, f"{prefix}.process_index", "must be >= 0")
+            if self.process_count is not None:
+                _require(self.process_index < self.process_count, f"{prefix}.process_index",
+                         f"must be < process_count={self.process_count}, got {self.process_index}")
+        if self.dtype is not None:
+            _require(self.dtype in DTYPES, f"{prefix}.dtype", f"must be one of {DTYPES}")
+
+

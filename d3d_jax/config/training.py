@@ -1,0 +1,195 @@
+"""Training configs (issue 4): data, objective, optimiser, loop, and the run that combines them."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import types
+import typing
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import yaml
+
+from d3d_jax.config.base import DTYPES, ConfigError, _require  # noqa: F401
+from d3d_jax.config.model import MeshConfig, ModelConfig
+
+
+# --------------------------------------------------------------------------------------
+# Training (issue 4): data, objective, optimiser, loop, and the run that combines them
+# --------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    """Packed block-diffusion rows (spec §2.1-2.3) or plain LM token streams.
+
+    A packed row is ``[clean (packed_length - num_anchors·block_size) | num_anchors blocks]``.
+    """
+
+    mode: str = "d3d"  # "d3d": regenerated-response JSONL -> packed rows; "lm": text -> AR only
+    train_path: str = ""  # JSONL (d3d: id/messages/response_token_ids...; lm: {"text"} or plain text)
+    dev_path: str = ""
+    tokenizer: str = ""  # HF tokenizer dir, needed when records carry no prompt_token_ids
+    packed_length: int = 4096
+    num_anchors: int = 128
+    block_size: int = 16
+    batch_size: int = 16  # global batch (rows per optimiser step, all micro-batches together)
+    seed: int = 0
+    shuffle: bool = True
+    dev_batches: int = 4
+    mask_token_id: int | None = None  # None: the model's (or the tokenizer's <|MASK|>)
+    pad_token_id: int = 0
+
+    def validate(self, prefix: str = "data") -> None:
+        _require(self.mode in ("d3d", "lm"), f"{prefix}.mode", f"must be 'd3d' or 'lm', got {self.mode!r}")
+        _require(self.block_size >= 2, f"{prefix}.block_size", "must be >= 2")
+        _require(self.num_anchors >= 1, f"{prefix}.num_anchors", "must be >= 1")
+        _require(self.batch_size >= 1, f"{prefix}.batch_size", "must be >= 1")
+        _require(self.dev_batches >= 0, f"{prefix}.dev_batches", "must be >= 0")
+        if self.mode == "d3d":
+            blocks = self.num_anchors * self.block_size
+            _require(self.packed_length > blocks + self.block_size, f"{prefix}.packed_length",
+                     f"{self.packed_length} leaves no room for the clean stream: num_anchors × block_size = "
+                     f"{self.num_anchors} × {self.block_size} = {blocks} (need packed_length > "
+                     f"{blocks + self.block_size})")
+        else:
+            _require(self.packed_length >= 2, f"{prefix}.packed_length", "must be >= 2")
+
+    @property
+    def clean_length(self) -> int:
+        return self.packed_length - (self.num_anchors * self.block_size if self.mode == "d3d" else 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class ObjectiveConfig:
+    """``L = L_diff + λ·L_AR`` (spec §2.4); ``kind="lm"`` is AR only (pretraining a target)."""
+
+    kind: str = "d3d"  # "d3d" | "lm"
+    gamma: float = 7.0  # slot weights w_k = exp(-(k-1)/γ)
+    ar_weight: float = 1.0  # λ
+
+    def validate(self, prefix: str = "objective") -> None:
+        _require(self.kind in ("d3d", "lm"), f"{prefix}.kind", f"must be 'd3d' or 'lm', got {self.kind!r}")
+        _require(self.gamma > 0, f"{prefix}.gamma", f"must be > 0, got {self.gamma}")
+        _require(self.ar_weight >= 0, f"{prefix}.ar_weight", f"must be >= 0, got {self.ar_weight}")
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+    """AdamW (or 8-bit AdamW) with linear warm-up then cosine decay (paper: 1e-5 -> 1e-6)."""
+
+    name: str = "adamw8bit"  # "adamw" | "adamw8bit"
+    learning_rate: float = 1e-5
+    final_learning_rate: float = 1e-6
+    warmup_steps: int = 0
+    b1: float = 0.9
+    b2: float = 0.999
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    clip_norm: float = 1.0  # 0 disables clipping
+    grad_accum_steps: int = 1
+    quant_block_size: int = 256  # 8-bit moments: one float32 scale per this many entries
+
+    def validate(self, prefix: str = "optim") -> None:
+        _require(self.name in ("adamw", "adamw8bit"), f"{prefix}.name",
+                 f"must be 'adamw' or 'adamw8bit', got {self.name!r}")
+        _require(self.learning_rate > 0, f"{prefix}.learning_rate", "must be > 0")
+        _require(0 <= self.final_learning_rate <= self.learning_rate, f"{prefix}.final_learning_rate",
+                 "must be in [0, learning_rate]")
+        _require(self.warmup_steps >= 0, f"{prefix}.warmup_steps", "must be >= 0")
+        _require(0 <= self.b1 < 1 and 0 <= self.b2 < 1, f"{prefix}.b1/b2", "must be in [0, 1)")
+        _require(self.eps > 0, f"{prefix}.eps", "must be > 0")
+        _require(self.clip_norm >= 0, f"{prefix}.clip_norm", "must be >= 0")
+        _require(self.grad_accum_steps >= 1, f"{prefix}.grad_accum_steps", "must be >= 1")
+        _require(self.quant_block_size >= 2, f"{prefix}.quant_block_size", "must be >= 2")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 1000
+    init_from: str = ""  # "" = random init; else an HF Qwen3 dir or an exported param checkpoint
+    seed: int = 0
+    out_dir: str = "runs/train"
+    log_every: int = 10
+    eval_every: int = 0  # 0: only at the end
+    checkpoint_every: int = 0  # 0: only at the end
+    keep_checkpoints: int = 3
+    async_checkpointing: bool = True
+    resume: bool = True  # continue from the latest checkpoint in out_dir/checkpoints
+    export_params: bool = True
+    export_hf: bool = True
+    progress_bar: bool = True
+    aot_compile: bool = True  # lower().compile() and print memory_analysis before step 1
+    # Precision / memory knobs over the model's own (e.g. float32 master weights, bf16 compute);
+    # "" / None keep the model config's value (also for a model loaded from init_from).
+    param_dtype: str = ""
+    compute_dtype: str = ""
+    gradient_checkpointing: bool | None = None
+
+    def validate(self, prefix: str = "train") -> None:
+        _require(self.steps >= 1, f"{prefix}.steps", "must be >= 1")
+        for name in ("param_dtype", "compute_dtype"):
+            v = getattr(self, name)
+            _require(v == "" or v in DTYPES, f"{prefix}.{name}", f"must be '' or one of {DTYPES}, got {v!r}")
+        for name in ("log_every", "eval_every", "checkpoint_every"):
+            _require(getattr(self, name) >= 0, f"{prefix}.{name}", "must be >= 0")
+        _require(self.keep_checkpoints >= 1, f"{prefix}.keep_checkpoints", "must be >= 1")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainRunConfig:
+    """One training run.  ``num_devices`` 0 = every visible device."""
+
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    objective: ObjectiveConfig = dataclasses.field(default_factory=ObjectiveConfig)
+    optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
+    train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+    num_devices: int = 0
+
+    def effective_model(self) -> ModelConfig:
+        """The model config with the train section's precision / remat knobs applied."""
+        t = self.train
+        changes: dict[str, Any] = {}
+        if t.param_dtype:
+            changes["param_dtype"] = t.param_dtype
+        if t.compute_dtype:
+            changes["dtype"] = t.compute_dtype
+        if t.gradient_checkpointing is not None:
+            changes["gradient_checkpointing"] = t.gradient_checkpointing
+        return dataclasses.replace(self.model, **changes)
+
+    def resolved_num_devices(self) -> int:
+        if self.num_devices:
+            return self.num_devices
+        import jax  # deferred: building configs must not start a backend unless needed
+
+        return jax.device_count()
+
+    def validate(self, prefix: str = "") -> None:
+        p = f"{prefix}." if prefix else ""
+        self.model.validate(f"{p}model")
+        self.mesh.validate(f"{p}mesh")
+        self.data.validate(f"{p}data")
+        self.objective.validate(f"{p}objective")
+        self.optim.validate(f"{p}optim")
+        self.train.validate(f"{p}train")
+        _require(self.num_devices >= 0, f"{p}num_devices", "must be >= 0")
+        data_par, fsdp, _ = self.mesh.axis_sizes(self.resolved_num_devices())
+        _require(self.objective.kind == self.data.mode, f"{p}objective.kind",
+                 f"{self.objective.kind!r} does not match data.mode={self.data.mode!r}")
+        if self.model.block_size is not None and self.data.mode == "d3d":
+            _require(self.model.block_size == self.data.block_size, f"{p}data.block_size",
+                     f"{self.data.block_size} differs from model.block_size={self.model.block_size}")
+        micro, rem = divmod(self.data.batch_size, self.optim.grad_accum_steps)
+        _require(rem == 0, f"{p}data.batch_size", f"{self.data.batch_size} is not a multiple of "
+                 f"optim.grad_accum_steps={self.optim.grad_accum_steps}")
+        _require(micro % (data_par * fsdp) == 0, f"{p}data.batch_size",
+                 f"micro-batch {micro} (batch_size / grad_accum_steps) is not divisible by "
+                 f"mesh data×fsdp = {data_par}×{fsdp}")
+        _require(self.data.packed_length <= self.model.max_position_embeddings, f"{p}data.packed_length",
+                 f"{self.data.packed_length} exceeds model.max_position_embeddings="
+                 f"{self.model.max_position_embeddings}")
+
+
