@@ -17,13 +17,13 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 # command -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "engine": ("d3d_jax.decoding.bench_engine",
+    "engine": ("d3d_jax.bench.engine",
                "plain decoding vs transformers; sync efficiency with a replay drafter"),
-    "train": ("d3d_jax.training.bench_train",
+    "train": ("d3d_jax.bench.train",
               "train-step tokens/s (tiny config) and a per-device memory plan (D3D-8B, 64-device fsdp)"),
-    "async": ("d3d_jax.decoding.async_bench",
+    "async": ("d3d_jax.bench.async_decoding",
               "async vs sync vs plain (tokens/s, τ, hit rate); C×F sweep, speedup/hit rate vs budget PNG"),
-    "regenerate": ("d3d_jax.training.regenerate_bench",
+    "regenerate": ("d3d_jax.bench.regenerate",
                    "regeneration tokens/s at batch 1 vs 8 (tiny target), the data-regeneration path"),
     "eval": ("d3d_jax.evaluation.cli",
              "Table 1 for a target + drafter: τ, speedup, tokens/s, hit rate per benchmark, plots"),

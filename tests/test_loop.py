@@ -176,7 +176,7 @@ def test_cli_trains_and_exports(corpus, tmp_path):
 
 
 def test_memory_plan_matches_closed_form():
-    from d3d_jax.training.bench_train import memory_plan
+    from d3d_jax.bench.train import memory_plan
 
     cfg = str(REPO / "configs/train/d3d-8b.yaml")
     plan = memory_plan(cfg, 64)

@@ -361,7 +361,7 @@ def test_cli_on_a_saved_sharded_target_matches_the_library(full_run, target, tok
 
 
 def test_benchmark_reports_tokens_per_s_per_batch_size(target, tokenizer, prompts_file, tmp_path):
-    from d3d_jax.training import regenerate_bench as bench
+    from d3d_jax.bench import regenerate as bench
 
     rows = bench.benchmark_regeneration(target, tokenizer, prompts_file, batch_sizes=(1, 4), settings=SAMPLED,
                                         repeats=1, workdir=tmp_path)
