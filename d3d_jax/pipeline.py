@@ -34,10 +34,14 @@ def _write_json(obj, path: Path) -> None:
 
 
 class Pipeline:
-    def __init__(self, cfg: C.PipelineConfig, work_dir: str = "runs/pipeline", rebuild: bool = False):
+    def __init__(self, cfg: C.PipelineConfig, work_dir: str = "runs/pipeline", rebuild: bool = False,
+                 update_artifacts: bool = False):
         self.cfg = cfg
         self.out = Path(cfg.out_dir)
         self.work = Path(work_dir)
+        # A run's benchmark goes under work_dir (untracked); the shipped reference results in
+        # out_dir/eval change only when asked (--update-artifacts) or when out_dir is rebuilt.
+        self.update_artifacts = update_artifacts or rebuild
         if rebuild:
             for d in (self.out, self.work):
                 if d.exists():
@@ -57,6 +61,16 @@ class Pipeline:
 
     def drafter_dir(self, name: str) -> Path:
         return self.out / "drafters" / name
+
+    @property
+    def eval_dir(self) -> Path:
+        """Where this run's benchmark writes (``work_dir/eval``)."""
+        return self.work / "eval"
+
+    @property
+    def shipped_eval_dir(self) -> Path:
+        """The reference results shipped with the artifacts (``out_dir/eval``)."""
+        return self.out / "eval"
 
     @property
     def regen_path(self) -> Path:

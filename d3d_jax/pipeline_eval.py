@@ -80,7 +80,7 @@ def benchmark(p) -> dict:
     from d3d_jax.io.checkpoint import load_model
 
     c, tok = p.cfg, p.tokenizer()
-    eval_dir = p.out / "eval"
+    eval_dir = p.eval_dir
     t_start = time.time()
     target = load_model(str(p.model_dir("target")))
     suites = _suites(p)
@@ -169,7 +169,19 @@ def benchmark(p) -> dict:
                    eval_dir / "ablations_offline_tau.png", "Offline τ on the dev split per drafter")
     print(text, flush=True)
     print(f"all sync/async outputs equal plain greedy: {report['all_outputs_equal_plain']}", flush=True)
+    print(f"[pipeline] results in {eval_dir}", flush=True)
+    if p.update_artifacts:
+        _copy_results(eval_dir, p.shipped_eval_dir)
     return report
+
+
+def _copy_results(src: Path, dst: Path) -> None:
+    """Replace the shipped reference results with this run's (``--update-artifacts``)."""
+    dst.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.is_file():
+            shutil.copy2(f, dst / f.name)
+    print(f"[pipeline] --update-artifacts: shipped results in {dst} replaced", flush=True)
 
 
 def _all_equal(report: dict) -> bool:

@@ -29,6 +29,9 @@ def main(argv=None) -> int:
     ap.add_argument("--work-dir", default=None,
                     help="scratch: training checkpoints, corpus (default runs/pipeline/<out_dir>)")
     ap.add_argument("--no-eval", action="store_true", help="build the artifacts, skip the benchmark")
+    ap.add_argument("--update-artifacts", action="store_true",
+                    help="also replace the shipped reference results in <out_dir>/eval (default: the "
+                         "benchmark writes only under the work dir, runs/, so the checkout stays clean)")
     ap.add_argument("overrides", nargs="*", help="key=value config overrides")
     args = ap.parse_args(argv)
 
@@ -38,7 +41,8 @@ def main(argv=None) -> int:
     cfg = load_config(PipelineConfig, [args.config], args.overrides)
     t0 = time.time()
     work_dir = args.work_dir or os.path.join("runs", "pipeline", cfg.out_dir.strip("/").replace("/", "_"))
-    report = Pipeline(cfg, work_dir=work_dir, rebuild=args.rebuild).run(evaluate=not args.no_eval)
+    report = Pipeline(cfg, work_dir=work_dir, rebuild=args.rebuild,
+                      update_artifacts=args.update_artifacts).run(evaluate=not args.no_eval)
     print(f"[pipeline] total {time.time() - t0:.0f}s", flush=True)
     if report is not None and not report["all_outputs_equal_plain"]:
         print("[pipeline] ERROR: some speculative output differs from plain greedy decoding", flush=True)
