@@ -442,3 +442,68 @@ def test_progressive_loop_stops_below_retention_floor_and_keeps_last_good_model(
     with pytest.raises(ValueError, match="criterion"):
         pruning.prune_progressively(model, tau_fn=lambda m: 1.0, similarity_batches=[dev],
                                     recover=recover, target_layers=1, criterion="fisher")
+
+
+# ---------------------------------------------------------------------------------------
+# Progressive pruning with distinct, known layer importances: the removal order, exactly
+# ---------------------------------------------------------------------------------------
+# τ of a 5-layer drafter as a function of which ORIGINAL layers remain: each missing layer costs
+# its own amount, and layers 1 and 3 are redundant (either alone is cheap, both gone costs 1.0),
+# so the greedy order depends on re-measuring every round: 1 (0.05), then 4 (layer 3 now costs
+# 1.1), 0, 2 — remaining [3].  Scoring once from round 1's table would remove 1, 3, 4, 0.
+_COST = (0.30, 0.05, 0.50, 0.10, 0.20)
+# ShortGPT: layer l's residual branches (o_proj, down_proj) scaled by _SCALE[l], orders of magnitude
+# apart, so its Block Influence 1 - cos(h_in, h_out) ranks layers by scale: 1, 3, 4, 2 — remaining [0].
+_SCALE = (1.0, 0.01, 0.3, 0.03, 0.1)
+
+
+def _table_tau(remaining: frozenset) -> float:
+    missing = set(range(len(_COST))) - remaining
+    return 4.0 - sum(_COST[i] for i in missing) - (1.0 if {1, 3} <= missing else 0.0)
+
+
+def _scaled_residual_drafter():
+    model = init_model(dataclasses.replace(TINY, num_layers=len(_SCALE)), seed=6)
+    for layer, s in zip(model.layers, _SCALE):
+        for lin in (layer.self_attn.o_proj, layer.mlp.down_proj):
+            lin.kernel[...] = lin.kernel[...] * s
+    return model
+
+
+def _original_layers(model, fingerprints) -> frozenset:
+    """Which original layers a (pruned) model holds, identified by their q_proj weights."""
+    found = [next(i for i, f in enumerate(fingerprints)
+                  if np.array_equal(np.asarray(l.self_attn.q_proj.kernel[...]), f)) for l in model.layers]
+    assert len(set(found)) == len(found)
+    return frozenset(found)
+
+
+@pytest.mark.parametrize("criterion,order", [("acceptance", [1, 4, 0, 2]), ("shortgpt", [1, 3, 4, 2])])
+def test_progressive_pruning_removes_layers_in_known_importance_order(criterion, order):
+    model = _scaled_residual_drafter()
+    fingerprints = [np.asarray(l.self_attn.q_proj.kernel[...]) for l in model.layers]
+    rng = np.random.default_rng(5)
+    seqs = [[int(t) for t in rng.integers(0, 63, 14)] for _ in range(2)]
+    dev = pruning.pack_dev_rows(seqs, [3, 3], [[2, 5], [4]], 4, 63, 16)
+    tau_fn = lambda m: _table_tau(_original_layers(m, fingerprints))
+    _, report = pruning.prune_progressively(
+        model, tau_fn=tau_fn, similarity_batches=[dev], recover=lambda student, name: student,
+        target_layers=1, criterion=criterion)
+
+    rounds = report["rounds"]
+    assert [r["removed_original_layer"] for r in rounds] == order
+    remaining = list(range(len(_COST)))
+    for r, removed in zip(rounds, order):
+        # the report's renumbered index points at that original layer of the round's parent
+        assert r["removed_layer"] == remaining.index(removed)
+        # every remaining layer re-scored on the current model, against the table
+        assert r["tau_without_layer"] == [_table_tau(frozenset(remaining) - {l}) for l in remaining]
+        table_pick = max(remaining, key=lambda l: _table_tau(frozenset(remaining) - {l}))
+        scale_pick = min(remaining, key=lambda l: _SCALE[l])
+        picks = {"acceptance": table_pick, "shortgpt": scale_pick}
+        assert remaining[int(np.argmin(r["shortgpt_block_influence"]))] == scale_pick
+        assert r["other_rule"]["original_layer"] == picks[r["other_rule"]["rule"]]
+        remaining.remove(removed)
+        assert r["remaining_original_layers"] == remaining
+        assert r["tau_recovered"] == _table_tau(frozenset(remaining))
+    assert report["final_depth"] == 1
