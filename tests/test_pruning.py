@@ -507,3 +507,71 @@ def test_progressive_pruning_removes_layers_in_known_importance_order(criterion,
         assert r["remaining_original_layers"] == remaining
         assert r["tau_recovered"] == _table_tau(frozenset(remaining))
     assert report["final_depth"] == 1
+
+
+# ---------------------------------------------------------------------------------------
+# Every round distils from the fixed, UNPRUNED drafter (spec §3.3), not the previous round's model
+# ---------------------------------------------------------------------------------------
+@functools.partial(jax.jit, static_argnums=0)
+def _packed_q(graphdef, state, batch):
+    """The model's softmax over a packed training batch (jitted: eager forwards cost seconds)."""
+    return jax.nn.softmax(nnx.merge(graphdef, state)(batch["tokens"], data_lib.batch_meta(batch)), axis=-1)
+
+
+def _q(model, batch):
+    return np.asarray(_packed_q(*nnx.split(model), batch))
+
+
+@pytest.mark.slow
+def test_every_pruning_round_distils_from_the_unpruned_drafter(tmp_path, monkeypatch):
+    from d3d_jax.config import PruneRunConfig, load_config
+    from d3d_jax.io.checkpoint import load_model
+
+    v, bs, steps = 32, 4, 2
+    for name, seed in (("train", 0), ("dev", 1)):
+        data_lib.write_jsonl(tmp_path / f"{name}.jsonl", data_lib.synthetic_records(
+            16, vocab_size=v - 1, prompt_len=4, response_len=12, seed=seed))
+    cfg3 = dataclasses.replace(TINY, vocab_size=v, mask_token_id=v - 1)
+    drafter, reference = init_model(cfg3, seed=7), init_model(cfg3, seed=7)  # reference: untouched copy
+
+    # Record what the recovery loss really sees: teacher and student logits and the batch, per step.
+    seen = []
+    real_loss = pruning.distillation_loss_from_logits
+
+    def spy(student_logits, teacher_logits, batch, **kw):
+        jax.debug.callback(lambda s, t, b: seen.append(jax.tree.map(np.asarray, (s, t, b))),
+                           jax.lax.stop_gradient(student_logits), teacher_logits, batch)
+        return real_loss(student_logits, teacher_logits, batch, **kw)
+
+    monkeypatch.setattr(pruning, "distillation_loss_from_logits", spy)
+    out = tmp_path / "prune"
+    cfg = load_config(PruneRunConfig, ["configs/prune/tiny.yaml"], [
+        "prune.drafter=passed-in", f"prune.out_dir={out}", "prune.target_layers=1",
+        "prune.retention_floor=0", "prune.compare_shortgpt=false", "prune.progress_bar=false",
+        f"data.train_path={tmp_path / 'train.jsonl'}", f"data.dev_path={tmp_path / 'dev.jsonl'}",
+        f"data.packed_length={16 + 2 * bs}", "data.num_anchors=2", f"data.block_size={bs}",
+        "data.batch_size=4", "data.dev_batches=1", f"data.mask_token_id={v - 1}",
+        f"train.steps={steps}", "optim.learning_rate=1e-2", "train.log_every=100"])
+    report = pruning.run_pruning(cfg, drafter=drafter, log=lambda s: None)
+    assert [r["depth_after"] for r in report["rounds"]] == [2, 1]
+    assert len(seen) == 2 * steps  # callbacks run in step order: round 1's steps, then round 2's
+    round_1_model = load_model(str(out / "round_01" / "export" / "hf"))  # what round 2 started from
+
+    tol = 2e-5  # the train step's forward vs a separately compiled one of the same weights
+    for i, (student, teacher, batch) in enumerate(seen):
+        rnd = 1 + i // steps
+        q_unpruned = _q(reference, batch)
+        q_teacher = np.asarray(jax.nn.softmax(teacher, axis=-1))
+        np.testing.assert_allclose(q_teacher, q_unpruned, atol=tol,
+                                   err_msg=f"round {rnd} step {i % steps}: teacher != the unpruned drafter")
+        # Power: the models a wrong teacher would be differ from the unpruned one by far more than
+        # the tolerance — the round's student before any update (its parent minus a layer) and,
+        # in round 2, the previous round's recovered model.
+        if i % steps == 0:
+            gap = np.abs(np.asarray(jax.nn.softmax(student, axis=-1)) - q_unpruned).max()
+            print(f"round {rnd}: |q(student at step 0) - q(unpruned)|max = {gap:.2e}", file=sys.stderr)
+            assert gap > 50 * tol
+        if rnd == 2:
+            gap = np.abs(_q(round_1_model, batch) - q_unpruned).max()
+            print(f"round 2: |q(round-1 model) - q(unpruned)|max = {gap:.2e}", file=sys.stderr)
+            assert gap > 50 * tol
