@@ -442,3 +442,136 @@ def test_progressive_loop_stops_below_retention_floor_and_keeps_last_good_model(
     with pytest.raises(ValueError, match="criterion"):
         pruning.prune_progressively(model, tau_fn=lambda m: 1.0, similarity_batches=[dev],
                                     recover=recover, target_layers=1, criterion="fisher")
+
+
+# ---------------------------------------------------------------------------------------
+# Progressive pruning with distinct, known layer importances: the removal order, exactly
+# ---------------------------------------------------------------------------------------
+# τ of a 5-layer drafter as a function of which ORIGINAL layers remain: each missing layer costs
+# its own amount, and layers 1 and 3 are redundant (either alone is cheap, both gone costs 1.0),
+# so the greedy order depends on re-measuring every round: 1 (0.05), then 4 (layer 3 now costs
+# 1.1), 0, 2 — remaining [3].  Scoring once from round 1's table would remove 1, 3, 4, 0.
+_COST = (0.30, 0.05, 0.50, 0.10, 0.20)
+# ShortGPT: layer l's residual branches (o_proj, down_proj) scaled by _SCALE[l], orders of magnitude
+# apart, so its Block Influence 1 - cos(h_in, h_out) ranks layers by scale: 1, 3, 4, 2 — remaining [0].
+_SCALE = (1.0, 0.01, 0.3, 0.03, 0.1)
+
+
+def _table_tau(remaining: frozenset) -> float:
+    missing = set(range(len(_COST))) - remaining
+    return 4.0 - sum(_COST[i] for i in missing) - (1.0 if {1, 3} <= missing else 0.0)
+
+
+def _scaled_residual_drafter():
+    model = init_model(dataclasses.replace(TINY, num_layers=len(_SCALE)), seed=6)
+    for layer, s in zip(model.layers, _SCALE):
+        for lin in (layer.self_attn.o_proj, layer.mlp.down_proj):
+            lin.kernel[...] = lin.kernel[...] * s
+    return model
+
+
+def _original_layers(model, fingerprints) -> frozenset:
+    """Which original layers a (pruned) model holds, identified by their q_proj weights."""
+    found = [next(i for i, f in enumerate(fingerprints)
+                  if np.array_equal(np.asarray(l.self_attn.q_proj.kernel[...]), f)) for l in model.layers]
+    assert len(set(found)) == len(found)
+    return frozenset(found)
+
+
+@pytest.mark.parametrize("criterion,order", [("acceptance", [1, 4, 0, 2]), ("shortgpt", [1, 3, 4, 2])])
+def test_progressive_pruning_removes_layers_in_known_importance_order(criterion, order):
+    model = _scaled_residual_drafter()
+    fingerprints = [np.asarray(l.self_attn.q_proj.kernel[...]) for l in model.layers]
+    rng = np.random.default_rng(5)
+    seqs = [[int(t) for t in rng.integers(0, 63, 14)] for _ in range(2)]
+    dev = pruning.pack_dev_rows(seqs, [3, 3], [[2, 5], [4]], 4, 63, 16)
+    tau_fn = lambda m: _table_tau(_original_layers(m, fingerprints))
+    _, report = pruning.prune_progressively(
+        model, tau_fn=tau_fn, similarity_batches=[dev], recover=lambda student, name: student,
+        target_layers=1, criterion=criterion)
+
+    rounds = report["rounds"]
+    assert [r["removed_original_layer"] for r in rounds] == order
+    remaining = list(range(len(_COST)))
+    for r, removed in zip(rounds, order):
+        # the report's renumbered index points at that original layer of the round's parent
+        assert r["removed_layer"] == remaining.index(removed)
+        # every remaining layer re-scored on the current model, against the table
+        assert r["tau_without_layer"] == [_table_tau(frozenset(remaining) - {l}) for l in remaining]
+        table_pick = max(remaining, key=lambda l: _table_tau(frozenset(remaining) - {l}))
+        scale_pick = min(remaining, key=lambda l: _SCALE[l])
+        picks = {"acceptance": table_pick, "shortgpt": scale_pick}
+        assert remaining[int(np.argmin(r["shortgpt_block_influence"]))] == scale_pick
+        assert r["other_rule"]["original_layer"] == picks[r["other_rule"]["rule"]]
+        remaining.remove(removed)
+        assert r["remaining_original_layers"] == remaining
+        assert r["tau_recovered"] == _table_tau(frozenset(remaining))
+    assert report["final_depth"] == 1
+
+
+# ---------------------------------------------------------------------------------------
+# Every round distils from the fixed, UNPRUNED drafter (spec §3.3), not the previous round's model
+# ---------------------------------------------------------------------------------------
+@functools.partial(jax.jit, static_argnums=0)
+def _packed_q(graphdef, state, batch):
+    """The model's softmax over a packed training batch (jitted: eager forwards cost seconds)."""
+    return jax.nn.softmax(nnx.merge(graphdef, state)(batch["tokens"], data_lib.batch_meta(batch)), axis=-1)
+
+
+def _q(model, batch):
+    return np.asarray(_packed_q(*nnx.split(model), batch))
+
+
+@pytest.mark.slow
+def test_every_pruning_round_distils_from_the_unpruned_drafter(tmp_path, monkeypatch):
+    from d3d_jax.config import PruneRunConfig, load_config
+    from d3d_jax.io.checkpoint import load_model
+
+    v, bs, steps = 32, 4, 2
+    for name, seed in (("train", 0), ("dev", 1)):
+        data_lib.write_jsonl(tmp_path / f"{name}.jsonl", data_lib.synthetic_records(
+            16, vocab_size=v - 1, prompt_len=4, response_len=12, seed=seed))
+    cfg3 = dataclasses.replace(TINY, vocab_size=v, mask_token_id=v - 1)
+    drafter, reference = init_model(cfg3, seed=7), init_model(cfg3, seed=7)  # reference: untouched copy
+
+    # Record what the recovery loss really sees: teacher and student logits and the batch, per step.
+    seen = []
+    real_loss = pruning.distillation_loss_from_logits
+
+    def spy(student_logits, teacher_logits, batch, **kw):
+        jax.debug.callback(lambda s, t, b: seen.append(jax.tree.map(np.asarray, (s, t, b))),
+                           jax.lax.stop_gradient(student_logits), teacher_logits, batch)
+        return real_loss(student_logits, teacher_logits, batch, **kw)
+
+    monkeypatch.setattr(pruning, "distillation_loss_from_logits", spy)
+    out = tmp_path / "prune"
+    cfg = load_config(PruneRunConfig, ["configs/prune/tiny.yaml"], [
+        "prune.drafter=passed-in", f"prune.out_dir={out}", "prune.target_layers=1",
+        "prune.retention_floor=0", "prune.compare_shortgpt=false", "prune.progress_bar=false",
+        f"data.train_path={tmp_path / 'train.jsonl'}", f"data.dev_path={tmp_path / 'dev.jsonl'}",
+        f"data.packed_length={16 + 2 * bs}", "data.num_anchors=2", f"data.block_size={bs}",
+        "data.batch_size=4", "data.dev_batches=1", f"data.mask_token_id={v - 1}",
+        f"train.steps={steps}", "optim.learning_rate=1e-2", "train.log_every=100"])
+    report = pruning.run_pruning(cfg, drafter=drafter, log=lambda s: None)
+    assert [r["depth_after"] for r in report["rounds"]] == [2, 1]
+    assert len(seen) == 2 * steps  # callbacks run in step order: round 1's steps, then round 2's
+    round_1_model = load_model(str(out / "round_01" / "export" / "hf"))  # what round 2 started from
+
+    tol = 2e-5  # the train step's forward vs a separately compiled one of the same weights
+    for i, (student, teacher, batch) in enumerate(seen):
+        rnd = 1 + i // steps
+        q_unpruned = _q(reference, batch)
+        q_teacher = np.asarray(jax.nn.softmax(teacher, axis=-1))
+        np.testing.assert_allclose(q_teacher, q_unpruned, atol=tol,
+                                   err_msg=f"round {rnd} step {i % steps}: teacher != the unpruned drafter")
+        # Power: the models a wrong teacher would be differ from the unpruned one by far more than
+        # the tolerance — the round's student before any update (its parent minus a layer) and,
+        # in round 2, the previous round's recovered model.
+        if i % steps == 0:
+            gap = np.abs(np.asarray(jax.nn.softmax(student, axis=-1)) - q_unpruned).max()
+            print(f"round {rnd}: |q(student at step 0) - q(unpruned)|max = {gap:.2e}", file=sys.stderr)
+            assert gap > 50 * tol
+        if rnd == 2:
+            gap = np.abs(_q(round_1_model, batch) - q_unpruned).max()
+            print(f"round 2: |q(round-1 model) - q(unpruned)|max = {gap:.2e}", file=sys.stderr)
+            assert gap > 50 * tol
