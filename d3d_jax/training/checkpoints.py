@@ -92,7 +92,8 @@ class TrainCheckpointer:
     """``save(step, state, data_state, config, settings)`` / ``restore_intact(abstract, settings)``.
 
     ``data_state`` is the grain iterator's ``get_state()`` taken *before* the async save starts
-    (a prefetching iterator cannot move under it); one JSON item per process.
+    (a prefetching iterator cannot move under it).  Orbax writes JSON items on the primary host
+    only, so every process's state is gathered into one ``data`` item ``{"p0": ..., "p1": ...}``.
     """
 
     def __init__(self, directory: str | os.PathLike, keep: int = 3, async_save: bool = True):
@@ -102,7 +103,6 @@ class TrainCheckpointer:
         self._ocp = ocp
         self._async = async_save
         self._pending: tuple[int, dict | None] | None = None
-        self._data_item = f"data_p{jax.process_index()}"
         self._options = ocp.CheckpointManagerOptions(
             max_to_keep=keep, enable_async_checkpointing=async_save, create=True,
             cleanup_tmp_directories=True,  # a save killed mid-write leaves <step>.orbax-checkpoint-tmp
@@ -140,7 +140,7 @@ class TrainCheckpointer:
              settings: dict | None = None) -> None:
         ocp = self._ocp
         items = {"state": ocp.args.StandardSave(flatten_state(state)),
-                 self._data_item: ocp.args.JsonSave(data_state)}
+                 "data": ocp.args.JsonSave(_gather_per_process(data_state))}
         if config is not None:
             items["config"] = ocp.args.JsonSave(config)
         # The save thread reads _pending: the previous save must be done before it changes.
@@ -192,8 +192,12 @@ class TrainCheckpointer:
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)),
             abstract_state))
         out = self.manager.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(target), **{self._data_item: ocp.args.JsonRestore()}))
-        return unflatten_state(out["state"], abstract_state), out[self._data_item]
+            state=ocp.args.StandardRestore(target), data=ocp.args.JsonRestore()))
+        mine = f"p{jax.process_index()}"
+        if mine not in out["data"]:
+            raise CheckpointError(f"{self.directory}/{step} holds the data iterators of {len(out['data'])} "
+                                  f"process(es), not of process {jax.process_index()}")
+        return unflatten_state(out["state"], abstract_state), out["data"][mine]
 
     def restore_intact(self, abstract_state: Any, settings: dict | None = None,
                        warn: Callable[[str], None] = print) -> tuple[int, Any, Any] | None:
@@ -269,6 +273,18 @@ class TrainCheckpointer:
         if self._manager is not None:
             self._manager.wait_until_finished()
             self._manager.close()
+
+
+def _gather_per_process(value: Any) -> dict[str, Any]:
+    """``{"p<i>": value of process i}`` on every process, for a small JSON-able ``value``."""
+    if jax.process_count() == 1:
+        return {"p0": value}
+    from jax.experimental import multihost_utils
+
+    raw = np.frombuffer(json.dumps(value).encode(), np.uint8)
+    width = int(np.max(multihost_utils.process_allgather(np.int64(raw.size))))
+    rows = multihost_utils.process_allgather(np.pad(raw, (0, width - raw.size)))
+    return {f"p{i}": json.loads(bytes(row).rstrip(b"\0")) for i, row in enumerate(np.asarray(rows))}
 
 
 def _barrier(name: str) -> None:
