@@ -20,7 +20,7 @@ import pytest
 
 from d3d_jax.config import TrainRunConfig, load_config
 from d3d_jax.io.manifest import MANIFEST_FILE, CheckpointError
-from d3d_jax.training.checkpoints import TrainCheckpointer, trim_metrics
+from d3d_jax.training.checkpoints import TrainCheckpointer, settings_diff, trim_metrics
 from d3d_jax.training.loop import Trainer
 from test_loop import _args, corpus  # noqa: F401  (corpus is a fixture)
 
@@ -269,3 +269,28 @@ def test_manifest_covers_every_file_of_a_committed_step(template):
     assert set(manifest["files"]) == on_disk - {MANIFEST_FILE, "_CHECKPOINT_METADATA", "commit_success.txt"}
     assert any(f.startswith("state/ocdbt.process_0/d/") for f in manifest["files"])
     assert manifest["settings"]["model"]["num_layers"] == 1 and manifest["settings"]["optim"]["name"] == "adamw"
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_checkpointer_round_trip_sync_and_async(tmp_path, async_save):
+    import jax
+    import jax.numpy as jnp
+
+    state = {"params": {"w": jnp.arange(12.0).reshape(3, 4)}, "step": jnp.int32(7)}
+    ck = TrainCheckpointer(tmp_path / "ck", keep=2, async_save=async_save)
+    for step in (1, 2, 3):
+        ck.save(step, jax.tree.map(lambda x: x * step, state), {"next_index": step}, settings={"model": {"a": 1}})
+    ck.close()  # waits for the save in flight: its manifest is written before close returns
+    ck = TrainCheckpointer(tmp_path / "ck")
+    assert ck.steps() == [2, 3] and ck.verify(2) is None and ck.verify(3) is None
+    step, got, data = ck.restore_intact(state, {"model": {"a": 1}})
+    ck.close()
+    assert step == 3 and data == {"next_index": 3}
+    np.testing.assert_array_equal(got["params"]["w"], 3 * np.arange(12.0).reshape(3, 4))
+
+
+def test_settings_diff_compares_only_keys_both_sides_know():
+    saved = {"model": {"num_layers": 1, "removed_field": 0}, "optim": {"name": "adamw"}}
+    current = {"model": {"num_layers": 2, "new_field": 5}, "optim": {"name": "adamw"}, "data": {"seed": 0}}
+    assert settings_diff(saved, current) == ["model.num_layers (checkpoint 1, config 2)"]
+    assert settings_diff(current, current) == []

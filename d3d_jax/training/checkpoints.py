@@ -35,32 +35,40 @@ from d3d_jax.io.manifest import CheckpointError, read_manifest, verify_manifest,
 
 STEP_METADATA = "_CHECKPOINT_METADATA"  # Orbax rewrites it at commit: parsed, not hashed
 _UNHASHED = (STEP_METADATA, "commit_success.txt")
-# Settings that change neither shapes nor the trajectory (or name a file that may move between
-# machines); everything else in these sections must match for a resume.
-_FREE_KEYS = {"model": ("dtype", "gradient_checkpointing"), "optim": ("grad_accum_steps",),
-              "data": ("train_path", "dev_path", "tokenizer", "dev_batches")}
+# The settings a resume must match: what fixes the state's shapes, the optimiser's trajectory
+# and the data order.  Left free on purpose: compute dtype, remat, grad_accum_steps (memory
+# knobs), file paths (data moves between machines), train.steps (extending a run).  A new config
+# field that changes shapes or the data belongs here.
+RESUME_KEYS = {
+    "model": ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+              "head_dim", "rope_theta", "rms_norm_eps", "tie_word_embeddings", "param_dtype", "mask_token_id",
+              "block_size"),
+    "optim": ("name", "learning_rate", "final_learning_rate", "warmup_steps", "b1", "b2", "eps", "weight_decay",
+              "clip_norm", "quant_block_size"),
+    "data": ("mode", "packed_length", "num_anchors", "block_size", "batch_size", "seed", "shuffle",
+             "mask_token_id", "pad_token_id"),
+}
 
 
 # --------------------------------------------------------------------------------------
 # Settings a resume must match
 # --------------------------------------------------------------------------------------
 def run_settings(cfg: Any, model_config: Any) -> dict:
-    """``{model, optim, data}`` of a run as plain JSON values, without the free keys."""
+    """``{model, optim, data}`` of a run (the :data:`RESUME_KEYS`) as plain JSON values."""
     sections = {"model": dataclasses.asdict(model_config), "optim": dataclasses.asdict(cfg.optim),
                 "data": dataclasses.asdict(cfg.data)}
-    out = {name: {k: v for k, v in sec.items() if k not in _FREE_KEYS[name]} for name, sec in sections.items()}
+    out = {name: {k: sec[k] for k in RESUME_KEYS[name] if k in sec} for name, sec in sections.items()}
     return json.loads(json.dumps(out))
 
 
 def settings_diff(saved: dict, current: dict) -> list[str]:
-    """``["model.num_layers (checkpoint 1, config 2)", ...]`` for every key that differs."""
+    """``["model.num_layers (checkpoint 1, config 2)", ...]`` for every key that differs (keys
+    only one side knows, from another code version, cannot be compared)."""
     out = []
-    for section in sorted(set(saved) | set(current)):
-        a, b = saved.get(section, {}), current.get(section, {})
-        for key in sorted(set(a) | set(b)):
-            if a.get(key, "<absent>") != b.get(key, "<absent>"):
-                out.append(f"{section}.{key} (checkpoint {a.get(key, '<absent>')!r}, "
-                           f"config {b.get(key, '<absent>')!r})")
+    for section in sorted(set(saved) & set(current)):
+        a, b = saved[section], current[section]
+        out += [f"{section}.{k} (checkpoint {a[k]!r}, config {b[k]!r})"
+                for k in sorted(set(a) & set(b)) if a[k] != b[k]]
     return out
 
 
@@ -224,6 +232,8 @@ class TrainCheckpointer:
                  f"(damaged steps moved to {moved})")
         try:
             state, data_state = self.restore(chosen, abstract_state)
+        except CheckpointError:
+            raise
         except Exception as e:  # a boundary: Orbax's own errors are pages of trace
             first = (str(e).strip().splitlines() or [""])[0][:200]
             raise CheckpointError(f"{self.directory}/{chosen}: restore failed although its checksums match "
