@@ -1,5 +1,7 @@
 """Param-only Orbax checkpoint: save_params / load_model round trip, on one device and on a mesh."""
 
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -58,3 +60,28 @@ def test_load_model_errors(tmp_path):
         load_model(tmp_path / "nope")
     with pytest.raises(ConfigError, match="dtype"):
         load_model(tmp_path, dtype="float8")
+
+
+def test_damaged_param_checkpoint_fails_with_one_clear_error(tmp_path):
+    from d3d_jax.io.manifest import MANIFEST_FILE, CheckpointError
+
+    model = init_model(CFG, seed=3)
+    save_params(model, tmp_path / "ckpt")
+    files = sorted(p for p in (tmp_path / "ckpt").rglob("*") if p.is_file())
+    listed = json.loads((tmp_path / "ckpt" / MANIFEST_FILE).read_text())["files"]
+    assert sorted(listed) == sorted(p.relative_to(tmp_path / "ckpt").as_posix() for p in files
+                                    if p.name != MANIFEST_FILE)
+    biggest = max(files, key=lambda p: p.stat().st_size)
+    good = biggest.read_bytes()
+    flipped = bytearray(good)
+    flipped[len(good) // 2:len(good) // 2 + 64] = bytes(b ^ 0xFF for b in good[len(good) // 2:len(good) // 2 + 64])
+    for damaged, phrase in ((bytes(flipped), "fails its sha256 check"), (good[:len(good) // 2], f"has {len(good) // 2} bytes, expected {len(good)}")):
+        biggest.write_bytes(damaged)
+        with pytest.raises(CheckpointError, match="damaged parameter checkpoint") as e:
+            load_model(tmp_path / "ckpt")
+        rel = biggest.relative_to(tmp_path / "ckpt").as_posix()
+        assert f"{rel} {phrase}" in str(e.value) and "\n" not in str(e.value)
+    biggest.write_bytes(good)
+    loaded = load_model(tmp_path / "ckpt")  # repaired: loads again, equal to the saved model
+    for a, b in zip(params_of(model), params_of(loaded)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -25,14 +25,19 @@ def corpus(tmp_path_factory):
     return d
 
 
-def _cfg(corpus, out, *extra):
+def _args(corpus, out, *extra):
+    """The tiny run's ``key=value`` overrides (for ``load_config`` or the CLI)."""
     base = TINY_MODEL + [
         f"data.train_path={corpus}/train.jsonl", f"data.dev_path={corpus}/dev.jsonl", "data.packed_length=192",
         "data.num_anchors=8", "data.batch_size=8", "data.mask_token_id=3", "data.dev_batches=2",
         "optim.name=adamw", "optim.learning_rate=3e-3", "optim.final_learning_rate=3e-4", "optim.warmup_steps=10",
         f"train.out_dir={out}", "train.progress_bar=false", "train.log_every=1", "train.export_params=false",
         "train.export_hf=false", "num_devices=1"]
-    return load_config(TrainRunConfig, [], base + list(extra))
+    return base + list(extra)
+
+
+def _cfg(corpus, out, *extra):
+    return load_config(TrainRunConfig, [], _args(corpus, out, *extra))
 
 
 def test_bad_config_combinations_fail_at_load(tmp_path):

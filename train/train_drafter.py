@@ -4,7 +4,8 @@
 
 Settings are ``d3d_jax.config.TrainRunConfig`` sections (model, mesh, data, objective, optim,
 train); e.g. ``train.steps=200 optim.name=adamw data.train_path=data.jsonl``.  Rerunning the same
-command resumes from the newest checkpoint in ``train.out_dir/checkpoints``.  Writes
+command resumes from the newest intact checkpoint in ``train.out_dir/checkpoints``; SIGTERM or
+SIGINT saves the current step and exits with status 128 + signal.  Writes
 ``train.out_dir/metrics.jsonl`` and, at the end, ``train.out_dir/export/{params,hf}``.
 Multi-host: launched with JAX's coordinator environment variables set, it calls
 ``jax.distributed.initialize()`` first.
@@ -33,12 +34,19 @@ def main(argv=None) -> int:
         print(json.dumps(to_dict(cfg), indent=2))
         return 0
 
+    from d3d_jax.config import ConfigError
     from d3d_jax.training.loop import run
 
-    trainer = run(cfg)
+    try:
+        trainer = run(cfg)
+    except ConfigError as e:  # a damaged or mismatched checkpoint: one sentence, no trace
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     last = trainer.history[-1] if trainer.history else {}
     print(json.dumps({"step": trainer.step, "loss": last.get("loss"), "out_dir": str(trainer.out_dir)}))
-    return 0
+    # Stopped by a signal: a non-zero status (128 + signal, as a shell reports) tells a scheduler
+    # the run is unfinished and should be restarted.
+    return 0 if trainer.stop_signal is None else 128 + trainer.stop_signal
 
 
 if __name__ == "__main__":

@@ -4,9 +4,12 @@ Param-only export for inference (MaxText style): ``save_params(model, dir)`` wri
 
 * ``dir/d3d_model_config.json`` – our :class:`ModelConfig` (incl. ``mask_token_id``/``block_size``),
 * ``dir/params/``               – the parameters as an Orbax checkpoint,
+* ``dir/d3d_manifest.json``     – size and sha256 of every file above (``d3d_jax.io.manifest``),
 
-and ``load_model(path, mesh=None)`` reads either such a directory or a Hugging Face Qwen3
-directory, restoring every array straight into its sharding on ``mesh``.
+and ``load_model(path, mesh=None)`` reads either such a directory (checksums verified first: a
+damaged export fails with one :class:`CheckpointError`) or a Hugging Face Qwen3 directory,
+restoring every array straight into its sharding on ``mesh``.  Train-state checkpoints live in
+``d3d_jax.training.checkpoints``.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from flax import nnx
 from jax.sharding import Mesh, SingleDeviceSharding
 
 from d3d_jax.config import DTYPES, ConfigError, ModelConfig, build_dataclass
+from d3d_jax.io.manifest import MANIFEST_FILE, CheckpointError, verify_manifest, write_manifest
 from d3d_jax.model.qwen3 import Qwen3, abstract_model
 from d3d_jax.parallel.sharding import param_sharding, rules_dict
 
@@ -50,12 +54,21 @@ def save_params(model: Qwen3, directory: str | os.PathLike) -> Path:
 
     directory = Path(directory).resolve()
     directory.mkdir(parents=True, exist_ok=True)
+    primary = jax.process_index() == 0
+    if primary:  # an interrupted re-export must not look intact
+        (directory / MANIFEST_FILE).unlink(missing_ok=True)
     params = _str_keys(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
     ckptr = ocp.StandardCheckpointer()
     ckptr.save(directory / PARAMS_DIR, params, force=True)
     ckptr.wait_until_finished()
-    with open(directory / PARAMS_CONFIG_FILE, "w") as f:
-        json.dump({"format": _FORMAT, "model": dataclasses.asdict(model.config)}, f, indent=2)
+    if primary:
+        with open(directory / PARAMS_CONFIG_FILE, "w") as f:
+            json.dump({"format": _FORMAT, "model": dataclasses.asdict(model.config)}, f, indent=2)
+        write_manifest(directory)
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices("d3d_save_params")
     return directory
 
 
@@ -96,6 +109,9 @@ def load_model(path: str | os.PathLike, mesh: Mesh | None = None, dtype: str | N
 
     import orbax.checkpoint as ocp
 
+    _, problem = verify_manifest(path)
+    if problem:
+        raise CheckpointError(f"{path}: damaged parameter checkpoint: {problem}; export it again")
     stored_cfg = read_params_config(path)
     model = abstract_model(stored_cfg)
     graphdef, state = nnx.split(model)
@@ -120,84 +136,3 @@ def load_model(path: str | os.PathLike, mesh: Mesh | None = None, dtype: str | N
         graphdef, state = nnx.split(abstract_model(cfg))
     nnx.replace_by_pure_dict(state, pure)
     return nnx.merge(graphdef, state)
-
-
-# --------------------------------------------------------------------------------------
-# Train-state checkpoints (issue 4, training helper): Orbax CheckpointManager holding the
-# train state (params + optimiser state + step), the data iterator's state and the run config;
-# keeps the newest N, saves asynchronously, resumes from the latest.
-# --------------------------------------------------------------------------------------
-def _flat_key(path: Any) -> str:
-    parts = []
-    for p in path:
-        v = getattr(p, "key", getattr(p, "name", getattr(p, "idx", p)))
-        parts.append(str(v))
-    return ".".join(parts)
-
-
-def flatten_state(state: Any) -> dict[str, Any]:
-    """``{dotted path: array}`` of a pytree (an nnx.State of model + optimiser, custom nodes
-    included): a flat dict Orbax stores without caring about the tree's node types."""
-    flat = jax.tree_util.tree_flatten_with_path(state)[0]
-    out = {_flat_key(p): x for p, x in flat}
-    if len(out) != len(flat):
-        raise ValueError("flatten_state: two leaves share a path name")
-    return out
-
-
-def unflatten_state(flat: dict[str, Any], like: Any) -> Any:
-    leaves, treedef = jax.tree_util.tree_flatten_with_path(like)
-    return jax.tree_util.tree_unflatten(treedef, [flat[_flat_key(p)] for p, _ in leaves])
-
-
-class TrainCheckpointer:
-    """``save(step, state, data_state, config)`` / ``restore_latest(abstract_state)``.
-
-    ``data_state`` is the grain iterator's ``get_state()`` snapshot taken *before* the async
-    save starts (so a prefetching iterator cannot move under it); one JSON item per process.
-    """
-
-    def __init__(self, directory: str | os.PathLike, keep: int = 3, async_save: bool = True):
-        import orbax.checkpoint as ocp
-
-        self.directory = Path(directory).resolve()
-        self._ocp = ocp
-        self._data_item = f"data_p{jax.process_index()}"
-        options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save,
-                                               create=True)
-        self.manager = ocp.CheckpointManager(self.directory, options=options)
-
-    def latest_step(self) -> int | None:
-        return self.manager.latest_step()
-
-    def save(self, step: int, state: Any, data_state: Any, config: dict | None = None) -> None:
-        ocp = self._ocp
-        items = {"state": ocp.args.StandardSave(flatten_state(state)),
-                 self._data_item: ocp.args.JsonSave(data_state)}
-        if config is not None:
-            items["config"] = ocp.args.JsonSave(config)
-        self.manager.save(step, args=ocp.args.Composite(**items), force=True)
-
-    def restore(self, step: int, abstract_state: Any) -> tuple[Any, Any]:
-        """``(state, data_state)`` of ``step``; ``abstract_state`` leaves carry shape, dtype, sharding."""
-        ocp = self._ocp
-        target = flatten_state(jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)),
-            abstract_state))
-        out = self.manager.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(target), **{self._data_item: ocp.args.JsonRestore()}))
-        return unflatten_state(out["state"], abstract_state), out[self._data_item]
-
-    def restore_latest(self, abstract_state: Any) -> tuple[int, Any, Any] | None:
-        step = self.latest_step()
-        if step is None:
-            return None
-        state, data_state = self.restore(step, abstract_state)
-        return step, state, data_state
-
-    def wait(self) -> None:
-        self.manager.wait_until_finished()
-
-    def close(self) -> None:
-        self.manager.wait_until_finished()
-        self.manager.close()

@@ -37,6 +37,7 @@ from d3d_jax.model.qwen3 import Qwen3, abstract_model
 from d3d_jax.parallel import sharding as shd
 from d3d_jax.training import data as data_lib
 from d3d_jax.training import objectives as obj
+from d3d_jax.training.checkpoints import StopSignals, TrainCheckpointer, run_settings, trim_metrics
 from d3d_jax.training.optim import make_optimizer, lr_schedule, tree_nbytes
 
 LossFn = Callable[..., tuple[jax.Array, dict]]
@@ -194,18 +195,20 @@ class Trainer:
         self.loss_fn = loss_fn or obj.make_loss_fn(cfg.objective)
         self.loss_extra = loss_extra
         self.step = 0
+        self.stop_signal: int | None = None  # set when SIGTERM/SIGINT stopped fit() early
         self.history: list[dict] = []
         self._compiled = None
         self._eval_fn = None
         self.checkpointer = None
         self._metrics_file = None
-
-        from d3d_jax.io.checkpoint import TrainCheckpointer
+        self.settings = run_settings(cfg, self.model_config)  # what a resume must match
 
         self.checkpointer = TrainCheckpointer(self.out_dir / "checkpoints", keep=cfg.train.keep_checkpoints,
                                               async_save=cfg.train.async_checkpointing)
         if cfg.train.resume:
             self._resume()
+        else:
+            self.checkpointer.require_no_steps()
 
     # ---- construction ---------------------------------------------------------------------
     def _model_overrides(self) -> dict:
@@ -252,11 +255,14 @@ class Trainer:
         return graphdef, state, sh
 
     def _resume(self) -> None:
-        latest = self.checkpointer.latest_step()
-        if latest is None:
+        restored = self.checkpointer.restore_intact(jax.tree.map(
+            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), self.state, self.state_sharding),
+            self.settings, warn=self.log)
+        if jax.process_index() == 0:  # steps after the restored one will be logged again
+            trim_metrics(self.out_dir / "metrics.jsonl", restored[0] if restored else 0)
+        if restored is None:
             return
-        step, state, data_state = self.checkpointer.restore_latest(jax.tree.map(
-            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), self.state, self.state_sharding))
+        step, state, data_state = restored
         self.state, self.step = state, int(step)
         self.train_iter.set_state(data_state)
         self.log(f"resumed from step {self.step} ({self.checkpointer.directory})")
@@ -349,10 +355,13 @@ class Trainer:
 
     def save_checkpoint(self) -> None:
         self.checkpointer.save(self.step, self.state, self.train_iter.get_state(),
-                               {"run": to_dict(self.cfg), "data_stats": self.data_stats})
+                               {"run": to_dict(self.cfg), "data_stats": self.data_stats}, settings=self.settings)
 
     def fit(self, until: int | None = None) -> list[dict]:
-        """Train to step ``until`` (default ``train.steps``); returns this call's per-step metrics."""
+        """Train to step ``until`` (default ``train.steps``); returns this call's per-step metrics.
+
+        SIGTERM / SIGINT (a preempted VM, Ctrl-C) end the current step, save it and return early
+        with ``self.stop_signal`` set."""
         tc = self.cfg.train
         until = tc.steps if until is None else min(until, tc.steps)
         if self.step == 0 and self.data_stats:
@@ -365,13 +374,15 @@ class Trainer:
         pending: list[tuple[int, dict]] = []
         records: list[dict] = []
         t_last, steps_since = time.time(), 0
+        stop = StopSignals().install()
         try:
             while self.step < until:
                 metrics = self.train_step(next(self.train_iter))
                 steps_since += 1
                 pending.append((self.step, metrics))
                 done = self.step == until
-                if done or (tc.log_every and self.step % tc.log_every == 0):
+                stopping = stop.should_stop(self.step)
+                if done or stopping or (tc.log_every and self.step % tc.log_every == 0):
                     fetched = jax.device_get(pending)
                     dt = time.time() - t_last
                     new = [{"step": s, **{k: float(v) for k, v in m.items()}} for s, m in fetched]
@@ -390,9 +401,15 @@ class Trainer:
                     self._write_metrics({"step": self.step, **ev})
                     self.log(f"step {self.step}: " + ", ".join(
                         f"{k}={v:.4f}" for k, v in ev.items() if isinstance(v, float)))
-                if done or (tc.checkpoint_every and self.step % tc.checkpoint_every == 0):
+                if done or stopping or (tc.checkpoint_every and self.step % tc.checkpoint_every == 0):
                     self.save_checkpoint()
+                if stopping:
+                    self.stop_signal = stop.signum
+                    self.log(f"{stop.name}: saved a checkpoint at step {self.step} and stopped; "
+                             f"rerun the same command to resume")
+                    break
         finally:
+            stop.uninstall()
             if bar is not None:
                 bar.close()
         self.history.extend(records)
@@ -442,7 +459,7 @@ def run(cfg: TrainRunConfig, **trainer_kwargs) -> Trainer:
     trainer = Trainer(cfg, **trainer_kwargs)
     try:
         trainer.fit()
-        if cfg.train.export_params or cfg.train.export_hf:
+        if trainer.stop_signal is None and (cfg.train.export_params or cfg.train.export_hf):
             paths = trainer.export()
             trainer.log(f"exported {paths}")
     finally:
