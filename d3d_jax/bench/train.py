@@ -24,7 +24,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from d3d_jax.config import TrainRunConfig, load_config, to_dict
+from d3d_jax.config import ATTENTION_BACKENDS, REMAT_POLICIES, TrainRunConfig, load_config, to_dict
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -36,8 +36,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plan-config", default=str(REPO / "configs/train/d3d-8b.yaml"))
     p.add_argument("--plan-devices", type=int, default=64)
     p.add_argument("--plan-batch", type=int, default=0, help="global batch for the plan (default: one row per device)")
-    p.add_argument("--plan-attention", default="", help="attention backend for the plan (default: the config's)")
-    p.add_argument("--plan-remat", default="", help="remat policy for the plan (default: the config's)")
+    p.add_argument("--plan-attention", default="", choices=("",) + tuple(ATTENTION_BACKENDS),
+                   help="attention backend for the plan (default: the config's)")
+    p.add_argument("--plan-remat", default="", choices=("",) + REMAT_POLICIES,
+                   help="remat policy for the plan (default: the config's)")
     p.add_argument("--skip-throughput", action="store_true")
     p.add_argument("--json", default="", help="also write the results here")
     p.add_argument("overrides", nargs="*", help="key=value overrides for --config")
@@ -140,7 +142,7 @@ def memory_plan(config: str, num_devices: int, batch: int = 0, overrides: list[s
     """
     import dataclasses
 
-    from d3d_jax.config import ATTENTION_BACKENDS, REMAT_POLICIES, ConfigError
+    from d3d_jax.config import ConfigError
     from d3d_jax.model.qwen3 import abstract_model
     from d3d_jax.parallel import sharding as shd
     from d3d_jax.training.loop import _path_names

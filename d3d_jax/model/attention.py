@@ -22,6 +22,7 @@ A fully masked query row (padding) returns 0 in every backend.
 
 from __future__ import annotations
 
+import functools
 from typing import Sequence
 
 import jax
@@ -38,18 +39,21 @@ _BIG_NEG = -1e30
 
 
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, q_meta: TokenMeta, k_meta: TokenMeta, *,
-           backend: str = "xla", prefix: Segment | None = None) -> jax.Array:
+           backend: str = "xla", prefix: Segment | None = None, tiles: tuple[int, int] = (64, 64)
+           ) -> jax.Array:
     """Softmax attention ``[B, T, N, H]`` (``q``'s dtype) of ``q [B, T, N, H]`` over ``[prefix | k]``.
 
     ``q`` carries RoPE but no scaling (``H ** -0.5`` is applied here).  ``k``/``v`` are
     ``[B, S, K, H]`` with ``N`` a multiple of ``K`` (grouped-query attention); ``prefix`` is an
-    optional earlier key segment (the KV cache span) with its own metadata.
+    optional earlier key segment (the KV cache span) with its own metadata.  ``tiles`` are the
+    fused kernel's largest (query, key) tiles (powers of two >= 16; shorter inputs get smaller).
     """
     segments = ([prefix] if prefix is not None else []) + [(k, v, k_meta)]
     if backend == "xla":
         return _xla(q, q_meta, segments)
     if backend in ("pallas", "pallas_interpret"):
-        return _per_shard(lambda *a: _pallas(*a, interpret=backend == "pallas_interpret"), q, q_meta, segments)
+        run = functools.partial(_pallas, interpret=backend == "pallas_interpret", tiles=tiles)
+        return _per_shard(run, q, q_meta, segments)
     if backend == "cudnn":
         return _dense_fused(q, q_meta, segments, "cudnn")
     check_attention_backend(backend, "attention backend")  # raises: unknown or unavailable
@@ -83,14 +87,16 @@ def _xla(q: jax.Array, q_meta: TokenMeta, segments: Sequence[Segment]) -> jax.Ar
     return out.reshape(b, t, n, h)
 
 
-def _pallas(q: jax.Array, q_meta: TokenMeta, segments: Sequence[Segment], *, interpret: bool) -> jax.Array:
+def _pallas(q: jax.Array, q_meta: TokenMeta, segments: Sequence[Segment], *, interpret: bool,
+            tiles: tuple[int, int]) -> jax.Array:
     dt = q.dtype
     q = q * jnp.asarray(q.shape[-1] ** -0.5, dt)
+    kw = dict(interpret=interpret, block_q=tiles[0], block_k=tiles[1])
     if len(segments) == 1:
         k, v, k_meta = segments[0]
-        return flash_attention(q, k.astype(dt), v.astype(dt), q_meta, k_meta, interpret=interpret)[0]
-    parts = [flash_attention(q, k.astype(dt), v.astype(dt), q_meta, k_meta, interpret=interpret,
-                             out_dtype=jnp.float32) for k, v, k_meta in segments]
+        return flash_attention(q, k.astype(dt), v.astype(dt), q_meta, k_meta, **kw)[0]
+    parts = [flash_attention(q, k.astype(dt), v.astype(dt), q_meta, k_meta, out_dtype=jnp.float32, **kw)
+             for k, v, k_meta in segments]
     return merge_partials(parts).astype(dt)
 
 

@@ -75,6 +75,17 @@ def _tile_visible(qsum, kpos, kbid):
     return causal | same_block
 
 
+def tile_visibility(q_meta: TokenMeta, k_meta: TokenMeta, block_q: int, block_k: int) -> jax.Array:
+    """``[B, T/block_q, S/block_k]``: which tiles the kernel computes (the rest it skips)."""
+    qctx, qbid = encode_queries(q_meta)
+    kpos, kbid = encode_keys(k_meta)
+    tiles = lambda x, n: x.reshape(x.shape[0], -1, n)
+    qsum = jax.vmap(jax.vmap(_query_summary))(tiles(qctx, block_q), tiles(qbid, block_q))
+    per_k = jax.vmap(_tile_visible, in_axes=(None, 0, 0))  # one query tile, every key tile
+    per_qk = jax.vmap(per_k, in_axes=(0, None, None))
+    return jax.vmap(per_qk)(qsum, tiles(kpos, block_k), tiles(kbid, block_k))
+
+
 def _dot_nt(a, b):  # a @ b.T in float32
     return lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
 
