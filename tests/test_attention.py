@@ -141,6 +141,25 @@ def test_pallas_equals_xla_for_every_mask_kind(kind, dtype):
     assert float(jnp.abs(got.astype(jnp.float32)).max(axis=(2, 3))[~seen].max()) == 0.0
 
 
+@pytest.mark.parametrize("kind", ["training", "verify"])
+def test_pallas_gradients_equal_xla(kind):
+    """Gradients of the kernel (several tiles, skipped ones included) and, for the cached verify,
+    through the log-sum-exp merge of cache and new keys (the lse cotangent path)."""
+    (q, k, v, q_meta, k_meta), kw = _run_case(kind, "float32")
+    weights = _normal(np.random.default_rng(7), q.shape, jnp.float32)
+    cache_kv, cache_meta = (kw["prefix"][:2], kw["prefix"][2]) if kw["prefix"] else ((), None)
+
+    def loss(backend, tiles, q, k, v, cache_kv):
+        prefix = (*cache_kv, cache_meta) if cache_kv else None
+        out = attend(q, k, v, q_meta, k_meta, backend=backend, prefix=prefix, tiles=tiles)
+        return jnp.sum(jnp.sin(out) * weights)
+
+    grad = lambda backend, tiles: jax.jit(jax.grad(functools.partial(loss, backend, tiles), argnums=(0, 1, 2, 3)))
+    got = grad(PALLAS, TILES)(q, k, v, cache_kv)
+    want = grad("xla", (64, 64))(q, k, v, cache_kv)
+    _assert_grads_close(got, want)
+
+
 def test_cudnn_wrapper_masks_like_xla():
     """The cuDNN backend's mask and zeroed rows, through jax.nn's XLA implementation on CPU."""
     args, kw = _run_case("branch_pack", "float32")

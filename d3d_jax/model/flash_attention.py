@@ -37,6 +37,7 @@ _INT_MAX = int(jnp.iinfo(jnp.int32).max)
 _INT_MIN = int(jnp.iinfo(jnp.int32).min)
 _Q_NO_BLOCK = -3  # query sentinel: never equal to a key's block id
 _K_NO_BLOCK = -2  # key sentinel: never equal to a query's block id
+_BWD_TILE = 32
 
 
 # --------------------------------------------------------------------------------------
@@ -239,16 +240,17 @@ def _backward(opts: FlashOptions, res, cts):
     # d lse / d score = p, so a log-sum-exp cotangent just shifts delta.
     delta = jnp.einsum("btnh,btnh->bnt", out.astype(jnp.float32), do.astype(jnp.float32)) - dlse
     do = do.astype(q.dtype)
-    sp = _specs(t, s, h, g, opts.block_q, opts.block_k)
+    # Smaller tiles than the forward (as jax's Pallas GPU attention): the backward holds two
+    # float32 accumulators per tile.  Lengths are multiples of the forward tiles, so of these too.
+    bq, bk = min(opts.block_q, _BWD_TILE), min(opts.block_k, _BWD_TILE)
+    sp = _specs(t, s, h, g, bq, bk)
     args = (q, k, v, do, lse, delta, qctx, qbid, kpos, kbid)
-    dq = _call(functools.partial(_dq_kernel, block_k=opts.block_k), "d3d_flash_dq", opts,
-               (b, n, t // opts.block_q),
+    dq = _call(functools.partial(_dq_kernel, block_k=bk), "d3d_flash_dq", opts, (b, n, t // bq),
                [sp["q_tile"], sp["kv_all"], sp["kv_all"], sp["q_tile"], sp["row_tile"], sp["row_tile"],
                 sp["qm_tile"], sp["qm_tile"], sp["km_all"], sp["km_all"]],
                sp["q_tile"], jax.ShapeDtypeStruct(q.shape, jnp.float32))(*args)
     per_head = jax.ShapeDtypeStruct((b, s, n, h), jnp.float32)  # summed over each GQA group below
-    dk, dv = _call(functools.partial(_dkv_kernel, block_q=opts.block_q), "d3d_flash_dkv", opts,
-                   (b, n, s // opts.block_k),
+    dk, dv = _call(functools.partial(_dkv_kernel, block_q=bq), "d3d_flash_dkv", opts, (b, n, s // bk),
                    [sp["q_all"], sp["kv_tile"], sp["kv_tile"], sp["q_all"], sp["row_all"], sp["row_all"],
                     sp["qm_all"], sp["qm_all"], sp["km_tile"], sp["km_tile"]],
                    [sp["dkv_tile"], sp["dkv_tile"]], [per_head, per_head])(*args)
