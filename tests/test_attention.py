@@ -9,6 +9,7 @@ against transformers).
 
 import dataclasses
 import functools
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -364,3 +365,18 @@ def test_backend_config_is_validated_and_not_an_hf_key():
     assert ModelConfig.from_hf_dict(hf) == dataclasses.replace(model_cfg, attention_backend="xla",
                                                                remat_policy="none", vocab_size=hf["vocab_size"])
     assert ModelConfig(gradient_checkpointing=True).layer_remat == "full"  # the deprecated alias
+
+
+def test_memory_plan_counts_the_backends_attention():
+    """D3D-8B plan: XLA's attention holds the [L, L] scores, the fused kernel only O(L) arrays."""
+    from d3d_jax.bench.train import memory_plan
+
+    cfg = str(Path(__file__).resolve().parent.parent / "configs/train/d3d-8b.yaml")
+    plans = {b: memory_plan(cfg, 64, attention_backend=b) for b in ("xla", "pallas")}
+    L, heads = plans["xla"]["packed_length"], 32
+    gib = {b: p["per_device_GiB"] for b, p in plans.items()}
+    assert gib["xla"]["activations_detail"]["attention_per_layer"] >= heads * L * L * (4 + 2) / 2**30
+    assert gib["pallas"]["activations_detail"]["attention_per_layer"] < 0.5  # q, k, v, out, lse, grads
+    assert gib["pallas"]["total"] < gib["xla"]["total"] - 10  # the ~13 GiB of one layer's scores
+    with pytest.raises(ConfigError, match="--plan-attention: unknown backend 'flash'"):
+        memory_plan(cfg, 64, attention_backend="flash")

@@ -133,6 +133,27 @@ def remat_activation_bytes(mc, b: int, L: int, per_layer: dict) -> tuple[int, in
     return inputs + n * saved, 2 * per_layer["total"]  # one layer recomputed and differentiated
 
 
+def _planned_model(mc, attention_backend: str, remat_policy: str):
+    """``mc`` with the planned backend / remat policy (activations follow them, parameters do not).
+
+    Not validated against this platform: a CPU host may plan a GPU job's ``pallas``.
+    """
+    import dataclasses
+
+    from d3d_jax.config import ConfigError
+
+    if attention_backend and attention_backend not in ATTENTION_BACKENDS:
+        raise ConfigError(f"--plan-attention: unknown backend {attention_backend!r} (known: "
+                          f"{', '.join(ATTENTION_BACKENDS)})")
+    if remat_policy and remat_policy not in REMAT_POLICIES:
+        raise ConfigError(f"--plan-remat: unknown policy {remat_policy!r} (known: {', '.join(REMAT_POLICIES)})")
+    if attention_backend:
+        mc = dataclasses.replace(mc, attention_backend=attention_backend)
+    if remat_policy:
+        mc = dataclasses.replace(mc, remat_policy=remat_policy, gradient_checkpointing=False)
+    return mc
+
+
 def memory_plan(config: str, num_devices: int, batch: int = 0, overrides: list[str] = (),
                 attention_backend: str = "", remat_policy: str = "") -> dict:
     """Per-device bytes of params / grads / optimiser state (eval_shape) + an activation estimate.
@@ -142,28 +163,18 @@ def memory_plan(config: str, num_devices: int, batch: int = 0, overrides: list[s
     """
     import dataclasses
 
-    from d3d_jax.config import ConfigError
     from d3d_jax.model.qwen3 import abstract_model
     from d3d_jax.parallel import sharding as shd
     from d3d_jax.training.loop import _path_names
     from d3d_jax.training.optim import make_optimizer
     from flax import nnx
 
-    if attention_backend and attention_backend not in ATTENTION_BACKENDS:
-        raise ConfigError(f"--plan-attention: unknown backend {attention_backend!r} (known: "
-                          f"{', '.join(ATTENTION_BACKENDS)})")
-    if remat_policy and remat_policy not in REMAT_POLICIES:
-        raise ConfigError(f"--plan-remat: unknown policy {remat_policy!r} (known: {', '.join(REMAT_POLICIES)})")
     batch = batch or num_devices
     cfg = load_config(TrainRunConfig, [config], [
         f"num_devices={num_devices}", "mesh.data=1", f"mesh.fsdp={num_devices}", "mesh.tensor=1",
         f"data.batch_size={batch}", "optim.grad_accum_steps=1"] + list(overrides))
     mc = dataclasses.replace(cfg.effective_model(), block_size=cfg.data.block_size)
-    planned = mc  # activations follow these choices; parameter shapes do not depend on them
-    if attention_backend:
-        planned = dataclasses.replace(planned, attention_backend=attention_backend)
-    if remat_policy:
-        planned = dataclasses.replace(planned, remat_policy=remat_policy, gradient_checkpointing=False)
+    planned = _planned_model(mc, attention_backend, remat_policy)
     mesh = jax.sharding.AbstractMesh((1, num_devices, 1), shd.MESH_AXES)
     rules = shd.rules_dict(cfg.mesh.rules)
 
