@@ -7,8 +7,10 @@
   devices of an fsdp mesh, from ``jax.eval_shape`` (no memory is allocated): parameters,
   gradients and optimiser state per device from their shapes, dtypes and shardings, plus an
   activation estimate for one micro-batch (remat checkpoints, the peak layer's attention / MLP
-  intermediates, the logits and their gradient) – this codebase's attention materialises
-  ``[b, heads, L, L]`` scores, so that term is counted as it is.
+  intermediates, the logits and their gradient).  The attention term follows
+  ``model.attention_backend``: ``xla`` materialises ``[b, heads, L, L]`` scores, the fused
+  ``pallas`` kernel keeps O(L); ``--plan-attention`` / ``--plan-remat`` plan for another backend
+  or remat policy than the config's (e.g. ``pallas`` for a GPU job, planned on a CPU host).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from d3d_jax.config import TrainRunConfig, load_config, to_dict
+from d3d_jax.config import ATTENTION_BACKENDS, REMAT_POLICIES, TrainRunConfig, load_config, to_dict
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -34,6 +36,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plan-config", default=str(REPO / "configs/train/d3d-8b.yaml"))
     p.add_argument("--plan-devices", type=int, default=64)
     p.add_argument("--plan-batch", type=int, default=0, help="global batch for the plan (default: one row per device)")
+    p.add_argument("--plan-attention", default="", choices=("",) + tuple(ATTENTION_BACKENDS),
+                   help="attention backend for the plan (default: the config's)")
+    p.add_argument("--plan-remat", default="", choices=("",) + REMAT_POLICIES,
+                   help="remat policy for the plan (default: the config's)")
     p.add_argument("--skip-throughput", action="store_true")
     p.add_argument("--json", default="", help="also write the results here")
     p.add_argument("overrides", nargs="*", help="key=value overrides for --config")
@@ -91,8 +97,70 @@ def _shard_bytes(tree, shardings_fn) -> int:
     return total
 
 
-def memory_plan(config: str, num_devices: int, batch: int = 0, overrides: list[str] = ()) -> dict:
-    """Per-device bytes of params / grads / optimiser state (eval_shape) + an activation estimate."""
+def attention_activation_bytes(mc, b: int, L: int) -> dict:
+    """Bytes one layer's attention keeps for its backward, by backend, plus its dot outputs."""
+    N, K, H = mc.num_heads, mc.num_kv_heads, mc.head_dim
+    act = np.dtype(mc.dtype).itemsize
+    qkv_out = b * L * (2 * N + 2 * K) * H * act
+    if mc.attention_backend in ("pallas", "pallas_interpret"):
+        # O(L): q, k, v, output, log-sum-exp and delta, float32 dq and per-head dk/dv in the backward
+        return {"total": qkv_out + 2 * b * N * L * 4 + 3 * b * L * N * H * 4, "batch_dots": 0}
+    if mc.attention_backend == "cudnn":  # fused softmax, but a dense [b, L, L] mask / bias
+        return {"total": qkv_out + b * L * L * (act + 1) + b * N * L * 4, "batch_dots": 0}
+    scores = b * N * L * L * 4  # float32 scores and probs in the compute dtype, plus the bool mask
+    return {"total": qkv_out + b * N * L * L * (4 + act) + b * L * L, "batch_dots": scores + b * L * N * H * act}
+
+
+def layer_activation_bytes(mc, b: int, L: int) -> dict:
+    D, F, N, K, H = mc.hidden_size, mc.intermediate_size, mc.num_heads, mc.num_kv_heads, mc.head_dim
+    act = np.dtype(mc.dtype).itemsize
+    attn = attention_activation_bytes(mc, b, L)
+    weight_dots = b * L * ((N + 2 * K) * H + 2 * D + 2 * F) * act  # q/k/v/o projections, MLP
+    return {"attention": attn["total"], "total": attn["total"] + 3 * b * L * F * act + 4 * b * L * D * act,
+            "weight_dots": weight_dots, "batch_dots": attn["batch_dots"],
+            "flash_outputs": b * L * N * H * act + b * N * L * 4 if attn["batch_dots"] == 0 else 0}
+
+
+def remat_activation_bytes(mc, b: int, L: int, per_layer: dict) -> tuple[int, int]:
+    """``(stored for the backward, live while one layer is differentiated)`` under the remat policy."""
+    policy, n = mc.layer_remat, mc.num_layers
+    if policy == "none":
+        return n * per_layer["total"], per_layer["total"]
+    inputs = n * b * L * mc.hidden_size * np.dtype(mc.dtype).itemsize  # each layer's input
+    saved = {"full": 0, "save_attention": per_layer["flash_outputs"],
+             "save_dots_no_batch": per_layer["weight_dots"],
+             "save_dots": per_layer["weight_dots"] + per_layer["batch_dots"]}[policy]
+    return inputs + n * saved, 2 * per_layer["total"]  # one layer recomputed and differentiated
+
+
+def _planned_model(mc, attention_backend: str, remat_policy: str):
+    """``mc`` with the planned backend / remat policy (activations follow them, parameters do not).
+
+    Not validated against this platform: a CPU host may plan a GPU job's ``pallas``.
+    """
+    import dataclasses
+
+    from d3d_jax.config import ConfigError
+
+    if attention_backend and attention_backend not in ATTENTION_BACKENDS:
+        raise ConfigError(f"--plan-attention: unknown backend {attention_backend!r} (known: "
+                          f"{', '.join(ATTENTION_BACKENDS)})")
+    if remat_policy and remat_policy not in REMAT_POLICIES:
+        raise ConfigError(f"--plan-remat: unknown policy {remat_policy!r} (known: {', '.join(REMAT_POLICIES)})")
+    if attention_backend:
+        mc = dataclasses.replace(mc, attention_backend=attention_backend)
+    if remat_policy:
+        mc = dataclasses.replace(mc, remat_policy=remat_policy, gradient_checkpointing=False)
+    return mc
+
+
+def memory_plan(config: str, num_devices: int, batch: int = 0, overrides: list[str] = (),
+                attention_backend: str = "", remat_policy: str = "") -> dict:
+    """Per-device bytes of params / grads / optimiser state (eval_shape) + an activation estimate.
+
+    ``attention_backend`` / ``remat_policy`` plan for a backend or policy this platform need not
+    run (the plan is shapes only), e.g. ``pallas`` on a CPU host for a GPU job.
+    """
     import dataclasses
 
     from d3d_jax.model.qwen3 import abstract_model
@@ -106,6 +174,7 @@ def memory_plan(config: str, num_devices: int, batch: int = 0, overrides: list[s
         f"num_devices={num_devices}", "mesh.data=1", f"mesh.fsdp={num_devices}", "mesh.tensor=1",
         f"data.batch_size={batch}", "optim.grad_accum_steps=1"] + list(overrides))
     mc = dataclasses.replace(cfg.effective_model(), block_size=cfg.data.block_size)
+    planned = _planned_model(mc, attention_backend, remat_policy)
     mesh = jax.sharding.AbstractMesh((1, num_devices, 1), shd.MESH_AXES)
     rules = shd.rules_dict(cfg.mesh.rules)
 
@@ -130,17 +199,9 @@ def memory_plan(config: str, num_devices: int, batch: int = 0, overrides: list[s
 
     # Activations of one micro-batch on one device (rows b = batch / (data·fsdp), tensor = 1).
     b = max(batch // num_devices, 1)
-    L, D, F, V = cfg.data.packed_length, mc.hidden_size, mc.intermediate_size, mc.vocab_size
-    N, K, H = mc.num_heads, mc.num_kv_heads, mc.head_dim
-    act = np.dtype(mc.dtype).itemsize
-    layer_inputs = mc.num_layers * b * L * D * act  # kept for the backward pass (remat checkpoints)
-    attn = b * L * (N + 2 * K) * H * act + b * N * L * L * (4 + act) + b * L * L  # q,k,v; f32 scores, probs; mask
-    mlp = 3 * b * L * F * act
-    per_layer = attn + mlp + 4 * b * L * D * act
-    if mc.gradient_checkpointing:
-        stored, live = layer_inputs, 2 * per_layer  # one layer recomputed and differentiated at a time
-    else:
-        stored, live = mc.num_layers * per_layer, per_layer
+    L, V = cfg.data.packed_length, mc.vocab_size
+    per_layer = layer_activation_bytes(planned, b, L)
+    stored, live = remat_activation_bytes(planned, b, L, per_layer)
     logits = 3 * b * L * V * 4  # float32 logits, softmax, gradient
     activations = stored + live + logits
     grads = p_bytes  # gradients in the parameter dtype, sharded like the parameters
@@ -149,10 +210,12 @@ def memory_plan(config: str, num_devices: int, batch: int = 0, overrides: list[s
     return {"config": config, "devices": num_devices, "mesh": f"fsdp {num_devices}", "global_batch": batch,
             "rows_per_device": b, "packed_length": L, "num_params": n_params, "param_dtype": mc.param_dtype,
             "compute_dtype": mc.dtype, "optimizer": cfg.optim.name,
-            "gradient_checkpointing": mc.gradient_checkpointing,
+            "gradient_checkpointing": planned.gradient_checkpointing, "remat_policy": planned.layer_remat,
+            "attention_backend": planned.attention_backend,
             "per_device_GiB": {"params": gib(p_bytes), "gradients": gib(grads), "optimizer_state": gib(o_bytes),
                                "activations": gib(activations), "activations_detail": {
-                                   "stored_layer_inputs": gib(stored), "live_layer": gib(live),
+                                   "stored_for_backward": gib(stored), "live_layer": gib(live),
+                                   "attention_per_layer": gib(per_layer["attention"]),
                                    "logits": gib(logits)}, "total": gib(total)},
             "optimizer_state_total_GiB": gib(o_bytes * num_devices),
             "params_total_GiB": gib(p_bytes * num_devices)}
@@ -166,13 +229,14 @@ def main(args) -> dict:
         print(f"train step ({Path(args.config).name}, {thr['devices']} device(s)): {thr['step_ms']:.1f} ms/step, "
               f"{thr['packed_tokens_per_s']:.0f} packed tokens/s, {thr['block_slot_tokens_per_s']:.0f} "
               f"block-slot tokens/s (compile + first step {thr['compile_and_first_step_s']:.1f}s)")
-    plan = memory_plan(args.plan_config, args.plan_devices, args.plan_batch)
+    plan = memory_plan(args.plan_config, args.plan_devices, args.plan_batch,
+                       attention_backend=args.plan_attention, remat_policy=args.plan_remat)
     out["memory_plan"] = plan
     g = plan["per_device_GiB"]
     print(f"memory plan per device: {Path(args.plan_config).name}, {plan['num_params'] / 1e9:.2f}B params, "
           f"{plan['mesh']}, batch {plan['global_batch']} × {plan['packed_length']} tokens, "
           f"{plan['param_dtype']} master / {plan['compute_dtype']} compute, {plan['optimizer']}, "
-          f"remat={plan['gradient_checkpointing']}")
+          f"remat={plan['remat_policy']}, attention={plan['attention_backend']}")
     for k in ("params", "gradients", "optimizer_state", "activations", "total"):
         print(f"  {k:<16} {g[k]:8.2f} GiB")
     for k, v in g["activations_detail"].items():

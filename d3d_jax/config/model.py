@@ -20,6 +20,37 @@ from d3d_jax.config.base import (CONFIG_DIR, DTYPES, ConfigError, _HF_KEY_NAMES,
 # --------------------------------------------------------------------------------------
 # Model
 # --------------------------------------------------------------------------------------
+# Attention backends (d3d_jax.model.attention) and the platforms each runs on.
+ATTENTION_BACKENDS: dict[str, tuple[str, ...]] = {
+    "xla": ("cpu", "gpu", "tpu"),  # the reference: dense scores, every platform
+    "pallas_interpret": ("cpu", "gpu", "tpu"),  # the fused kernel run as plain JAX (tests; slow)
+    "pallas": ("gpu",),  # the fused kernel compiled by Triton
+    "cudnn": ("gpu",),  # jax.nn.dot_product_attention's cuDNN path with a dense mask
+}
+# Layer rematerialisation policies (names of jax.checkpoint_policies, see qwen3.remat_policy).
+REMAT_POLICIES = ("none", "full", "save_dots", "save_dots_no_batch", "save_attention")
+
+
+def _platform() -> str:
+    import jax  # deferred: only a non-default backend needs to know the platform
+
+    return jax.default_backend()
+
+
+def check_attention_backend(name: str, key: str = "model.attention_backend") -> None:
+    """Refuse an unknown backend, or one this platform cannot run, naming those it can."""
+    if name == "xla":  # runs everywhere; do not start a JAX backend just to say so
+        return
+    platform = _platform()
+    here = [b for b, ps in ATTENTION_BACKENDS.items() if platform in ps]
+    if name not in ATTENTION_BACKENDS:
+        raise ConfigError(f"{key}: unknown attention backend {name!r}; available on {platform}: "
+                          f"{', '.join(here)}")
+    if platform not in ATTENTION_BACKENDS[name]:
+        raise ConfigError(f"{key}: {name!r} needs {' or '.join(ATTENTION_BACKENDS[name])}, this is "
+                          f"{platform}; available on {platform}: {', '.join(here)}")
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """Every field of a Qwen3 decoder (HF ``Qwen3Config``) plus our dtypes and D3D tokens."""
@@ -44,7 +75,11 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
     pad_token_id: int | None = None
+    # Deprecated alias of remat_policy="full" (still honoured when remat_policy is "none").
     gradient_checkpointing: bool = False
+    # Runtime choices, not part of an HF config.json: attention kernel and per-layer remat.
+    attention_backend: str = "xla"
+    remat_policy: str = "none"
 
     def validate(self, prefix: str = "model") -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
@@ -62,6 +97,27 @@ class ModelConfig:
                      f"{self.mask_token_id} is outside the vocabulary [0, {self.vocab_size})")
         if self.block_size is not None:
             _require(self.block_size >= 2, f"{prefix}.block_size", "must be >= 2")
+        _require(self.remat_policy in REMAT_POLICIES, f"{prefix}.remat_policy",
+                 f"must be one of {', '.join(REMAT_POLICIES)}, got {self.remat_policy!r}")
+        self._validate_attention(prefix)
+
+    def _validate_attention(self, prefix: str) -> None:
+        key, h = f"{prefix}.attention_backend", self.head_dim
+        check_attention_backend(self.attention_backend, key)
+        if self.attention_backend == "pallas":  # Triton tiles: power-of-two widths, dots >= 16
+            _require(h >= 16 and h & (h - 1) == 0, key, f"'pallas' needs a power-of-two head_dim >= 16, "
+                     f"got {h}")
+        if self.attention_backend == "cudnn":
+            _require(self.dtype in ("bfloat16", "float16"), key,
+                     f"'cudnn' needs model.dtype bfloat16 or float16, got {self.dtype}")
+            _require(h % 8 == 0 and h <= 256, key, f"'cudnn' needs head_dim a multiple of 8 <= 256, got {h}")
+
+    @property
+    def layer_remat(self) -> str:
+        """The remat policy in force: ``remat_policy``, or ``"full"`` for the old boolean."""
+        if self.remat_policy == "none" and self.gradient_checkpointing:
+            return "full"
+        return self.remat_policy
 
     @property
     def num_groups(self) -> int:

@@ -13,7 +13,7 @@ from typing import Any, Mapping, Sequence
 import yaml
 
 from d3d_jax.config.base import DTYPES, ConfigError, _require  # noqa: F401
-from d3d_jax.config.model import MeshConfig, ModelConfig
+from d3d_jax.config.model import REMAT_POLICIES, MeshConfig, ModelConfig
 
 
 # --------------------------------------------------------------------------------------
@@ -124,10 +124,13 @@ class TrainConfig:
     # "" / None keep the model config's value (also for a model loaded from init_from).
     param_dtype: str = ""
     compute_dtype: str = ""
-    gradient_checkpointing: bool | None = None
+    gradient_checkpointing: bool | None = None  # deprecated: remat_policy "full" / "none"
+    remat_policy: str = ""  # "" keeps model.remat_policy; else one of REMAT_POLICIES
 
     def validate(self, prefix: str = "train") -> None:
         _require(self.steps >= 1, f"{prefix}.steps", "must be >= 1")
+        _require(self.remat_policy == "" or self.remat_policy in REMAT_POLICIES, f"{prefix}.remat_policy",
+                 f"must be '' or one of {', '.join(REMAT_POLICIES)}, got {self.remat_policy!r}")
         for name in ("param_dtype", "compute_dtype"):
             v = getattr(self, name)
             _require(v == "" or v in DTYPES, f"{prefix}.{name}", f"must be '' or one of {DTYPES}, got {v!r}")
@@ -158,6 +161,8 @@ class TrainRunConfig:
             changes["dtype"] = t.compute_dtype
         if t.gradient_checkpointing is not None:
             changes["gradient_checkpointing"] = t.gradient_checkpointing
+        if t.remat_policy:
+            changes["remat_policy"] = t.remat_policy
         return dataclasses.replace(self.model, **changes)
 
     def resolved_num_devices(self) -> int:

@@ -28,7 +28,9 @@ from flax import nnx
 
 from d3d_jax.config import ModelConfig
 from d3d_jax.model import kv_cache as kvc
-from d3d_jax.model.masks import TokenMeta, attention_mask, cache_key_meta, default_meta
+from d3d_jax.model.attention import attend
+from d3d_jax.model.flash_attention import save_flash_forward
+from d3d_jax.model.masks import TokenMeta, cache_key_meta, default_meta
 from d3d_jax.parallel.sharding import shard
 
 _INIT = nnx.initializers.normal(0.02)
@@ -92,34 +94,8 @@ class Attention(nnx.Module):
         k = shard(k, ("batch", "length", "act_kv_heads", "head_dim"))
         v = shard(v, ("batch", "length", "act_kv_heads", "head_dim"))
 
-        b, t, n, h = q.shape
-        g = cfg.num_groups
-        q = q.reshape(b, t, cfg.num_kv_heads, g, h) * jnp.asarray(h ** -0.5, dt)
-        big_neg = jnp.float32(-1e30)
-
-        # Scores against the new tokens themselves (mask from their metadata).
-        s_new = jnp.einsum("btkgh,bskh->bkgts", q, k, preferred_element_type=jnp.float32)
-        m_new = attention_mask(meta, meta)[:, None, None]
-        s_new = jnp.where(m_new, s_new, big_neg)
-        if cache_k is not None:
-            s_old = jnp.einsum("btkgh,bskh->bkgts", q, cache_k.astype(dt),
-                               preferred_element_type=jnp.float32)
-            m_old = attention_mask(meta, cache_meta)[:, None, None]
-            s_old = jnp.where(m_old, s_old, big_neg)
-            scores = jnp.concatenate([s_old, s_new], axis=-1)
-        else:
-            scores = s_new
-        probs = jax.nn.softmax(scores, axis=-1)
-        # A fully masked row (padding) gives a uniform distribution over garbage; zero it.
-        probs = jnp.where(jnp.max(scores, axis=-1, keepdims=True) > big_neg / 2, probs, 0.0)
-        probs = probs.astype(dt)
-        if cache_k is not None:
-            s_len = cache_k.shape[1]
-            out = (jnp.einsum("bkgts,bskh->btkgh", probs[..., :s_len], cache_v.astype(dt))
-                   + jnp.einsum("bkgts,bskh->btkgh", probs[..., s_len:], v))
-        else:
-            out = jnp.einsum("bkgts,bskh->btkgh", probs, v)
-        out = out.reshape(b, t, n, h)
+        prefix = None if cache_k is None else (cache_k, cache_v, cache_meta)
+        out = attend(q, k, v, meta, meta, backend=cfg.attention_backend, prefix=prefix)
         y = jnp.einsum("btnh,nhd->btd", out, self.o_proj.kernel[...].astype(dt))
         return y, k, v
 
@@ -160,6 +136,20 @@ class DecoderLayer(nnx.Module):
 
 def _layer_forward(layer, x, meta, cache_k, cache_v, cache_meta):
     return layer(x, meta, cache_k, cache_v, cache_meta)
+
+
+def remat_policy(name: str):
+    """``jax.checkpoint`` policy of a ``ModelConfig.remat_policy`` name (not ``"none"``).
+
+    ``full`` saves only each layer's input; ``save_dots`` every matmul output (with the XLA
+    backend that includes the [L, L] scores); ``save_dots_no_batch`` the weight matmuls only;
+    ``save_attention`` the fused kernel's output and log-sum-exp (O(L)), so the backward reruns
+    the projections and MLP but not the attention forward (with the XLA backend: as ``full``).
+    """
+    cp = jax.checkpoint_policies
+    return {"full": None, "save_dots": cp.dots_saveable,
+            "save_dots_no_batch": cp.dots_with_no_batch_dims_saveable,
+            "save_attention": save_flash_forward}[name]
 
 
 class Qwen3(nnx.Module):
@@ -226,8 +216,8 @@ class Qwen3(nnx.Module):
             if keep is None:
                 keep = (meta.block_ids < 0) & meta.valid
         fwd = _layer_forward
-        if self.config.gradient_checkpointing:
-            fwd = nnx.remat(_layer_forward, prevent_cse=True)
+        if self.config.layer_remat != "none":
+            fwd = nnx.remat(_layer_forward, prevent_cse=True, policy=remat_policy(self.config.layer_remat))
         for i, layer in enumerate(self.layers):
             ck = cache.k_lbskh[i, :, :span] if cache is not None else None
             cv = cache.v_lbskh[i, :, :span] if cache is not None else None

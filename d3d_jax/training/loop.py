@@ -213,7 +213,8 @@ class Trainer:
     # ---- construction ---------------------------------------------------------------------
     def _model_overrides(self) -> dict:
         mc, dc = self.cfg.effective_model(), self.cfg.data
-        out = dict(gradient_checkpointing=mc.gradient_checkpointing, dtype=mc.dtype)
+        out = dict(gradient_checkpointing=mc.gradient_checkpointing, remat_policy=mc.remat_policy,
+                   attention_backend=mc.attention_backend, dtype=mc.dtype)
         if dc.mode == "d3d":
             out.update(mask_token_id=self.mask_token_id, block_size=dc.block_size)
         return out

@@ -259,7 +259,10 @@ def target_identity(target, path: str | os.PathLike | None = None) -> dict:
     With no path (an in-memory model) the weights hash covers the parameter bytes themselves.
     """
     cfg = dataclasses.asdict(target.config)
-    cfg.pop("gradient_checkpointing", None)  # changes memory, not outputs
+    for key in ("gradient_checkpointing", "remat_policy"):  # change memory, not outputs
+        cfg.pop(key, None)
+    if cfg.get("attention_backend") == "xla":  # the default leaves older records' hashes as they were
+        cfg.pop("attention_backend")
     if path is not None and Path(path).exists():
         weights = _weights_fingerprint(Path(path))
     else:

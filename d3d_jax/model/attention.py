@@ -1,0 +1,142 @@
+"""One attention entry point for every forward of the model, with interchangeable backends.
+
+Every kind of forward is the same call: queries with their :class:`TokenMeta` attend to keys
+with theirs, the mask being :func:`~d3d_jax.model.masks.attention_mask` of the two:
+
+* prefill and the whole-sequence forward (causal);
+* the cached verify (B queries over the used cache span) and the cached drafting forward
+  ``[anchor, MASK…]`` – the cache span is a ``prefix`` segment in front of the new keys;
+* the §5 branch pack (N_async queries over cache + pack) and the §2.3 training pack.
+
+Backends (``ModelConfig.attention_backend``; validated in :mod:`d3d_jax.config.model`):
+
+* ``"xla"`` – the reference and the default: dense ``[B, N, T, S]`` scores, mask, softmax;
+* ``"pallas"`` / ``"pallas_interpret"`` – :mod:`~d3d_jax.model.flash_attention`, the fused
+  kernel that builds the mask per tile and skips masked tiles, O(L) memory in the backward;
+  segments (cache, new keys) run separately and merge by log-sum-exp, so the cache is not copied;
+* ``"cudnn"`` – ``jax.nn.dot_product_attention`` with a dense bool mask (fused softmax, but the
+  mask is [B, T, S]): a maintained GPU kernel for the short-query kinds (verify, branch pack).
+
+A fully masked query row (padding) returns 0 in every backend.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from d3d_jax.config import check_attention_backend
+from d3d_jax.model.flash_attention import flash_attention
+from d3d_jax.model.masks import TokenMeta, attention_mask
+from d3d_jax.parallel import sharding as shd
+
+Segment = tuple[jax.Array, jax.Array, TokenMeta]  # keys [B,S,K,H], values [B,S,K,H], key metadata
+_BIG_NEG = -1e30
+
+
+def attend(q: jax.Array, k: jax.Array, v: jax.Array, q_meta: TokenMeta, k_meta: TokenMeta, *,
+           backend: str = "xla", prefix: Segment | None = None, tiles: tuple[int, int] = (64, 64)
+           ) -> jax.Array:
+    """Softmax attention ``[B, T, N, H]`` (``q``'s dtype) of ``q [B, T, N, H]`` over ``[prefix | k]``.
+
+    ``q`` carries RoPE but no scaling (``H ** -0.5`` is applied here).  ``k``/``v`` are
+    ``[B, S, K, H]`` with ``N`` a multiple of ``K`` (grouped-query attention); ``prefix`` is an
+    optional earlier key segment (the KV cache span) with its own metadata.  ``tiles`` are the
+    fused kernel's largest (query, key) tiles (powers of two >= 16; shorter inputs get smaller).
+    """
+    segments = ([prefix] if prefix is not None else []) + [(k, v, k_meta)]
+    if backend == "xla":
+        return _xla(q, q_meta, segments)
+    if backend in ("pallas", "pallas_interpret"):
+        run = functools.partial(_pallas, interpret=backend == "pallas_interpret", tiles=tiles)
+        return _per_shard(run, q, q_meta, segments)
+    if backend == "cudnn":
+        return _dense_fused(q, q_meta, segments, "cudnn")
+    check_attention_backend(backend, "attention backend")  # raises: unknown or unavailable
+    raise AssertionError(backend)
+
+
+def _xla(q: jax.Array, q_meta: TokenMeta, segments: Sequence[Segment]) -> jax.Array:
+    """The reference: dense scores per segment, concatenated, one softmax."""
+    b, t, n, h = q.shape
+    dt = q.dtype
+    kh = segments[-1][0].shape[2]
+    q = q.reshape(b, t, kh, n // kh, h) * jnp.asarray(h ** -0.5, dt)
+    big_neg = jnp.float32(_BIG_NEG)
+    scores = []
+    for k, _, k_meta in segments:
+        s = jnp.einsum("btkgh,bskh->bkgts", q, k.astype(dt), preferred_element_type=jnp.float32)
+        scores.append(jnp.where(attention_mask(q_meta, k_meta)[:, None, None], s, big_neg))
+    scores = scores[0] if len(scores) == 1 else jnp.concatenate(scores, axis=-1)
+    probs = jax.nn.softmax(scores, axis=-1)
+    # A fully masked row (padding) gives a uniform distribution over garbage; zero it.
+    probs = jnp.where(jnp.max(scores, axis=-1, keepdims=True) > big_neg / 2, probs, 0.0)
+    probs = probs.astype(dt)
+    if len(segments) == 1:
+        out = jnp.einsum("bkgts,bskh->btkgh", probs, segments[0][1].astype(dt))
+    else:
+        out, start = None, 0
+        for _, v, _ in segments:
+            part = jnp.einsum("bkgts,bskh->btkgh", probs[..., start:start + v.shape[1]], v.astype(dt))
+            out = part if out is None else out + part
+            start += v.shape[1]
+    return out.reshape(b, t, n, h)
+
+
+def _pallas(q: jax.Array, q_meta: TokenMeta, segments: Sequence[Segment], *, interpret: bool,
+            tiles: tuple[int, int]) -> jax.Array:
+    dt = q.dtype
+    q = q * jnp.asarray(q.shape[-1] ** -0.5, dt)
+    kw = dict(interpret=interpret, block_q=tiles[0], block_k=tiles[1])
+    if len(segments) == 1:
+        k, v, k_meta = segments[0]
+        return flash_attention(q, k.astype(dt), v.astype(dt), q_meta, k_meta, **kw)[0]
+    parts = [flash_attention(q, k.astype(dt), v.astype(dt), q_meta, k_meta, out_dtype=jnp.float32, **kw)
+             for k, v, k_meta in segments]
+    return merge_partials(parts).astype(dt)
+
+
+def merge_partials(parts: Sequence[tuple[jax.Array, jax.Array]]) -> jax.Array:
+    """Attention over the union of key segments from each one's ``(out [B,T,N,H], lse [B,N,T])``."""
+    lse = jnp.stack([p[1] for p in parts])
+    weights = jnp.exp(lse - jnp.max(lse, axis=0))  # a row masked in every part: all 1, outputs 0
+    weights = jnp.transpose(weights, (0, 1, 3, 2))[..., None]  # [P, B, T, N, 1]
+    total = sum(w * o.astype(jnp.float32) for w, (o, _) in zip(weights, parts))
+    return total / jnp.sum(weights, axis=0)
+
+
+def _dense_fused(q: jax.Array, q_meta: TokenMeta, segments: Sequence[Segment], implementation: str
+                 ) -> jax.Array:
+    """``jax.nn.dot_product_attention`` over the concatenated segments with a dense bool mask."""
+    dt = q.dtype
+    k = jnp.concatenate([s[0].astype(dt) for s in segments], axis=1)
+    v = jnp.concatenate([s[1].astype(dt) for s in segments], axis=1)
+    mask = jnp.concatenate([attention_mask(q_meta, s[2]) for s in segments], axis=-1)  # [B, T, S]
+    out = jax.nn.dot_product_attention(q, k, v, mask=mask[:, None], scale=q.shape[-1] ** -0.5,
+                                       implementation=implementation)
+    return jnp.where(jnp.any(mask, axis=-1)[:, :, None, None], out, 0).astype(dt)
+
+
+def _per_shard(fn, q: jax.Array, q_meta: TokenMeta, segments: Sequence[Segment]) -> jax.Array:
+    """Run ``fn`` per device under the active mesh: rows and heads are independent in attention.
+
+    A kernel call is opaque to XLA's partitioner, so it gets ``shard_map`` with the batch on its
+    logical mesh axes and heads on theirs (replicated when query and kv heads do not split alike,
+    as GQA groups must stay together).  Lengths are never split.
+    """
+    mesh = shd.active_mesh()
+    if mesh is None:
+        return fn(q, q_meta, segments)
+    spec = lambda name, size: shd.logical_to_spec((name,), (size,), mesh)[0]
+    rows = spec("batch", q.shape[0])
+    heads, kv_heads = spec("act_heads", q.shape[2]), spec("act_kv_heads", segments[-1][0].shape[2])
+    if heads != kv_heads:
+        heads = kv_heads = None
+    q_spec, kv_spec, meta_spec = P(rows, None, heads, None), P(rows, None, kv_heads, None), P(rows, None)
+    in_specs = (q_spec, meta_spec, [(kv_spec, kv_spec, meta_spec) for _ in segments])
+    return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=q_spec, check_vma=False)(
+        q, q_meta, [tuple(s) for s in segments])
