@@ -15,6 +15,7 @@ import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from d3d_jax.config import ModelConfig
+from d3d_jax.errors import UsageError
 from d3d_jax.io.checkpoint import save_params
 from d3d_jax.io.hf import load_tokenizer
 from d3d_jax.io.tokenizer import train_tokenizer
@@ -98,11 +99,11 @@ def test_plain_sampling_flags_and_overrides(dirs, capsys):
     assert first["token_ids"] == again["token_ids"]  # seeded
     assert len(first["token_ids"]) <= 6
     assert 0 not in first["token_ids"][:-1]  # eos 0 ends the output
-    with pytest.raises(SystemExit, match="needs --drafter"):
+    with pytest.raises(UsageError, match="needs --drafter"):
         cli.main(["--target", str(dirs["target"]), "--mode", "sync", "--prompt-ids", "1"])
-    with pytest.raises(SystemExit, match="top_p must be in"):
+    with pytest.raises(UsageError, match="top_p must be in"):
         cli.main(["--target", str(dirs["target"]), "--prompt-ids", "1", "--top-p", "2"])
-    with pytest.raises(SystemExit, match="no prompts"):
+    with pytest.raises(UsageError, match="no prompts"):
         cli.main(["--target", str(dirs["target"])])
 
 

@@ -27,8 +27,6 @@ def main(argv=None) -> int:
         TrainRunConfig, argv, __doc__,
         lambda ap: ap.add_argument("--print-config", action="store_true",
                                    help="print the resolved config and exit"))
-    if cfg is None:
-        return 2
     if args.print_config:
         print(json.dumps(to_dict(cfg), indent=2))
         return 0
@@ -37,9 +35,13 @@ def main(argv=None) -> int:
 
     trainer = run(cfg)
     last = trainer.history[-1] if trainer.history else {}
-    print(json.dumps({"step": trainer.step, "loss": last.get("loss"), "out_dir": str(trainer.out_dir)}))
+    skipped = {k: v["invalid"] for k, v in trainer.data_stats.items()}
+    print(json.dumps({"step": trainer.step, "loss": last.get("loss"), "out_dir": str(trainer.out_dir),
+                      "skipped_records": skipped}))
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from d3d_jax.cli import run_cli
+
+    sys.exit(run_cli(main))

@@ -53,8 +53,9 @@ class ModelConfig:
         _require(self.num_heads % self.num_kv_heads == 0, f"{prefix}.num_kv_heads",
                  f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}")
         _require(self.head_dim % 2 == 0, f"{prefix}.head_dim", "must be even (RoPE rotates pairs)")
-        _require(self.rope_theta > 0, f"{prefix}.rope_theta", "must be > 0")
-        _require(self.rms_norm_eps > 0, f"{prefix}.rms_norm_eps", "must be > 0")
+        _require(0 < self.rope_theta < float("inf"), f"{prefix}.rope_theta", f"must be > 0 and finite, got "
+                 f"{self.rope_theta}")
+        _require(0 < self.rms_norm_eps < 1, f"{prefix}.rms_norm_eps", f"must be > 0 and < 1, got {self.rms_norm_eps}")
         _require(self.param_dtype in DTYPES, f"{prefix}.param_dtype", f"must be one of {DTYPES}")
         _require(self.dtype in DTYPES, f"{prefix}.dtype", f"must be one of {DTYPES}")
         if self.mask_token_id is not None:
@@ -112,7 +113,7 @@ class ModelConfig:
             mask_token_id=num("mask_token_id", int, None),
             block_size=num("block_size", int, None),
             bos_token_id=num("bos_token_id", int, None),
-            eos_token_id=hf.get("eos_token_id"),
+            eos_token_id=num("eos_token_id", int | list[int], None),
             pad_token_id=num("pad_token_id", int, None),
         )
         kwargs.update(overrides)
