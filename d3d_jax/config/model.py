@@ -20,6 +20,17 @@ from d3d_jax.config.base import (CONFIG_DIR, DTYPES, ConfigError, _HF_KEY_NAMES,
 # --------------------------------------------------------------------------------------
 # Model
 # --------------------------------------------------------------------------------------
+_JSON_WANT = {int: "an integer", float: "a number", bool: "a boolean"}
+
+
+def _from_json(value: Any, tp: Any, key: str) -> Any:
+    """:func:`_convert` for a config.json value: JSON has types, so a string is never a number
+    (the YAML / ``key=value`` loader accepts ``"64"``; a config.json must not)."""
+    if isinstance(value, str) or (isinstance(value, list) and any(isinstance(v, str) for v in value)):
+        raise ConfigError(f"{key}: expected {_JSON_WANT.get(tp, tp)}, got {value!r}")
+    return _convert(value, tp, key)
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """Every field of a Qwen3 decoder (HF ``Qwen3Config``) plus our dtypes and D3D tokens."""
@@ -93,7 +104,7 @@ class ModelConfig:
                 if default is _MISSING:
                     raise ConfigError(f"config.json.{key}: missing from config.json")
                 return default
-            return _convert(hf[key], tp, f"config.json.{key}")
+            return _from_json(hf[key], tp, f"config.json.{key}")
 
         hidden = num("hidden_size", int)
         heads = num("num_attention_heads", int)
@@ -106,7 +117,7 @@ class ModelConfig:
             num_heads=heads,
             num_kv_heads=num("num_key_value_heads", int, heads),
             head_dim=num("head_dim", int, hidden // heads),
-            rope_theta=_convert(rope_theta, float, "config.json.rope_theta"),
+            rope_theta=_from_json(rope_theta, float, "config.json.rope_theta"),
             rms_norm_eps=num("rms_norm_eps", float, 1e-6),
             tie_word_embeddings=num("tie_word_embeddings", bool, False),
             max_position_embeddings=num("max_position_embeddings", int, 40960),
