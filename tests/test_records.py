@@ -201,3 +201,20 @@ def test_context_limit_is_checked_before_work():
                                          r"max_position_embeddings 256 of m; lower max_new_tokens or pass --x"):
         records.check_context(10, 100000, 256, model="m", hint="--x")
     records.check_context(10, 100000, 256, allow_beyond=True)
+
+
+def test_eval_entry_point_checks_context_and_branch_budget_before_decoding():
+    import types
+
+    from d3d_jax.config import ConfigError
+    from d3d_jax.evaluation.cli import check_limits
+
+    target = types.SimpleNamespace(config=types.SimpleNamespace(max_position_embeddings=256))
+    args = types.SimpleNamespace(max_new_tokens=300, target="t", allow_beyond_context=False,
+                                 branch_positions=None, branch_fanout=5000)
+    with pytest.raises(UsageError, match=r"= 310 exceeds max_position_embeddings 256 of --target t"):
+        check_limits(args, target, 10, 16, ("plain", "async"))
+    args.allow_beyond_context = True
+    check_limits(args, target, 10, 16, ("plain", "sync"))
+    with pytest.raises(ConfigError, match="= 880032 tokens"):
+        check_limits(args, target, 10, 16, ("plain", "async"))

@@ -43,7 +43,7 @@ import dataclasses
 import json
 import logging
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
 import grain
 import jax.numpy as jnp
@@ -53,6 +53,7 @@ from d3d_jax.config import ConfigError, DataConfig
 from d3d_jax.errors import DataError, RecordError
 from d3d_jax.model.masks import CAUSAL, TokenMeta, packed_training_meta
 from d3d_jax.training import records
+from d3d_jax.training.chat_prompts import render_prompt  # noqa: F401  (re-exported)
 
 log = logging.getLogger(__name__)
 
@@ -107,13 +108,6 @@ class Example:
 # --------------------------------------------------------------------------------------
 # Records -> token sequences
 # --------------------------------------------------------------------------------------
-def render_prompt(tokenizer: Any, messages: Sequence[dict]) -> list[int]:
-    """Prompt ids from the chat template in non-thinking mode (as the target generated it)."""
-    text = tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True,
-                                         enable_thinking=False)
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
-
-
 def record_to_example(record: Any, tokenizer: Any, clean_length: int, stats: DataStats,
                       vocab_size: int | None = None, line: int = 0) -> Example | None:
     """The example of one record; :class:`RecordError` when it is invalid, ``None`` (counted in

@@ -34,6 +34,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from d3d_jax.config import TrainRunConfig, to_dict
 from d3d_jax.errors import NonFiniteError
+from d3d_jax.io.checkpoint import stored_model_config
 from d3d_jax.model.qwen3 import Qwen3, abstract_model
 from d3d_jax.parallel import sharding as shd
 from d3d_jax.training import data as data_lib
@@ -173,7 +174,9 @@ class Trainer:
         # ---- data ------------------------------------------------------------------------
         dc = cfg.data
         self._unchecked: list[tuple[int, Any, Any]] = []  # (step, finite flag, record lines) not yet read
-        vocab = _vocab_size(cfg, model)  # records with ids outside it are skipped, not trained on
+        # records with ids outside the vocabulary the trained model will have are skipped
+        vocab = (model.config.vocab_size if model is not None else cfg.model.vocab_size if not cfg.train.init_from
+                 else stored_model_config(cfg.train.init_from).vocab_size)
         self.tokenizer = tokenizer
         if (train_data is None or (dev_batches is None and dc.dev_path)) and tokenizer is None:
             self.tokenizer = data_lib.load_tokenizer_for(dc, vocab)
@@ -471,29 +474,12 @@ class Trainer:
             self._metrics_file = None
 
 
-def _vocab_size(cfg: TrainRunConfig, model: Qwen3 | None) -> int:
-    """The vocabulary the trained model will have (a given model's, init_from's, or the config's)."""
-    if model is not None:
-        return model.config.vocab_size
-    if cfg.train.init_from:
-        from d3d_jax.io.checkpoint import stored_model_config
-
-        return stored_model_config(cfg.train.init_from).vocab_size
-    return cfg.model.vocab_size
-
-
 def nonfinite_message(step: int, lines: Any, data_path: str, checkpointer: Any) -> str:
-    """One sentence: the step, what was kept, and the batch's records (``file:line`` and ids)."""
+    """One sentence: the step, what was kept, and the batch's records."""
     last = checkpointer.latest_step() if checkpointer is not None else None
     kept = f"the last good checkpoint is step {last}" if last is not None else "no checkpoint was saved"
-    where = "records unknown"
-    if lines is not None:
-        lines = sorted({int(n) for n in np.ravel(lines) if int(n) > 0})
-        ids = records.record_ids_at(data_path, lines) if data_path and lines else {}
-        where = "records " + ", ".join(f"{data_path}:{n}" + (f" (id {ids[n]!r})" if ids.get(n) else "")
-                                      for n in lines[:16]) + (" …" if len(lines) > 16 else "")
     return (f"step {step}: the loss or gradient norm is not finite (NaN/inf), so its update was not applied "
-            f"and training stopped; {kept}; the batch held {where}")
+            f"and training stopped; {kept}; the batch held {records.describe_lines(data_path, lines)}")
 
 
 def _first(x):

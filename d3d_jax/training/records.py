@@ -144,6 +144,16 @@ def record_ids_at(path: str | os.PathLike, lines: Sequence[int]) -> dict[int, st
     return out
 
 
+def describe_lines(path: str | os.PathLike, lines: Any, most: int = 16) -> str:
+    """``records FILE:3 (id 'a'), FILE:17 (id 'b')`` for a batch's ``record_line`` values."""
+    if lines is None:
+        return "records unknown"
+    lines = sorted({int(n) for n in np.ravel(lines) if int(n) > 0})
+    ids = record_ids_at(path, lines) if path and lines else {}
+    named = [f"{path}:{n}" + (f" (id {ids[n]!r})" if ids.get(n) else "") for n in lines[:most]]
+    return "records " + ", ".join(named) + (" …" if len(lines) > most else "")
+
+
 # --------------------------------------------------------------------------------------
 # Run-level limits
 # --------------------------------------------------------------------------------------
