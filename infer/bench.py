@@ -62,4 +62,6 @@ def main(argv: list[str] | None = None):
 
 
 if __name__ == "__main__":
-    main()
+    from d3d_jax.cli import run_cli
+
+    sys.exit(run_cli(main))

@@ -9,6 +9,9 @@ config carries ``mask_token_id`` and ``block_size``; ``--mask-token-id`` / ``--b
 override or supply them.  A prompts file holds one JSON object per line with ``prompt_ids`` (token
 ids), ``prompt`` (text) or ``messages`` (chat turns; the chat template is applied with
 ``enable_thinking=False``).  ``--json`` prints one JSON object per prompt.
+The longest prompt plus ``--max-new-tokens`` must fit each model's ``max_position_embeddings``
+(``--allow-beyond-context`` lifts that).  Bad input ends in one line on stderr (exit 2: flags and
+paths, 1: file contents); ``--debug`` shows the traceback.
 """
 
 from __future__ import annotations
@@ -21,6 +24,9 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+from d3d_jax.errors import DataError, RecordError, UsageError  # noqa: E402
+from d3d_jax.training import records  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -35,6 +41,8 @@ def parse_args(argv=None):
     p.add_argument("--chat", action="store_true", help="wrap --prompt texts as a user turn in the chat template")
     p.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the target's)")
     p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--allow-beyond-context", action="store_true",
+                   help="let prompt + max-new-tokens run past the model's max_position_embeddings")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
@@ -67,24 +75,13 @@ def _ids(text: str, what: str) -> list[int]:
     try:
         return [int(t) for t in text.replace(" ", "").split(",") if t != ""]
     except ValueError:
-        raise SystemExit(f"error: {what}: expected comma-separated integers, got {text!r}") from None
+        raise UsageError(f"{what}: expected comma-separated integers, got {text!r}") from None
 
 
-def _load_tokenizer(path):
-    from d3d_jax.io.hf import load_tokenizer
-
-    return load_tokenizer(path)[0]
-
-
-def _has_tokenizer(path: Path) -> bool:
-    return path.is_dir() and any((path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json"))
-
-
-def collect_prompts(args, tokenizer) -> list[list[int]]:
+def collect_prompts(args, tokenizer, vocab_size: int) -> list[list[int]]:
     def need_tok(what):
         if tokenizer is None:
-            raise SystemExit(f"error: {what} needs a tokenizer: pass --tokenizer DIR "
-                             "(the target directory has none)")
+            raise UsageError(f"{what} needs a tokenizer: pass --tokenizer DIR (the target directory has none)")
         return tokenizer
 
     def encode_text(text):
@@ -95,32 +92,39 @@ def collect_prompts(args, tokenizer) -> list[list[int]]:
 
     def encode_messages(messages):
         tok = need_tok("a chat prompt")
-        out = tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True,
-                                      enable_thinking=False)
+        try:
+            out = tok.apply_chat_template(records.chat_messages(messages), tokenize=True,
+                                          add_generation_prompt=True, enable_thinking=False)
+        except RecordError:
+            raise
+        except Exception as e:  # the template rejected the turns
+            raise RecordError(f"chat template failed: {e}") from None
         return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
 
     prompts = [encode_text(t) for t in args.prompt]
     prompts += [_ids(t, "--prompt-ids") for t in args.prompt_ids]
     if args.prompts_file:
-        with open(args.prompts_file) as f:
-            for n, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    rec = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise SystemExit(f"error: {args.prompts_file}:{n}: not JSON ({e})") from None
-                if "prompt_ids" in rec:
-                    prompts.append([int(t) for t in rec["prompt_ids"]])
-                elif "messages" in rec:
-                    prompts.append(encode_messages(rec["messages"]))
-                elif "prompt" in rec:
-                    prompts.append(encode_text(rec["prompt"]))
-                else:
-                    raise SystemExit(f"error: {args.prompts_file}:{n}: needs prompt_ids, prompt or messages")
+        for n, raw in records.jsonl_lines(args.prompts_file):
+            try:
+                prompts.append(_file_prompt(records.decode_line(raw), vocab_size, encode_messages, encode_text))
+            except RecordError as e:
+                raise DataError(f"{args.prompts_file}:{n}: {e}") from None
     if not prompts:
-        raise SystemExit("error: no prompts: give --prompt, --prompt-ids or --prompts-file")
+        raise UsageError("no prompts: give --prompt, --prompt-ids or --prompts-file")
     return prompts
+
+
+def _file_prompt(rec, vocab_size: int, encode_messages, encode_text) -> list[int]:
+    """One prompts-file line: ``prompt_ids`` (checked against the vocabulary), ``messages`` or ``prompt``."""
+    if not isinstance(rec, dict):
+        raise RecordError(f"a line must be a JSON object, got {type(rec).__name__}")
+    if "prompt_ids" in rec:
+        return records.token_ids(rec["prompt_ids"], "prompt_ids", vocab_size).tolist()
+    if "messages" in rec:
+        return encode_messages(rec["messages"])
+    if isinstance(rec.get("prompt"), str):
+        return encode_text(rec["prompt"])
+    raise RecordError("needs prompt_ids (ids), prompt (text) or messages (chat turns)")
 
 
 def eos_ids(args, target_cfg, tokenizer) -> list[int]:
@@ -139,34 +143,31 @@ def parse_option(text: str):
     import yaml
 
     if "=" not in text:
-        raise SystemExit(f"error: --option expects KEY=VALUE, got {text!r}")
+        raise UsageError(f"--option expects KEY=VALUE, got {text!r}")
     key, value = text.split("=", 1)
     return key.strip(), yaml.safe_load(value)
 
 
-def main(argv=None):
-    args = parse_args(argv)
-    from d3d_jax.decoding.engine import SamplingParams, generate, summarize_outputs
-    from d3d_jax.io.checkpoint import load_model
-
-    target = load_model(args.target, dtype=args.dtype)
-    tok_path = Path(args.tokenizer) if args.tokenizer else Path(args.target)
-    if args.tokenizer and not _has_tokenizer(tok_path):
-        raise SystemExit(f"error: --tokenizer {tok_path}: no tokenizer files there")
-    tokenizer = _load_tokenizer(tok_path) if _has_tokenizer(tok_path) else None
-    prompts = collect_prompts(args, tokenizer)
-
+def load_drafter(args, load_model):
+    """``(drafter or None, block size, mask id)`` for the mode, from flags and the drafter's config."""
     drafter, block, mask = None, args.block_size, args.mask_token_id
     if args.mode != "plain":
         if args.drafter is None:
-            raise SystemExit(f"error: --mode {args.mode} needs --drafter")
+            raise UsageError(f"--mode {args.mode} needs --drafter")
         drafter = load_model(args.drafter, dtype=args.dtype)
         mask = mask if mask is not None else drafter.config.mask_token_id
         block = block if block is not None else drafter.config.block_size
         if mask is None:
-            raise SystemExit("error: the drafter's config has no mask_token_id: pass --mask-token-id")
+            raise UsageError("the drafter's config has no mask_token_id: pass --mask-token-id")
     elif args.drafter is not None:
-        raise SystemExit("error: --drafter given with --mode plain")
+        raise UsageError("--drafter given with --mode plain")
+    return drafter, block or 16, mask
+
+
+def mode_options(args, block: int) -> dict:
+    """engine.generate's mode options; an async branch pack is sized (and refused) here, before work."""
+    from d3d_jax.decoding.branches import BranchLayout
+
     options = dict(parse_option(o) for o in args.option)
     if args.mode in ("plain", "sync"):
         options.update(loop=args.loop)
@@ -175,19 +176,41 @@ def main(argv=None):
     async_flags = {k: getattr(args, k) for k in ("branch_positions", "branch_fanout", "target_devices",
                                                  "drafter_devices") if getattr(args, k) is not None}
     if args.mode == "async":
-        options.update(branch_positions=min(12, block or 16), branch_fanout=2)
+        options.update(branch_positions=min(12, block), branch_fanout=2)
         options.update(async_flags)
+        BranchLayout(block, int(options["branch_positions"]), int(options["branch_fanout"])).validate()
     elif async_flags:
-        raise SystemExit(f"error: --{next(iter(async_flags)).replace('_', '-')} needs --mode async")
+        raise UsageError(f"--{next(iter(async_flags)).replace('_', '-')} needs --mode async")
+    return options
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    from d3d_jax.decoding.engine import SamplingParams, generate, summarize_outputs
+    from d3d_jax.io.checkpoint import load_model
+    from d3d_jax.io.hf import has_tokenizer, load_tokenizer
+
+    target = load_model(args.target, dtype=args.dtype)
+    vocab = target.config.vocab_size
+    tok_path = Path(args.tokenizer) if args.tokenizer else Path(args.target)
+    tokenizer = load_tokenizer(tok_path, vocab)[0] if args.tokenizer or has_tokenizer(tok_path) else None
+    prompts = collect_prompts(args, tokenizer, vocab)
+    drafter, block, mask = load_drafter(args, load_model)
+    for flag, model in (("--target", target), ("--drafter", drafter)):
+        if model is not None:
+            records.check_context(max(map(len, prompts)), args.max_new_tokens, model.config.max_position_embeddings,
+                                  model=f"{flag} {getattr(args, flag[2:])}", allow_beyond=args.allow_beyond_context,
+                                  hint="--allow-beyond-context")
+    options = mode_options(args, block)
     try:
         outs = generate(target, prompts, mode=args.mode, drafter=drafter,
                         sampling=SamplingParams(args.temperature, args.top_p, args.top_k),
                         max_new_tokens=args.max_new_tokens, eos_token_ids=eos_ids(args, target.config, tokenizer),
                         stop_token_ids=_ids(args.stop_ids, "--stop-ids"), batch_size=args.batch_size,
-                        seed=args.seed, block_size=block or 16, mask_token_id=mask,
+                        seed=args.seed, block_size=block, mask_token_id=mask,
                         max_cache_len=args.max_cache_len, **options)
-    except ValueError as e:
-        raise SystemExit(f"error: {e}") from None
+    except ValueError as e:  # the engine checks its arguments with ValueError
+        raise UsageError(str(e)) from None
     for i, o in enumerate(outs):
         text = tokenizer.decode(o.token_ids, skip_special_tokens=False) if tokenizer is not None else None
         if args.json:
@@ -205,4 +228,6 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    from d3d_jax.cli import run_cli
+
+    sys.exit(run_cli(main))

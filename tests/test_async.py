@@ -201,6 +201,7 @@ def test_generate_cli_async_flags(setup, tmp_path, capsys):
     import importlib.util
     from pathlib import Path
 
+    from d3d_jax.errors import UsageError
     from d3d_jax.io.hf import save_qwen3
 
     spec = importlib.util.spec_from_file_location(
@@ -223,8 +224,8 @@ def test_generate_cli_async_flags(setup, tmp_path, capsys):
                      "--branch-fanout", "2"])
     assert asy == plain and len(plain) == 3
     assert recs[0]["metrics"]["n_async"] == BLOCK * ((3 - 1) * 2 + 2)
-    with pytest.raises(SystemExit, match="branch_positions"):
+    with pytest.raises(UsageError, match="branch_positions"):
         cli.main(base + ["--mode", "async", "--drafter", str(tmp_path / "d"), "--branch-positions",
                          str(BLOCK + 1)])
-    with pytest.raises(SystemExit, match="needs --mode async"):
+    with pytest.raises(UsageError, match="needs --mode async"):
         cli.main(base + ["--mode", "plain", "--branch-fanout", "2"])

@@ -173,3 +173,17 @@ def test_next_block_after_hits():
 def test_layout_rejects_bad_values(c, f, msg):
     with pytest.raises(ConfigError, match=msg):
         br.BranchLayout(B, c, f).validate()
+
+
+def test_layout_refuses_an_oversized_pack_with_its_budget():
+    # N_async = B·((C-1)·F + 2): the issue's --branch-fanout 5000 would pack 880032 tokens
+    with pytest.raises(ConfigError, match=r"N_async = .* = 880032 tokens, more than the maximum 4096"):
+        br.BranchLayout(16, 12, 5000).validate()
+    for c, f in ((16, 16), (16, 17), (12, 2), (2, 127), (2, 128)):
+        lay = br.BranchLayout(16, c, f)
+        assert lay.budget == 16 * ((c - 1) * f + 2)
+        if lay.budget <= br.MAX_ASYNC_BUDGET:
+            lay.validate()
+        else:
+            with pytest.raises(ConfigError, match=f"= {lay.budget} tokens"):
+                lay.validate()

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from d3d_jax.config import DataConfig
+from d3d_jax.errors import DataError
 from d3d_jax.model.masks import attention_mask
 from d3d_jax.training import data as D
 
@@ -91,10 +92,23 @@ def test_jsonl_counts_and_determinism(tmp_path):
     recs.append({"id": "empty", "prompt_token_ids": [5], "response_token_ids": []})
     path = tmp_path / "d.jsonl"
     _write_jsonl(path, recs, extra_lines=["{not json", "[1, 2"])
-    cfg = DataConfig(packed_length=24 + 2 * 4, num_anchors=2, block_size=4, batch_size=3, seed=7)
+    cfg = DataConfig(packed_length=24 + 2 * 4, num_anchors=2, block_size=4, batch_size=3, seed=7,
+                     max_skipped_fraction=0.2)
     ds, stats = D.build_dataset(cfg, str(path), mask_token_id=MASK)
     assert stats.broken_lines == 2 and stats.missing_fields == 1 and stats.empty_response == 1
     assert stats.truncated == 1 and stats.kept == 11 and stats.lines == 15
+    assert stats.skipped == [f"{path}:12: no 'response_token_ids'", f"{path}:14: not valid JSON "
+                             "(Expecting property name enclosed in double quotes at column 2)",
+                             f"{path}:15: not valid JSON (Expecting ',' delimiter at column 6)"]
+    # every row names the line of its record: the record with id i is on line i + 1
+    b = ds[0]
+    for row in range(3):
+        r = recs[int(b[D.RECORD_LINE][row]) - 1]
+        want = (r["prompt_token_ids"] + r["response_token_ids"])[:24]
+        np.testing.assert_array_equal(b["tokens"][row, :len(want)], want)
+    with pytest.raises(DataError, match=r"3 of 15 records \(20.0%\) are invalid, more than "
+                                        r"data.max_skipped_fraction=0.1 allows \(first: .*d.jsonl:12"):
+        D.build_dataset(DataConfig(**{**cfg.__dict__, "max_skipped_fraction": 0.1}), str(path), mask_token_id=MASK)
     b0 = ds[0]
     assert b0["tokens"].shape == (3, 32) and b0["anchors"].shape == (3, 2)
     # same seed -> same batches; another seed -> other order/anchors
@@ -136,9 +150,13 @@ def test_chat_template_rendering(tmp_path):
 def test_lm_rows(tmp_path):
     path = tmp_path / "lm.jsonl"
     _write_jsonl(path, [{"token_ids": list(range(1, 30))}, {"token_ids": [7, 8, 9]}, {"bad": 1}])
-    cfg = DataConfig(mode="lm", packed_length=8, batch_size=2, shuffle=False)
+    cfg = DataConfig(mode="lm", packed_length=8, batch_size=2, shuffle=False, max_skipped_fraction=0.5)
     ds, stats = D.build_dataset(cfg, str(path), eos_token_id=0)
     assert stats.missing_fields == 1 and stats.kept == 2
+    assert stats.skipped == [f"{path}:3: needs 'token_ids' (a list of ids) or 'text' (a string)"]
+    stream, _ = D.load_lm_stream(path, None, 0, max_skipped_fraction=0.5)
+    assert [stream.line_at(o) for o in (0, 29, 30, 33)] == [1, 1, 2, 2]  # doc 1 is 29 ids + eos
+    np.testing.assert_array_equal(ds[0][D.RECORD_LINE], [1, 1])
     stream = list(range(1, 30)) + [0, 7, 8, 9, 0]
     b = ds[0]
     np.testing.assert_array_equal(b["tokens"][0], stream[0:8])

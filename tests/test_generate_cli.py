@@ -15,6 +15,7 @@ import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from d3d_jax.config import ModelConfig
+from d3d_jax.errors import UsageError
 from d3d_jax.io.checkpoint import save_params
 from d3d_jax.io.hf import load_tokenizer
 from d3d_jax.io.tokenizer import train_tokenizer
@@ -98,11 +99,11 @@ def test_plain_sampling_flags_and_overrides(dirs, capsys):
     assert first["token_ids"] == again["token_ids"]  # seeded
     assert len(first["token_ids"]) <= 6
     assert 0 not in first["token_ids"][:-1]  # eos 0 ends the output
-    with pytest.raises(SystemExit, match="needs --drafter"):
+    with pytest.raises(UsageError, match="needs --drafter"):
         cli.main(["--target", str(dirs["target"]), "--mode", "sync", "--prompt-ids", "1"])
-    with pytest.raises(SystemExit, match="top_p must be in"):
+    with pytest.raises(UsageError, match="top_p must be in"):
         cli.main(["--target", str(dirs["target"]), "--prompt-ids", "1", "--top-p", "2"])
-    with pytest.raises(SystemExit, match="no prompts"):
+    with pytest.raises(UsageError, match="no prompts"):
         cli.main(["--target", str(dirs["target"])])
 
 
@@ -110,3 +111,57 @@ def test_cli_help_runs_as_a_program():
     out = subprocess.run([sys.executable, str(ROOT / "infer" / "generate.py"), "--help"],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and "--prompts-file" in out.stdout
+
+
+# ---- bad input (issue 12): refused before work, one line ------------------------------------
+def test_limits_are_checked_before_any_decoding(dirs, monkeypatch, capsys):
+    from d3d_jax.config import ConfigError
+    from d3d_jax.decoding import engine
+
+    cli = _load_cli()
+    base = ["--target", str(dirs["target"]), "--prompt-ids", "1,2,3"]
+    calls = []
+    real = engine.generate
+    monkeypatch.setattr(engine, "generate", lambda *a, **k: calls.append(1) or real(*a, **k))
+    with pytest.raises(UsageError, match=r"prompt \(3 tokens\) \+ max_new_tokens \(100000\) = 100003 exceeds "
+                                         r"max_position_embeddings 256 of --target .* or pass --allow-beyond-context"):
+        cli.main(base + ["--max-new-tokens", "100000"])
+    # --branch-fanout 5000: N_async = 16·(11·5000 + 2) = 880032, refused with the budget it computed
+    with pytest.raises(ConfigError, match=r"N_async = B·\(\(C-1\)·F \+ 2\) = 16·\(\(12-1\)·5000 \+ 2\) = 880032 "
+                                          r"tokens, more than the maximum 4096"):
+        cli.main(base + ["--mode", "async", "--drafter", str(dirs["drafter"]), "--block-size", "16",
+                         "--branch-fanout", "5000", "--max-new-tokens", "8"])
+    assert calls == []  # neither reached the engine
+    # past the context only when asked for, and then it runs
+    outs = cli.main(base + ["--max-new-tokens", "260", "--allow-beyond-context", "--ignore-eos", "--json"])
+    assert calls == [1] and len(outs[0].token_ids) == 260
+    assert outs[0].token_ids[:N_NEW] == _hf_greedy(dirs["hf"], [1, 2, 3])
+
+
+def test_prompt_file_lines_are_checked(dirs, tmp_path):
+    from d3d_jax.errors import DataError
+
+    cli = _load_cli()
+    for line, reason in (('{"prompt_ids": [1, "a"]}', "'prompt_ids'[1] is 'a', not an integer token id"),
+                         ('{"prompt_ids": [1, 320]}', "'prompt_ids'[1] = 320 is outside the vocabulary [0, 320)"),
+                         ('{"prompt_ids": 5}', "'prompt_ids' must be a list of token ids, got int"),
+                         ('{"messages": "hi"}', "'messages' must be a non-empty list of messages"),
+                         (b'{"prompt": "\xff"}', "not UTF-8"), ('{"text": "x"}', "needs prompt_ids")):
+        pfile = tmp_path / "p.jsonl"
+        pfile.write_bytes(b'{"prompt_ids": [1]}\n' + (line if isinstance(line, bytes) else line.encode()) + b"\n")
+        with pytest.raises(DataError) as e:
+            cli.main(["--target", str(dirs["target"]), "--prompts-file", str(pfile), "--max-new-tokens", "2"])
+        assert str(e.value).startswith(f"{pfile}:2: ") and reason in str(e.value)
+
+
+def test_truncated_target_is_one_line_naming_file_and_tensor(dirs, tmp_path):
+    import shutil
+
+    from cli_util import assert_one_line_error, run_script
+
+    target = shutil.copytree(dirs["target"], tmp_path / "target")
+    weights = target / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    out = run_script("infer/generate.py", "--target", target, "--prompt-ids", "1,2,3", "--max-new-tokens", "4")
+    line = assert_one_line_error(out, 1, f"{weights}: tensor ", "the file is truncated")
+    assert "model." in line or "lm_head" in line

@@ -11,6 +11,7 @@ from flax import nnx
 from transformers import Qwen3ForCausalLM
 
 from d3d_jax.config import ConfigError, ModelConfig
+from d3d_jax.errors import ModelFileError, NonFiniteError
 from d3d_jax.io import safetensors_io as st
 from d3d_jax.io.hf import ensure_token_fits, load_qwen3, load_tokenizer, save_qwen3
 from d3d_jax.model.qwen3 import init_model
@@ -136,6 +137,68 @@ def test_bad_config_value_names_the_key(good_dir, key, value, expected):
         load_qwen3(good_dir)
 
 
+def test_safetensors_cut_in_half_names_file_tensor_and_truncation(good_dir):
+    path = good_dir / "model.safetensors"
+    header, start = st.read_header(path)
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    cut = len(data) // 2 - start  # bytes of the data section left
+    first = min((v["data_offsets"][1], k) for k, v in header.items()
+                if k != "__metadata__" and v["data_offsets"][1] > cut)[1]
+    with pytest.raises(ModelFileError) as e:
+        load_qwen3(good_dir)
+    msg = str(e.value)
+    assert msg.startswith(f"{path}: tensor {first} needs bytes ") and msg.endswith(
+        f"which holds only {cut}: the file is truncated")
+    path.write_bytes(data[: start - 10])  # inside the header
+    with pytest.raises(ModelFileError, match="the header claims .* bytes but the file has .*: the file is truncated"):
+        st.SafetensorsFile(path)
+
+
+@pytest.mark.parametrize("entry,expected", [
+    ({"dtype": "F32", "shape": [2, 3], "data_offsets": [0, 20]}, "20 bytes do not hold shape [2, 3] of F32"),
+    ({"dtype": "F32", "shape": [2, -3], "data_offsets": [0, 24]}, "is not a list of non-negative integers"),
+    ({"dtype": "F32", "shape": [6], "data_offsets": [8, 0]}, "is not [begin, end] with 0 <= begin <= end"),
+    ({"dtype": "F32", "shape": [6]}, "is not [begin, end]"),
+    ("F32", "header entry needs 'dtype', 'shape' and 'data_offsets'"),
+])
+def test_safetensors_header_entries_are_checked_against_the_file(tmp_path, entry, expected):
+    blob = json.dumps({"w": entry}).encode()
+    (tmp_path / "x.safetensors").write_bytes(len(blob).to_bytes(8, "little") + blob + bytes(24))
+    with pytest.raises(ModelFileError) as e:
+        st.SafetensorsFile(tmp_path / "x.safetensors")
+    assert str(e.value).startswith(f"{tmp_path / 'x.safetensors'}: tensor w") and expected in str(e.value)
+
+
+def test_config_json_field_types_name_the_file(good_dir):
+    for key, value, expected in (("eos_token_id", "end", "config.json.eos_token_id: expected int | list[int], got 'end'"),
+                                 ("vocab_size", True, "config.json.vocab_size: expected an integer, got True"),
+                                 ("rope_parameters", {"rope_type": "default", "rope_theta": float("inf")},
+                                  "config.json.rope_theta: must be > 0 and finite"),
+                                 ("hidden_size", "32", "config.json.hidden_size: expected an integer, got '32'")):
+        edit_config(good_dir, **{key: value})
+        with pytest.raises(ConfigError) as e:
+            load_qwen3(good_dir)
+        assert str(e.value).startswith(f"{good_dir / 'config.json'}: ") and expected in str(e.value)
+        save_qwen3(init_model(TIED, seed=0), good_dir)
+    (good_dir / "config.json").write_bytes(b'{"model_type": "qwen3", \xff}')
+    with pytest.raises(ConfigError, match="config.json: not valid JSON"):
+        load_qwen3(good_dir)
+
+
+def test_export_refuses_non_finite_weights(tmp_path):
+    from d3d_jax.io.checkpoint import save_params
+
+    model = init_model(TIED, seed=0)
+    w = model.layers[1].mlp.up_proj.kernel
+    w[...] = w[...].at[3, 5].set(jnp.nan).at[0, 0].set(jnp.inf)
+    for save in (save_qwen3, save_params):
+        with pytest.raises(NonFiniteError, match=r"not exported: parameter layers.1.mlp.up_proj.kernel has 2 "
+                                                 r"NaN/inf values of 2048"):
+            save(model, tmp_path / save.__name__)
+        assert not (tmp_path / save.__name__).exists()  # refused before anything was written
+
+
 def test_no_weights(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(TIED.to_hf_dict()))
     with pytest.raises(ValueError, match="no \\*.safetensors"):
@@ -170,8 +233,15 @@ def test_load_tokenizer_adds_mask_at_first_unused_id(tmp_path):
     save_qwen3(init_model(TIED), tmp_path / "tok2", tokenizer=tok)  # saved beside the weights
     tok2, mask_id2 = load_tokenizer(tmp_path / "tok2")
     assert mask_id2 == mask_id and len(tok2) == len(tok)
-    with pytest.raises(ValueError, match="not a tokenizer directory"):
+    with pytest.raises(ModelFileError, match="not a tokenizer directory"):
         load_tokenizer(tmp_path / "nowhere")
+    # a directory without tokenizer files is refused (AutoTokenizer would build a near-empty one)
+    with pytest.raises(ModelFileError, match=r"no tokenizer here \(none of tokenizer.json"):
+        load_tokenizer(tmp_path)
+    # the tokenizer's vocabulary must fit the model's (checked before <|MASK|> is added)
+    assert load_tokenizer(tmp_path / "tok", vocab_size=n)[1] == n
+    with pytest.raises(ModelFileError, match=rf"has {n} tokens but the model's vocab_size is {n - 1}"):
+        load_tokenizer(tmp_path / "tok", vocab_size=n - 1)
 
 
 def test_mask_id_inside_padded_embedding_needs_no_resize():

@@ -56,7 +56,9 @@ def test_bad_config_combinations_fail_at_load(tmp_path):
     sys.path.insert(0, str(REPO / "train"))
     import train_drafter
 
-    assert train_drafter.main(["--config", str(tmp_path / "bad.yaml")]) == 2
+    from d3d_jax.cli import run_cli
+
+    assert run_cli(train_drafter.main, ["--config", str(tmp_path / "bad.yaml")]) == 2
     # every shipped training config loads (on the device counts it is meant for)
     for name, n in (("tiny", 8), ("d3d-1.7b", 16), ("d3d-8b", 64)):
         load_config(TrainRunConfig, [REPO / "configs/train" / f"{name}.yaml"], [f"num_devices={n}"])

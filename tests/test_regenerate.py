@@ -193,6 +193,7 @@ def _run(target, tokenizer, prompts, out, settings=SAMPLED, **kw):
     kw.setdefault("batch_size", 4)
     kw.setdefault("process_index", 0)
     kw.setdefault("process_count", 1)
+    kw.setdefault("max_skipped_fraction", 0.1)  # the prompts file has 1 malformed line of 12
     return rg.regenerate(target, tokenizer, prompts, out, settings=settings, progress=False, **kw)
 
 
@@ -348,7 +349,7 @@ def test_cli_on_a_saved_sharded_target_matches_the_library(full_run, target, tok
     args = ["--target", str(target_dir), "--prompts", str(prompts_file), "--out", str(out), "--batch-size", "4",
             "--max-new-tokens", "10", "--seed", "3", "--process-count", "1", "--process-index", "0", "--no-progress"]
     # Each process loads the target onto its own devices: here 2 of the 8 test devices, fsdp-sharded.
-    args += ["mesh.fsdp=2", "num_devices=2"]
+    args += ["mesh.fsdp=2", "num_devices=2", "max_skipped_fraction=0.1"]
     assert cli.main(args + ["--max-records", "2"]) == 0
     assert cli.main(args) == 0  # resumes
     strip = lambda rs: sorted(json.dumps({k: v for k, v in r.items() if k != "target"}, sort_keys=True)  # noqa: E731
@@ -372,3 +373,38 @@ def test_benchmark_reports_tokens_per_s_per_batch_size(target, tokenizer, prompt
     assert rows[0]["generated_tokens"] == rows[1]["generated_tokens"]
     table = bench.format_table(rows)
     assert "tokens/s" in table and len(table.splitlines()) == 3
+
+
+# ----------------------------------------------------------------------------------------------
+# Bad input (issue 12): refused before any work, in one line
+# ----------------------------------------------------------------------------------------------
+def test_cli_refuses_missing_tokenizer_and_limits_before_work(target, tokenizer, prompts_file, tmp_path):
+    from cli_util import assert_one_line_error, run_script
+    from d3d_jax.config import ModelConfig
+    from d3d_jax.io.hf import save_qwen3
+    from d3d_jax.model.qwen3 import init_model
+
+    bare = save_qwen3(target, tmp_path / "bare")  # config.json and weights, no tokenizer
+    out = tmp_path / "out.jsonl"
+    args = ["--prompts", prompts_file, "--out", out, "--no-progress", "--max-new-tokens", 10,
+            "max_skipped_fraction=0.1"]
+    assert_one_line_error(run_script("train/regenerate_data.py", "--target", bare, *args), 1,
+                          f"{bare}: no tokenizer here", "(pass --tokenizer DIR)")
+    tokenizer.save_pretrained(bare)
+    assert_one_line_error(run_script("train/regenerate_data.py", "--target", bare, *args, "--max-new-tokens", 100000),
+                          2, "max_new_tokens (100000) = 100001 exceeds max_position_embeddings 256")
+    small = save_qwen3(init_model(ModelConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_layers=1,
+                                              num_heads=2, num_kv_heads=1, head_dim=16)), tmp_path / "small")
+    assert_one_line_error(run_script("train/regenerate_data.py", "--target", small, "--tokenizer", bare, *args), 1,
+                          f"the tokenizer has {len(tokenizer)} tokens but the model's vocab_size is 100")
+    assert not out.exists()  # nothing was generated or written
+
+
+def test_too_many_malformed_prompts_stop_before_generating(target, tokenizer, prompts_file, tmp_path):
+    out = tmp_path / "out.jsonl"
+    with pytest.raises(rg.DataError, match=r"1 of 12 records \(8.3%\) are invalid, more than "
+                                           r"max_skipped_fraction=0.01 allows \(first: line 5: not valid JSON"):
+        _run(target, tokenizer, prompts_file, out, max_skipped_fraction=0.01)
+    with pytest.raises(rg.DataError, match="none of this shard's 11 prompts is usable .*tokens > 2"):
+        _run(target, tokenizer, prompts_file, out, max_prompt_tokens=2)
+    assert not out.exists()

@@ -51,4 +51,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from d3d_jax.cli import run_cli
+
+    sys.exit(run_cli(main))

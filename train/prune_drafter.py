@@ -24,8 +24,6 @@ from d3d_jax.config import PruneRunConfig, parse_config_cli  # noqa: E402
 
 def main(argv=None) -> int:
     cfg, _ = parse_config_cli(PruneRunConfig, argv, __doc__)
-    if cfg is None:
-        return 2
 
     from d3d_jax.training.loop import maybe_initialize_distributed
     from d3d_jax.training.pruning import run_pruning
@@ -43,4 +41,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from d3d_jax.cli import run_cli
+
+    sys.exit(run_cli(main))

@@ -10,6 +10,8 @@ have finished, ``--merge --process-count N --prompts FILE --out FILE`` joins the
 and reports prompts still without a record.
 Settings are ``d3d_jax.config.RegenerateConfig`` fields (YAML, flags, or ``key=value``); each
 process loads the target onto ``mesh`` over its own ``num_devices`` devices (default: all).
+Bad input ends in one line on stderr (exit 2: flags/config/paths, 1: file contents); ``--debug``
+shows the traceback.
 """
 
 from __future__ import annotations
@@ -62,28 +64,42 @@ def main(argv=None) -> int:
     if not args.target:
         ap.error("--target is required (except with --merge)")
 
+    from d3d_jax.errors import UsageError
+    from d3d_jax.io.checkpoint import stored_model_config
+    from d3d_jax.io.hf import open_tokenizer
+    from d3d_jax.training import records
+
+    # Everything that can be checked without the weights is checked before loading them.
+    if not os.path.isfile(args.prompts):
+        raise UsageError(f"--prompts {args.prompts}: no such file")
+    target_cfg = stored_model_config(args.target)
+    records.check_context(1, cfg.max_new_tokens, target_cfg.max_position_embeddings, model=args.target)
+    tokenizer = open_tokenizer(args.tokenizer or args.target, vocab_size=target_cfg.vocab_size,
+                               hint="" if args.tokenizer else " (pass --tokenizer DIR)")
+
     import jax
-    from transformers import AutoTokenizer
 
     from d3d_jax.io.checkpoint import load_model
     from d3d_jax.parallel.sharding import make_mesh
     from d3d_jax.training import regenerate as rg
 
-    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.target, local_files_only=True)
     # This process's own devices only: other processes regenerate other prompts.
     devices = jax.local_devices()
     if cfg.num_devices > len(devices):
-        raise ValueError(f"num_devices={cfg.num_devices} but this process has {len(devices)} devices")
+        raise UsageError(f"num_devices={cfg.num_devices} but this process has {len(devices)} devices")
     mesh = make_mesh(cfg.mesh, devices[: cfg.num_devices or len(devices)])
     target = load_model(args.target, mesh=mesh, dtype=cfg.dtype)
     summary = rg.regenerate(target, tokenizer, args.prompts, args.out, settings=rg.settings_from_config(cfg),
                             batch_size=cfg.batch_size, process_index=cfg.process_index,
                             process_count=cfg.process_count, target_path=args.target,
                             max_records=cfg.max_records, max_prompt_tokens=cfg.max_prompt_tokens,
-                            cache_multiple=cfg.cache_multiple, progress=not args.no_progress)
+                            cache_multiple=cfg.cache_multiple, progress=not args.no_progress,
+                            max_skipped_fraction=cfg.max_skipped_fraction)
     print(summary.format())
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from d3d_jax.cli import run_cli
+
+    sys.exit(run_cli(main))

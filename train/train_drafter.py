@@ -28,26 +28,23 @@ def main(argv=None) -> int:
         TrainRunConfig, argv, __doc__,
         lambda ap: ap.add_argument("--print-config", action="store_true",
                                    help="print the resolved config and exit"))
-    if cfg is None:
-        return 2
     if args.print_config:
         print(json.dumps(to_dict(cfg), indent=2))
         return 0
 
-    from d3d_jax.config import ConfigError
     from d3d_jax.training.loop import run
 
-    try:
-        trainer = run(cfg)
-    except ConfigError as e:  # a damaged or mismatched checkpoint: one sentence, no trace
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    trainer = run(cfg)  # a damaged or mismatched checkpoint: a ConfigError, one line via run_cli
     last = trainer.history[-1] if trainer.history else {}
-    print(json.dumps({"step": trainer.step, "loss": last.get("loss"), "out_dir": str(trainer.out_dir)}))
+    skipped = {k: v["invalid"] for k, v in trainer.data_stats.items()}
+    print(json.dumps({"step": trainer.step, "loss": last.get("loss"), "out_dir": str(trainer.out_dir),
+                      "skipped_records": skipped}))
     # Stopped by a signal: a non-zero status (128 + signal, as a shell reports) tells a scheduler
     # the run is unfinished and should be restarted.
     return 0 if trainer.stop_signal is None else 128 + trainer.stop_signal
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from d3d_jax.cli import run_cli
+
+    sys.exit(run_cli(main))

@@ -12,12 +12,14 @@ from typing import Any, Mapping, Sequence
 
 import yaml
 
+from d3d_jax.errors import UsageError
+
 CONFIG_DIR = Path(__file__).resolve().parent.parent.parent / "configs"
 
 DTYPES = ("float32", "bfloat16", "float16")
 
 
-class ConfigError(ValueError):
+class ConfigError(UsageError):
     """A configuration value or combination is invalid; the message names the key."""
 
 
@@ -163,8 +165,13 @@ def read_yaml(path: str | os.PathLike) -> dict:
         path = CONFIG_DIR / path
     if not path.exists():
         raise ConfigError(f"config file not found: {path}")
-    with open(path) as f:
-        data = yaml.safe_load(f) or {}
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f) or {}
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark is not None else ""
+        raise ConfigError(f"{path}: not valid YAML{where} ({getattr(e, 'problem', None) or e})") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: top level must be a mapping")
     includes = data.pop("include", []) or []
@@ -214,11 +221,10 @@ def parse_config_cli(cls: type, argv: Sequence[str] | None, description: str | N
                      add_arguments: Any = None) -> tuple[Any, Any]:
     """The shared shape of our config-driven programs: ``--config A.yaml [--config B.yaml] key=value …``.
 
-    Returns ``(config, args)``; a bad config prints ``config error: …`` naming the key and
-    returns ``(None, args)`` so the program can exit with status 2.
+    Returns ``(config, args)``; a bad config raises :class:`ConfigError` naming the key (the
+    program's :func:`d3d_jax.cli.run_cli` prints it in one line and exits with status 2).
     """
     import argparse
-    import sys
 
     ap = argparse.ArgumentParser(description=description,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -227,12 +233,7 @@ def parse_config_cli(cls: type, argv: Sequence[str] | None, description: str | N
         add_arguments(ap)
     ap.add_argument("overrides", nargs="*", help="key=value overrides, e.g. train.steps=100")
     args = ap.parse_args(argv)
-    try:
-        return load_config(cls, args.config, args.overrides), args
-    except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        return None, args
-
+    return load_config(cls, args.config, args.overrides), args
 
 
 def to_dict(cfg: Any) -> dict:

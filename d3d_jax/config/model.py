@@ -51,6 +51,17 @@ def check_attention_backend(name: str, key: str = "model.attention_backend") -> 
                           f"{platform}; available on {platform}: {', '.join(here)}")
 
 
+_JSON_WANT = {int: "an integer", float: "a number", bool: "a boolean"}
+
+
+def _from_json(value: Any, tp: Any, key: str) -> Any:
+    """:func:`_convert` for a config.json value: JSON has types, so a string is never a number
+    (the YAML / ``key=value`` loader accepts ``"64"``; a config.json must not)."""
+    if isinstance(value, str) or (isinstance(value, list) and any(isinstance(v, str) for v in value)):
+        raise ConfigError(f"{key}: expected {_JSON_WANT.get(tp, tp)}, got {value!r}")
+    return _convert(value, tp, key)
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """Every field of a Qwen3 decoder (HF ``Qwen3Config``) plus our dtypes and D3D tokens."""
@@ -88,8 +99,9 @@ class ModelConfig:
         _require(self.num_heads % self.num_kv_heads == 0, f"{prefix}.num_kv_heads",
                  f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}")
         _require(self.head_dim % 2 == 0, f"{prefix}.head_dim", "must be even (RoPE rotates pairs)")
-        _require(self.rope_theta > 0, f"{prefix}.rope_theta", "must be > 0")
-        _require(self.rms_norm_eps > 0, f"{prefix}.rms_norm_eps", "must be > 0")
+        _require(0 < self.rope_theta < float("inf"), f"{prefix}.rope_theta", f"must be > 0 and finite, got "
+                 f"{self.rope_theta}")
+        _require(0 < self.rms_norm_eps < 1, f"{prefix}.rms_norm_eps", f"must be > 0 and < 1, got {self.rms_norm_eps}")
         _require(self.param_dtype in DTYPES, f"{prefix}.param_dtype", f"must be one of {DTYPES}")
         _require(self.dtype in DTYPES, f"{prefix}.dtype", f"must be one of {DTYPES}")
         if self.mask_token_id is not None:
@@ -148,7 +160,7 @@ class ModelConfig:
                 if default is _MISSING:
                     raise ConfigError(f"config.json.{key}: missing from config.json")
                 return default
-            return _convert(hf[key], tp, f"config.json.{key}")
+            return _from_json(hf[key], tp, f"config.json.{key}")
 
         hidden = num("hidden_size", int)
         heads = num("num_attention_heads", int)
@@ -161,14 +173,14 @@ class ModelConfig:
             num_heads=heads,
             num_kv_heads=num("num_key_value_heads", int, heads),
             head_dim=num("head_dim", int, hidden // heads),
-            rope_theta=_convert(rope_theta, float, "config.json.rope_theta"),
+            rope_theta=_from_json(rope_theta, float, "config.json.rope_theta"),
             rms_norm_eps=num("rms_norm_eps", float, 1e-6),
             tie_word_embeddings=num("tie_word_embeddings", bool, False),
             max_position_embeddings=num("max_position_embeddings", int, 40960),
             mask_token_id=num("mask_token_id", int, None),
             block_size=num("block_size", int, None),
             bos_token_id=num("bos_token_id", int, None),
-            eos_token_id=hf.get("eos_token_id"),
+            eos_token_id=num("eos_token_id", int | list[int], None),
             pad_token_id=num("pad_token_id", int, None),
         )
         kwargs.update(overrides)

@@ -33,6 +33,9 @@ class RegenerateConfig:
     max_records: int | None = None  # stop after this many new records (rerun resumes)
     max_prompt_tokens: int | None = None  # None: max_position_embeddings - max_new_tokens
     cache_multiple: int = 64  # KV cache lengths are rounded up to this (bounded recompiles)
+    # Malformed prompt lines and prompts the template or vocabulary rejects are skipped and listed;
+    # more than this fraction of them stops the run before anything is generated.
+    max_skipped_fraction: float = 0.01
     process_index: int | None = None  # None: jax.process_index()
     process_count: int | None = None  # None: jax.process_count()
     dtype: str | None = None  # cast the target after loading (None: as stored)
@@ -50,6 +53,8 @@ class RegenerateConfig:
         _require(self.max_new_tokens >= 1, f"{prefix}.max_new_tokens", "must be >= 1")
         _require(self.batch_size >= 1, f"{prefix}.batch_size", "must be >= 1")
         _require(self.cache_multiple >= 1, f"{prefix}.cache_multiple", "must be >= 1")
+        _require(0 <= self.max_skipped_fraction <= 1, f"{prefix}.max_skipped_fraction",
+                 f"must be in [0, 1], got {self.max_skipped_fraction}")
         if self.max_records is not None:
             _require(self.max_records >= 0, f"{prefix}.max_records", "must be >= 0")
         if self.max_prompt_tokens is not None:

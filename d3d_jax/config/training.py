@@ -39,6 +39,9 @@ class DataConfig:
     dev_batches: int = 4
     mask_token_id: int | None = None  # None: the model's (or the tokenizer's <|MASK|>)
     pad_token_id: int = 0
+    # Records failing validation (not UTF-8 / JSON, wrong types, ids outside the vocabulary) are
+    # skipped and listed; more than this fraction of them stops the run before its first step.
+    max_skipped_fraction: float = 0.01
 
     def validate(self, prefix: str = "data") -> None:
         _require(self.mode in ("d3d", "lm"), f"{prefix}.mode", f"must be 'd3d' or 'lm', got {self.mode!r}")
@@ -46,6 +49,9 @@ class DataConfig:
         _require(self.num_anchors >= 1, f"{prefix}.num_anchors", "must be >= 1")
         _require(self.batch_size >= 1, f"{prefix}.batch_size", "must be >= 1")
         _require(self.dev_batches >= 0, f"{prefix}.dev_batches", "must be >= 0")
+        _require(0 <= self.max_skipped_fraction <= 1, f"{prefix}.max_skipped_fraction",
+                 f"must be in [0, 1], got {self.max_skipped_fraction}")
+        _require(self.pad_token_id >= 0, f"{prefix}.pad_token_id", "must be >= 0")
         if self.mode == "d3d":
             blocks = self.num_anchors * self.block_size
             _require(self.packed_length > blocks + self.block_size, f"{prefix}.packed_length",
@@ -196,5 +202,11 @@ class TrainRunConfig:
         _require(self.data.packed_length <= self.model.max_position_embeddings, f"{p}data.packed_length",
                  f"{self.data.packed_length} exceeds model.max_position_embeddings="
                  f"{self.model.max_position_embeddings}")
+        if not self.train.init_from:  # else the vocabulary is the loaded model's, checked there
+            vocab = self.model.vocab_size
+            for key in ("pad_token_id", "mask_token_id"):
+                v = getattr(self.data, key)
+                _require(v is None or v < vocab, f"{p}data.{key}",
+                         f"{v} is outside the model's vocabulary [0, {vocab})")
 
 

@@ -42,6 +42,9 @@ from d3d_jax.model.kv_cache import KVCache
 from d3d_jax.model.masks import CAUSAL, TokenMeta, block_meta, concat_meta
 
 NO_TOKEN = -1  # never equal to a real token id: marks alternatives that must not hit
+# Largest branch pack: 10× the paper's 384-token B=16, C=12, F=2 pack, far past where more
+# branches still pay for their drafter compute.
+MAX_ASYNC_BUDGET = 4096
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +64,10 @@ class BranchLayout:
                               f"got C={c}")
         if f < 1:
             raise ConfigError(f"{prefix}.branch_fanout: F must be >= 1, got F={f}")
+        if self.budget > MAX_ASYNC_BUDGET:  # one drafter forward per round over the whole pack
+            raise ConfigError(f"{prefix}.branch_fanout/branch_positions: the branch pack would be N_async = "
+                              f"B·((C-1)·F + 2) = {b}·(({c}-1)·{f} + 2) = {self.budget} tokens, more than "
+                              f"the maximum {MAX_ASYNC_BUDGET}; lower F or C")
 
     @property
     def num_correction(self) -> int:

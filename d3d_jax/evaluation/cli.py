@@ -14,6 +14,8 @@ import argparse
 import os
 from pathlib import Path
 
+from d3d_jax.errors import UsageError
+
 
 def add_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
     ap.description = __doc__
@@ -26,6 +28,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
                          "mtbench, shakespeare, stdlib)")
     ap.add_argument("--samples", type=int, default=16, help="per benchmark (fewest prompt-length buckets)")
     ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--allow-beyond-context", action="store_true",
+                    help="let prompt + max-new-tokens run past the target's max_position_embeddings")
     ap.add_argument("--block-size", type=int, default=None, help="default: the drafter's config")
     ap.add_argument("--modes", default="plain,sync,async")
     ap.add_argument("--template", choices=("standard", "plain"), default="standard")
@@ -37,6 +41,18 @@ def add_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return ap
 
 
+def check_limits(args, target, longest: int, block: int, modes: tuple[str, ...]) -> None:
+    """Before any decoding: the longest prompt + max_new_tokens fits the target, the branch pack is sane."""
+    from d3d_jax.decoding.branches import BranchLayout
+    from d3d_jax.training.records import check_context
+
+    check_context(longest, args.max_new_tokens, target.config.max_position_embeddings,
+                  model=f"--target {args.target}", allow_beyond=args.allow_beyond_context,
+                  hint="--allow-beyond-context")
+    if "async" in modes:
+        BranchLayout(block, args.branch_positions or min(12, block), args.branch_fanout).validate()
+
+
 def main(args) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -46,8 +62,11 @@ def main(args) -> int:
     from d3d_jax.io.checkpoint import load_model
     from d3d_jax.io.hf import load_tokenizer
 
-    tok, mask_id = load_tokenizer(args.tokenizer or args.target)
+    modes = tuple(m for m in args.modes.split(",") if m)
+    if "plain" not in modes:
+        raise UsageError("--modes must include plain (speedups and the equality check are against it)")
     target = load_model(args.target)
+    tok, mask_id = load_tokenizer(args.tokenizer or args.target, target.config.vocab_size)
     drafter = load_model(args.drafter)
     mask_id = drafter.config.mask_token_id if drafter.config.mask_token_id is not None else mask_id
     block = args.block_size or drafter.config.block_size or 16
@@ -63,9 +82,7 @@ def main(args) -> int:
         suites[name] = B.select_by_length(samples, lengths, args.samples)
     longest = max(len(demo.chat_prompt_ids(tok, [{"role": "user", "content": t}]))
                   for ss in suites.values() for s in ss for t in s.turns[:1])
-    modes = tuple(m for m in args.modes.split(",") if m)
-    if "plain" not in modes:
-        raise ValueError("--modes must include plain (speedups and the equality check are against it)")
+    check_limits(args, target, longest, block, modes)
     settings = B.EvalSettings(max_new_tokens=args.max_new_tokens, block_size=block, modes=modes,
                               max_cache_len=-(-(2 * longest + 2 * args.max_new_tokens + 4 * block) // 64) * 64,
                               async_options={"branch_positions": args.branch_positions or min(12, block),

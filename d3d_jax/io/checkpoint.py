@@ -52,6 +52,9 @@ def save_params(model: Qwen3, directory: str | os.PathLike) -> Path:
     """Write the model's config and parameters (param-only Orbax checkpoint, for inference)."""
     import orbax.checkpoint as ocp
 
+    from d3d_jax.io.hf import check_finite_params
+
+    check_finite_params(model, directory)
     directory = Path(directory).resolve()
     directory.mkdir(parents=True, exist_ok=True)
     primary = jax.process_index() == 0
@@ -74,13 +77,28 @@ def save_params(model: Qwen3, directory: str | os.PathLike) -> Path:
 
 def read_params_config(directory: str | os.PathLike) -> ModelConfig:
     path = Path(directory) / PARAMS_CONFIG_FILE
-    with open(path) as f:
-        data = json.load(f)
-    if data.get("format") != _FORMAT or "model" not in data:
-        raise ConfigError(f"{path}: not a d3d_jax parameter checkpoint (format {data.get('format')!r})")
-    cfg = build_dataclass(ModelConfig, data["model"], "model")
-    cfg.validate()
+    try:
+        with open(path, "rb") as f:
+            data = json.loads(f.read().decode("utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+        raise ConfigError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(data, dict) or data.get("format") != _FORMAT or not isinstance(data.get("model"), dict):
+        raise ConfigError(f"{path}: not a d3d_jax parameter checkpoint")
+    try:
+        cfg = build_dataclass(ModelConfig, data["model"], "model")
+        cfg.validate()
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}") from None
     return cfg
+
+
+def stored_model_config(path: str | os.PathLike) -> ModelConfig:
+    """The :class:`ModelConfig` of a parameter checkpoint or HF directory, without loading weights."""
+    if is_params_checkpoint(path):
+        return read_params_config(path)
+    from d3d_jax.io.hf import load_config
+
+    return load_config(path)
 
 
 def is_params_checkpoint(path: str | os.PathLike) -> bool:

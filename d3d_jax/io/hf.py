@@ -31,6 +31,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from d3d_jax.config import DTYPES, ConfigError, ModelConfig
+from d3d_jax.errors import ModelFileError, NonFiniteError
 from d3d_jax.io import safetensors_io as st
 from d3d_jax.model.qwen3 import Qwen3, abstract_model
 from d3d_jax.parallel.sharding import param_sharding, rules_dict
@@ -113,9 +114,9 @@ def read_hf_config(path: str | os.PathLike) -> dict:
     if not cfg_file.exists():
         raise ConfigError(f"{path}: no config.json in this directory")
     try:
-        with open(cfg_file) as f:
-            hf = json.load(f)
-    except json.JSONDecodeError as e:
+        with open(cfg_file, "rb") as f:
+            hf = json.loads(f.read().decode("utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
         raise ConfigError(f"{cfg_file}: not valid JSON ({e})") from None
     if not isinstance(hf, dict):
         raise ConfigError(f"{cfg_file}: top level must be an object")
@@ -136,8 +137,11 @@ def load_config(path: str | os.PathLike, dtype: str | None = None, compute_dtype
     """ModelConfig of an HF directory; ``dtype`` (param) defaults to the checkpoint's own."""
     hf = read_hf_config(path)
     param_dtype = dtype or checkpoint_dtype(hf)
-    return ModelConfig.from_hf_dict(hf, param_dtype=param_dtype, dtype=compute_dtype or param_dtype,
-                                    **overrides)
+    try:
+        return ModelConfig.from_hf_dict(hf, param_dtype=param_dtype, dtype=compute_dtype or param_dtype,
+                                        **overrides)
+    except ConfigError as e:  # name the file: a run may load several model directories
+        raise ConfigError(f"{Path(path) / 'config.json'}: {e}") from None
 
 
 def _placer(mesh: Mesh | None, rules: Any) -> Callable[[PurePath, np.ndarray], jax.Array]:
@@ -180,8 +184,8 @@ def build_from_tensors(cfg: ModelConfig, tensors: Any, mesh: Mesh | None = None,
     extra_layers = sorted({k for k in tensors.keys() if k.startswith("model.layers.")
                            and k.split(".")[2].isdigit() and int(k.split(".")[2]) >= cfg.num_layers})
     if extra_layers:  # weights for more layers than config.json declares: the config is wrong
-        raise ValueError(f"{source}: tensor {extra_layers[0]} belongs to a layer beyond "
-                         f"num_hidden_layers={cfg.num_layers} in config.json")
+        raise ModelFileError(f"{source}: tensor {extra_layers[0]} belongs to a layer beyond "
+                             f"num_hidden_layers={cfg.num_layers} in config.json")
     model = abstract_model(cfg)
     graphdef, state = nnx.split(model)
     pure = nnx.to_pure_dict(state)
@@ -189,11 +193,11 @@ def build_from_tensors(cfg: ModelConfig, tensors: Any, mesh: Mesh | None = None,
     pdt = np.dtype(jnp.dtype(cfg.param_dtype))
     for m in tensor_mappings(cfg):
         if m.hf_name not in tensors:
-            raise ValueError(f"{source}: tensor {m.hf_name} is missing from the checkpoint")
+            raise ModelFileError(f"{source}: tensor {m.hf_name} is missing from the checkpoint")
         got = tuple(tensors.shape(m.hf_name))
         if got != m.hf_shape:
-            raise ValueError(f"{source}: tensor {m.hf_name} has shape {got}, but config.json implies "
-                             f"{m.hf_shape}")
+            raise ModelFileError(f"{source}: tensor {m.hf_name} has shape {got}, but config.json implies "
+                                 f"{m.hf_shape}")
         arr = np.asarray(m.to_ours(tensors.get(m.hf_name))).astype(pdt)
         expected = _get_path(pure, m.ours)
         assert tuple(expected.shape) == arr.shape, (m.ours, expected.shape, arr.shape)
@@ -205,6 +209,19 @@ def build_from_tensors(cfg: ModelConfig, tensors: Any, mesh: Mesh | None = None,
 # --------------------------------------------------------------------------------------
 # Export
 # --------------------------------------------------------------------------------------
+def check_finite_params(model: Qwen3, dest: str | os.PathLike) -> None:
+    """Refuse to export NaN / inf weights (:class:`NonFiniteError` naming the first bad tensor)."""
+    pure = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    leaves = jax.tree_util.tree_flatten_with_path(pure)[0]
+    finite = jax.device_get([jnp.all(jnp.isfinite(x)) for _, x in leaves])
+    for (path, x), ok in zip(leaves, finite):
+        if not ok:
+            name = ".".join(str(getattr(p, "key", getattr(p, "idx", p))) for p in path)
+            count = int(jnp.sum(~jnp.isfinite(x)))
+            raise NonFiniteError(f"{dest}: not exported: parameter {name} has {count} NaN/inf values "
+                                 f"of {x.size}")
+
+
 def hf_tensors(model: Qwen3, dtype: str | None = None) -> Iterator[tuple[str, np.ndarray]]:
     """``(HF name, host array)`` for every parameter, converted lazily one at a time."""
     cfg = model.config
@@ -227,6 +244,7 @@ def save_qwen3(model: Qwen3, out_dir: str | os.PathLike, dtype: str | None = Non
     """
     if dtype is not None and dtype not in DTYPES:
         raise ConfigError(f"dtype: must be one of {DTYPES}, got {dtype!r}")
+    check_finite_params(model, out_dir)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     cfg = model.config
@@ -268,23 +286,46 @@ def save_qwen3(model: Qwen3, out_dir: str | os.PathLike, dtype: str | None = Non
 # --------------------------------------------------------------------------------------
 # Tokenizer and the MASK token (spec §1)
 # --------------------------------------------------------------------------------------
-def load_tokenizer(path: str | os.PathLike) -> tuple[Any, int]:
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def has_tokenizer(path: str | os.PathLike) -> bool:
+    """Whether a directory holds tokenizer files (a model directory may have none)."""
+    path = Path(path)
+    return path.is_dir() and any((path / f).exists() for f in TOKENIZER_FILES)
+
+
+def open_tokenizer(path: str | os.PathLike, *, vocab_size: int | None = None, hint: str = "") -> Any:
+    """The tokenizer of a local directory; refuses a directory without one (``AutoTokenizer`` would
+    otherwise build a near-empty one) and one with more tokens than the model's ``vocab_size``.
+    ``hint`` ends the first error (e.g. " (pass --tokenizer DIR)")."""
+    from transformers import AutoTokenizer
+
+    path = Path(path)
+    if not path.is_dir():
+        raise ModelFileError(f"{path}: not a tokenizer directory{hint}")
+    if not has_tokenizer(path):
+        raise ModelFileError(f"{path}: no tokenizer here (none of {', '.join(TOKENIZER_FILES)}){hint}")
+    try:
+        tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    except Exception as e:  # tokenizers and transformers raise many types for a bad file
+        raise ModelFileError(f"{path}: cannot load the tokenizer ({type(e).__name__}: {e})") from None
+    if vocab_size is not None and len(tok) > vocab_size:
+        raise ModelFileError(f"{path}: the tokenizer has {len(tok)} tokens but the model's vocab_size is "
+                             f"{vocab_size}: ids >= {vocab_size} would index past the embedding")
+    return tok
+
+
+def load_tokenizer(path: str | os.PathLike, vocab_size: int | None = None) -> tuple[Any, int]:
     """``(tokenizer, mask_token_id)`` from a local directory, with ``<|MASK|>`` as a special token.
 
     If the tokenizer already has ``<|MASK|>`` its id is used.  Otherwise the token is added at the
     first id after the tokenizer's vocabulary (``len(tokenizer)``) — for Qwen3 that is 151669, a
     row the padded 151936-row embedding already has (DFlash's convention).  When the id does not
-    fit the model's embedding, call :func:`ensure_token_fits`.
+    fit the model's embedding, call :func:`ensure_token_fits`.  ``vocab_size``: the model's; a
+    tokenizer with more tokens is refused (checked before ``<|MASK|>`` is added).
     """
-    from transformers import AutoTokenizer
-
-    path = Path(path)
-    if not path.is_dir():
-        raise ValueError(f"{path}: not a tokenizer directory")
-    try:
-        tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-    except (OSError, ValueError) as e:
-        raise ValueError(f"{path}: cannot load a tokenizer ({e})") from None
+    tok = open_tokenizer(path, vocab_size=vocab_size)
     vocab = tok.get_vocab()
     if MASK_TOKEN not in vocab:
         tok.add_special_tokens({"mask_token": MASK_TOKEN})
@@ -292,7 +333,7 @@ def load_tokenizer(path: str | os.PathLike) -> tuple[Any, int]:
         tok.mask_token = MASK_TOKEN
     mask_id = tok.convert_tokens_to_ids(MASK_TOKEN)
     if not isinstance(mask_id, int) or mask_id < 0:
-        raise ValueError(f"{path}: could not assign an id to {MASK_TOKEN}")
+        raise ModelFileError(f"{path}: could not assign an id to {MASK_TOKEN}")
     return tok, mask_id
 
 

@@ -18,6 +18,8 @@ from typing import Iterable, Mapping
 import ml_dtypes
 import numpy as np
 
+from d3d_jax.errors import ModelFileError, UsageError
+
 _DTYPES: dict[str, np.dtype] = {
     "F64": np.dtype(np.float64),
     "F32": np.dtype(np.float32),
@@ -39,17 +41,52 @@ SINGLE_FILE = "model.safetensors"
 
 
 def read_header(path: str | os.PathLike) -> tuple[dict, int]:
-    """``(header dict, byte offset where the tensor data starts)``."""
+    """``(header dict, byte offset where the tensor data starts)``, every entry checked against the
+    file: its dtype, shape and byte range must be consistent and inside the file (a truncated
+    download fails here, naming the file and the first tensor it cuts, before anything is read)."""
+    size = os.path.getsize(path)
     with open(path, "rb") as f:
         raw = f.read(8)
         if len(raw) != 8:
-            raise ValueError(f"{path}: not a safetensors file (shorter than 8 bytes)")
+            raise ModelFileError(f"{path}: not a safetensors file (shorter than 8 bytes)")
         n = int.from_bytes(raw, "little")
+        if n > size - 8:
+            raise ModelFileError(f"{path}: the header claims {n} bytes but the file has {size} in all: "
+                                 "the file is truncated or not a safetensors file")
         try:
             header = json.loads(f.read(n))
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ValueError(f"{path}: not a safetensors file ({e})") from None
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+            raise ModelFileError(f"{path}: not a safetensors file (header: {e})") from None
+    if not isinstance(header, dict):
+        raise ModelFileError(f"{path}: not a safetensors file (the header is not a JSON object)")
+    data_size = size - 8 - n
+    for name, info in header.items():
+        if name != "__metadata__":
+            _check_entry(path, name, info, data_size)
     return header, 8 + n
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _check_entry(path, name: str, info, data_size: int) -> None:
+    where = f"{path}: tensor {name}"
+    if not isinstance(info, dict) or not isinstance(info.get("dtype"), str):
+        raise ModelFileError(f"{where}: header entry needs 'dtype', 'shape' and 'data_offsets'")
+    shape, offsets = info.get("shape"), info.get("data_offsets")
+    if not (isinstance(shape, list) and all(_is_int(d) and d >= 0 for d in shape)):
+        raise ModelFileError(f"{where}: shape {shape!r} is not a list of non-negative integers")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_int(o) for o in offsets)
+            and 0 <= offsets[0] <= offsets[1]):
+        raise ModelFileError(f"{where}: data_offsets {offsets!r} is not [begin, end] with 0 <= begin <= end")
+    begin, end = offsets
+    if end > data_size:
+        raise ModelFileError(f"{where} needs bytes {begin}..{end} of the data section, which holds only "
+                             f"{data_size}: the file is truncated")
+    dtype = _DTYPES.get(info["dtype"])
+    if dtype is not None and end - begin != int(np.prod(shape, dtype=np.int64)) * dtype.itemsize:
+        raise ModelFileError(f"{where}: {end - begin} bytes do not hold shape {shape} of {info['dtype']}")
 
 
 class SafetensorsFile:
@@ -70,7 +107,7 @@ class SafetensorsFile:
     def get(self, name: str) -> np.ndarray:
         info = self.header[name]
         if info["dtype"] not in _DTYPES:
-            raise ValueError(f"{self.path}: tensor {name} has unsupported dtype {info['dtype']}")
+            raise ModelFileError(f"{self.path}: tensor {name} has unsupported dtype {info['dtype']}")
         if self._mmap is None:
             self._mmap = np.memmap(self.path, dtype=np.uint8, mode="r")
         begin, end = info["data_offsets"]
@@ -86,20 +123,25 @@ class SafetensorsDir:
         directory = Path(directory)
         index = directory / INDEX_FILE
         if index.exists():
-            with open(index) as f:
-                weight_map = json.load(f).get("weight_map", {})
+            try:
+                with open(index, "rb") as f:
+                    weight_map = json.loads(f.read().decode("utf-8")).get("weight_map", {})
+            except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as e:
+                raise ModelFileError(f"{index}: not a safetensors index ({e})") from None
+            if not (isinstance(weight_map, dict) and all(isinstance(v, str) for v in weight_map.values())):
+                raise ModelFileError(f"{index}: 'weight_map' must map tensor names to file names")
             files = sorted(set(weight_map.values()))
         elif (directory / SINGLE_FILE).exists():
             files = [SINGLE_FILE]
         else:
             files = sorted(p.name for p in directory.glob("*.safetensors"))
         if not files:
-            raise ValueError(f"{directory}: no *.safetensors weights found")
+            raise ModelFileError(f"{directory}: no *.safetensors weights found")
         self._files: dict[str, SafetensorsFile] = {}
         self._where: dict[str, SafetensorsFile] = {}
         for name in files:
             if not (directory / name).exists():
-                raise ValueError(f"{directory}: {INDEX_FILE} lists {name}, which does not exist")
+                raise ModelFileError(f"{directory}: {INDEX_FILE} lists {name}, which does not exist")
             st = SafetensorsFile(directory / name)
             self._files[name] = st
             for key in st.keys():
@@ -155,7 +197,7 @@ def parse_size(size: int | str) -> int:
     try:
         return int(s)
     except ValueError:
-        raise ValueError(f"max_shard_size: cannot parse {size!r} (use e.g. 200KB, 5GB or bytes)") from None
+        raise UsageError(f"max_shard_size: cannot parse {size!r} (use e.g. 200KB, 5GB or bytes)") from None
 
 
 def plan_shards(sizes: Iterable[tuple[str, int]], max_bytes: int | None) -> list[list[str]]:

@@ -21,6 +21,9 @@ import json
 import os
 from typing import Any, Sequence
 
+from d3d_jax.errors import RecordError
+from d3d_jax.training.records import decode_line, jsonl_lines
+
 ROLE_ALIASES = {
     "system": "system",
     "user": "user", "human": "user",
@@ -29,7 +32,7 @@ ROLE_ALIASES = {
 }
 
 
-class MalformedPrompt(ValueError):
+class MalformedPrompt(RecordError):
     """A prompt line that cannot be used; the message says why (it goes into the summary)."""
 
 
@@ -110,35 +113,29 @@ def read_prompts(path: str | os.PathLike) -> tuple[list[Prompt], list[tuple[int,
     malformed: list[tuple[int, str]] = []
     first_line_of: dict[str, int] = {}
     repeats: dict[str, int] = {}
-    with open(path, "rb") as f:
-        for line_no, raw in enumerate(f, 1):
-            if not raw.strip():
-                continue
-            try:
-                try:
-                    obj = json.loads(raw.decode("utf-8"))
-                except (UnicodeDecodeError, json.JSONDecodeError) as e:
-                    raise MalformedPrompt(f"not valid JSON ({e})") from None
-                if not isinstance(obj, dict):
-                    raise MalformedPrompt(f"a line must be a JSON object, got {type(obj).__name__}")
-                messages = user_side(obj)
-                pid = obj.get("id")
-                if pid is not None:
-                    if isinstance(pid, bool) or not isinstance(pid, (str, int)) or str(pid) == "":
-                        raise MalformedPrompt(f"'id' must be a non-empty string or an integer, got {pid!r}")
-                    pid = str(pid)
-                else:
-                    base = content_id(messages)
-                    n = repeats.get(base, 0)
-                    repeats[base] = n + 1
-                    pid = base if n == 0 else f"{base}-{n}"
-                if pid in first_line_of:
-                    raise MalformedPrompt(f"duplicate id {pid!r} (first on line {first_line_of[pid]})")
-            except MalformedPrompt as e:
-                malformed.append((line_no, str(e)))
-                continue
-            first_line_of[pid] = line_no
-            prompts.append(Prompt(pid, messages, line_no))
+    for line_no, raw in jsonl_lines(path):
+        try:
+            obj = decode_line(raw)
+            if not isinstance(obj, dict):
+                raise MalformedPrompt(f"a line must be a JSON object, got {type(obj).__name__}")
+            messages = user_side(obj)
+            pid = obj.get("id")
+            if pid is not None:
+                if isinstance(pid, bool) or not isinstance(pid, (str, int)) or str(pid) == "":
+                    raise MalformedPrompt(f"'id' must be a non-empty string or an integer, got {pid!r}")
+                pid = str(pid)
+            else:
+                base = content_id(messages)
+                n = repeats.get(base, 0)
+                repeats[base] = n + 1
+                pid = base if n == 0 else f"{base}-{n}"
+            if pid in first_line_of:
+                raise MalformedPrompt(f"duplicate id {pid!r} (first on line {first_line_of[pid]})")
+        except RecordError as e:  # MalformedPrompt, or a line that is not UTF-8 JSON
+            malformed.append((line_no, str(e)))
+            continue
+        first_line_of[pid] = line_no
+        prompts.append(Prompt(pid, messages, line_no))
     return prompts, malformed
 
 

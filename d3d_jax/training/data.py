@@ -7,8 +7,12 @@
 
 The prompt is rendered with the tokenizer's chat template (``add_generation_prompt=True``,
 ``enable_thinking=False``) unless the record already carries ``prompt_token_ids``; the response
-ids are appended as they are.  Broken lines and records missing fields are skipped and counted,
-over-long ones truncated and counted (:class:`DataStats`).
+ids are appended as they are.  Every record is checked once, here on the host, before packing
+(:mod:`~d3d_jax.training.records`: UTF-8, JSON, field types, ``0 <= id < vocab_size``): a bad
+one is skipped and counted with ``file:line`` and the reason; over-long ones are truncated and
+counted (:class:`DataStats`).  More bad records than ``DataConfig.max_skipped_fraction`` stop the
+run before its first step.  Each row carries ``record_line`` (the record's line in its file), so a
+failing step can name the records of its batch.
 
 **Packed row** (fixed length ``L = S + n·B``; ``S`` = ``DataConfig.clean_length``)::
 
@@ -25,7 +29,9 @@ sorted.  A row is a dict of arrays (batched: a leading batch axis):
 * ``ar_mask`` – clean positions whose label is a response token (the AR loss's support);
 * ``slot``    – block slot index ``k`` (``-1`` for clean tokens, padding and unused anchors);
   the objective turns it into the weights ``w_k`` (slot 0 gets none);
-* ``anchors, anchor_valid`` – ``[n]`` anchor positions and which are real.
+* ``anchors, anchor_valid`` – ``[n]`` anchor positions and which are real;
+* ``record_line`` – scalar: the record's line in its JSONL file (LM rows: the document's where
+  the window starts).  Host-side bookkeeping; the train step never sees it.
 
 LM rows (``mode="lm"``) are windows of one token stream, all causal: ``slot`` is all ``-1`` and
 ``ar_mask`` marks every real next token.
@@ -37,18 +43,23 @@ import dataclasses
 import json
 import logging
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
 import grain
 import jax.numpy as jnp
 import numpy as np
 
-from d3d_jax.config import DataConfig
+from d3d_jax.config import ConfigError, DataConfig
+from d3d_jax.errors import DataError, RecordError
 from d3d_jax.model.masks import CAUSAL, TokenMeta, packed_training_meta
+from d3d_jax.training import records
+from d3d_jax.training.chat_prompts import render_prompt  # noqa: F401  (re-exported)
 
 log = logging.getLogger(__name__)
 
 REQUIRED_FIELDS = ("response_token_ids",)
+RECORD_LINE = "record_line"  # batch key: each row's source line (popped before the device step)
+MAX_LISTED = 20  # skipped records listed by file:line (all of them are counted)
 
 
 @dataclasses.dataclass
@@ -57,14 +68,31 @@ class DataStats:
 
     lines: int = 0
     kept: int = 0
-    broken_lines: int = 0
-    missing_fields: int = 0
+    broken_lines: int = 0  # not UTF-8, not JSON, not an object
+    missing_fields: int = 0  # a field missing or of the wrong type
+    bad_token_ids: int = 0  # an id that is not an int in [0, vocab_size)
     truncated: int = 0
     empty_response: int = 0
     without_anchor: int = 0  # kept (AR loss only) but too short for one full block
+    skipped: list[str] = dataclasses.field(default_factory=list)  # "file:line: reason", first MAX_LISTED
 
-    def as_dict(self) -> dict[str, int]:
-        return dataclasses.asdict(self)
+    @property
+    def invalid(self) -> int:
+        """Records skipped as bad (what ``max_skipped_fraction`` bounds; empty ones are not bad)."""
+        return self.broken_lines + self.missing_fields + self.bad_token_ids
+
+    def skip(self, where: str, error: RecordError) -> None:
+        setattr(self, error.kind, getattr(self, error.kind) + 1)
+        if len(self.skipped) < MAX_LISTED:
+            self.skipped.append(f"{where}: {error}")
+
+    def check(self, source: str, limit: float) -> None:
+        """Stop before training when more than ``limit`` of the records are invalid."""
+        records.check_skipped_fraction(self.invalid, self.lines, limit, source, "data.max_skipped_fraction",
+                                       self.skipped[0] if self.skipped else None)
+
+    def as_dict(self) -> dict:
+        return {**dataclasses.asdict(self), "invalid": self.invalid}
 
     def log(self, name: str) -> None:
         log.info("data %s: %s", name, self.as_dict())
@@ -74,68 +102,55 @@ class DataStats:
 class Example:
     tokens: np.ndarray  # int32 [len], prompt then response
     response_start: int
+    line: int = 0  # the record's line in its file
 
 
 # --------------------------------------------------------------------------------------
 # Records -> token sequences
 # --------------------------------------------------------------------------------------
-def render_prompt(tokenizer: Any, messages: Sequence[dict]) -> list[int]:
-    """Prompt ids from the chat template in non-thinking mode (as the target generated it)."""
-    text = tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True,
-                                         enable_thinking=False)
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
-
-
-def record_to_example(record: Any, tokenizer: Any, clean_length: int, stats: DataStats) -> Example | None:
-    if not isinstance(record, dict):
-        stats.broken_lines += 1
-        return None
-    response = record.get("response_token_ids")
-    if not isinstance(response, list) or not all(isinstance(t, int) for t in response):
-        stats.missing_fields += 1
-        return None
-    prompt = record.get("prompt_token_ids")
+def record_to_example(record: Any, tokenizer: Any, clean_length: int, stats: DataStats,
+                      vocab_size: int | None = None, line: int = 0) -> Example | None:
+    """The example of one record; :class:`RecordError` when it is invalid, ``None`` (counted in
+    ``stats``) when it is valid but leaves nothing to train on."""
+    rec = records.training_record(record, vocab_size, need_messages=tokenizer is None)
+    prompt = rec.prompt
     if prompt is None:
-        messages = record.get("messages")
-        if not isinstance(messages, list) or not messages or tokenizer is None:
-            stats.missing_fields += 1
-            return None
         try:
-            prompt = render_prompt(tokenizer, messages)
-        except Exception:  # a malformed message list is a broken record, not a crash
-            stats.missing_fields += 1
-            return None
-    if not response:
+            rendered = render_prompt(tokenizer, rec.messages)
+        except Exception as e:  # a template may reject a message list: a bad record, not a crash
+            raise RecordError(f"chat template failed: {str(e)[:120]}") from None
+        prompt = records.token_ids(rendered, "prompt rendered by the tokenizer", vocab_size)
+    response = rec.response
+    if not len(response):
         stats.empty_response += 1
         return None
-    tokens = np.asarray(list(prompt) + list(response), np.int32)
+    tokens = np.concatenate([prompt, response]).astype(np.int32)
     if len(tokens) > clean_length:
         stats.truncated += 1
         tokens = tokens[:clean_length]
         if len(prompt) >= clean_length:  # nothing of the response survives
             stats.empty_response += 1
             return None
-    return Example(tokens, len(prompt))
+    return Example(tokens, len(prompt), line)
 
 
-def read_jsonl(path: str | Path, stats: DataStats) -> Iterator[Any]:
-    with open(path) as f:
-        for line in f:
-            if not line.strip():
-                continue
-            stats.lines += 1
-            try:
-                yield json.loads(line)
-            except json.JSONDecodeError:
-                stats.broken_lines += 1
+def load_examples(path: str | Path, tokenizer: Any, cfg: DataConfig,
+                  vocab_size: int | None = None) -> tuple[list[Example], DataStats]:
+    """Every usable record of a regenerated-response JSONL, checked, tokenised and truncated.
 
-
-def load_examples(path: str | Path, tokenizer: Any, cfg: DataConfig) -> tuple[list[Example], DataStats]:
-    """Every usable record of a regenerated-response JSONL, tokenised and truncated."""
+    Bad records are skipped and listed; more than ``cfg.max_skipped_fraction`` of them, or none
+    usable, raise :class:`DataError`.
+    """
     stats = DataStats()
     out = []
-    for rec in read_jsonl(path, stats):
-        ex = record_to_example(rec, tokenizer, cfg.clean_length, stats)
+    for line_no, raw in records.jsonl_lines(path):
+        stats.lines += 1
+        try:
+            ex = record_to_example(records.decode_line(raw), tokenizer, cfg.clean_length, stats, vocab_size,
+                                   line_no)
+        except RecordError as e:
+            stats.skip(f"{path}:{line_no}", e)
+            continue
         if ex is None:
             continue
         if len(ex.tokens) - cfg.block_size < ex.response_start:
@@ -143,8 +158,10 @@ def load_examples(path: str | Path, tokenizer: Any, cfg: DataConfig) -> tuple[li
         out.append(ex)
     stats.kept = len(out)
     stats.log(str(path))
+    stats.check(str(path), cfg.max_skipped_fraction)
     if not out:
-        raise ValueError(f"{path}: no usable records ({stats.as_dict()})")
+        raise DataError(f"{path}: no usable records ({stats.lines} lines, {stats.invalid} invalid, "
+                        f"{stats.empty_response} with an empty response)")
     return out, stats
 
 
@@ -218,49 +235,82 @@ def batch_meta(batch: dict) -> TokenMeta:
 # --------------------------------------------------------------------------------------
 # LM token streams
 # --------------------------------------------------------------------------------------
-def load_lm_stream(path: str | Path, tokenizer: Any, eos_token_id: int | None) -> tuple[np.ndarray, DataStats]:
+@dataclasses.dataclass
+class LMStream:
+    """Documents joined into one token stream; ``doc_starts``/``doc_lines`` map offsets to lines."""
+
+    tokens: np.ndarray  # int32 [n]
+    doc_starts: np.ndarray  # int64 [docs], ascending offsets into tokens
+    doc_lines: np.ndarray  # int32 [docs], each document's line in its file
+
+    def line_at(self, offset: int) -> int:
+        return int(self.doc_lines[max(0, np.searchsorted(self.doc_starts, offset, side="right") - 1)])
+
+
+def _lm_document(obj: Any, tokenizer: Any, vocab_size: int | None) -> np.ndarray:
+    if not isinstance(obj, dict):
+        raise RecordError(f"a document must be a JSON object, got {type(obj).__name__}", "broken_lines")
+    if "token_ids" in obj:
+        return records.token_ids(obj["token_ids"], "token_ids", vocab_size)
+    if not isinstance(obj.get("text"), str):
+        raise RecordError("needs 'token_ids' (a list of ids) or 'text' (a string)")
+    if tokenizer is None:
+        raise RecordError("'text' needs a tokenizer (set data.tokenizer)")
+    return records.token_ids(list(tokenizer(obj["text"], add_special_tokens=False)["input_ids"]),
+                             "text tokenised", vocab_size)
+
+
+def load_lm_stream(path: str | Path, tokenizer: Any, eos_token_id: int | None, *, vocab_size: int | None = None,
+                   max_skipped_fraction: float = 1.0) -> tuple[LMStream, DataStats]:
     """One token stream from a text file or a JSONL of ``{"text"}`` / ``{"token_ids"}`` documents."""
     stats = DataStats()
     path = Path(path)
-    docs: list[list[int]] = []
+    docs: list[np.ndarray] = []
+    lines: list[int] = []
     if path.suffix == ".jsonl":
-        for rec in read_jsonl(path, stats):
-            if isinstance(rec, dict) and isinstance(rec.get("token_ids"), list):
-                docs.append([int(t) for t in rec["token_ids"]])
-            elif isinstance(rec, dict) and isinstance(rec.get("text"), str) and tokenizer is not None:
-                docs.append(list(tokenizer(rec["text"], add_special_tokens=False)["input_ids"]))
-            else:
-                stats.missing_fields += 1
+        for line_no, raw in records.jsonl_lines(path):
+            stats.lines += 1
+            try:
+                docs.append(_lm_document(records.decode_line(raw), tokenizer, vocab_size))
+                lines.append(line_no)
+            except RecordError as e:
+                stats.skip(f"{path}:{line_no}", e)
     else:
         if tokenizer is None:
-            raise ValueError(f"{path}: a tokenizer is needed to read plain text")
+            raise DataError(f"{path}: a tokenizer is needed to read plain text (set data.tokenizer)")
         stats.lines = 1
-        docs.append(list(tokenizer(path.read_text(), add_special_tokens=False)["input_ids"]))
-    stream: list[int] = []
-    for d in docs:
-        stream.extend(d)
-        if eos_token_id is not None:
-            stream.append(int(eos_token_id))
+        try:
+            text = path.read_bytes().decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise DataError(f"{path}: not UTF-8 text (byte 0x{e.object[e.start]:02X} at offset {e.start})") from None
+        docs.append(np.asarray(tokenizer(text, add_special_tokens=False)["input_ids"], np.int32))
+        lines.append(1)
+    eos = [] if eos_token_id is None else [int(eos_token_id)]
+    docs = [np.concatenate([d, np.asarray(eos, np.int32)]) for d in docs]
+    starts = np.cumsum([0] + [len(d) for d in docs[:-1]], dtype=np.int64)
+    stream = LMStream(np.concatenate(docs).astype(np.int32) if docs else np.zeros(0, np.int32), starts,
+                      np.asarray(lines, np.int32))
     stats.kept = len(docs)
     stats.log(str(path))
-    if len(stream) < 2:
-        raise ValueError(f"{path}: fewer than 2 tokens of LM data ({stats.as_dict()})")
-    return np.asarray(stream, np.int32), stats
+    stats.check(str(path), max_skipped_fraction)
+    if len(stream.tokens) < 2:
+        raise DataError(f"{path}: fewer than 2 tokens of LM data ({stats.lines} lines, {stats.invalid} invalid)")
+    return stream, stats
 
 
 class _LMWindows:
     """Random-access windows of ``L + 1`` tokens (stride ``L``) over a stream: a grain source."""
 
-    def __init__(self, stream: np.ndarray, packed_length: int):
+    def __init__(self, stream: LMStream, packed_length: int):
         self.stream, self.L = stream, packed_length
-        self.n = max(1, (len(stream) - 1) // packed_length)
+        self.n = max(1, (len(stream.tokens) - 1) // packed_length)
 
     def __len__(self) -> int:
         return self.n
 
-    def __getitem__(self, i: int) -> tuple[np.ndarray, int]:
-        w = self.stream[i * self.L: i * self.L + self.L + 1]
-        return w, len(w)
+    def __getitem__(self, i: int) -> tuple[np.ndarray, int, int]:
+        w = self.stream.tokens[i * self.L: i * self.L + self.L + 1]
+        return w, len(w), self.stream.line_at(i * self.L)
 
 
 # --------------------------------------------------------------------------------------
@@ -277,26 +327,30 @@ def d3d_dataset(examples: Sequence[Example], cfg: DataConfig, mask_token_id: int
 
     def pack(ex: Example, rng: np.random.Generator) -> dict:
         anchors, valid = sample_anchors(rng, ex.response_start, len(ex.tokens), cfg.num_anchors, cfg.block_size)
-        return pack_example(ex, anchors, valid, cfg, mask_token_id)
+        return {**pack_example(ex, anchors, valid, cfg, mask_token_id), RECORD_LINE: np.int32(ex.line)}
 
     return ds.random_map(pack, seed=seed + 1).batch(cfg.batch_size, drop_remainder=True)
 
 
-def lm_dataset(stream: np.ndarray, cfg: DataConfig, *, seed: int | None = None,
+def lm_dataset(stream: LMStream | np.ndarray, cfg: DataConfig, *, seed: int | None = None,
                shuffle: bool | None = None, shard: tuple[int, int] = (0, 1)) -> grain.MapDataset:
     seed = cfg.seed if seed is None else seed
+    if not isinstance(stream, LMStream):
+        stream = LMStream(np.asarray(stream, np.int32), np.zeros(1, np.int64), np.zeros(1, np.int32))
     ds = grain.MapDataset.source(_LMWindows(stream, cfg.packed_length))[shard[0]::shard[1]]
     if cfg.shuffle if shuffle is None else shuffle:
         ds = ds.shuffle(seed=seed)
-    return ds.repeat().map(lambda wl: lm_row(wl[0], wl[1], cfg)).batch(cfg.batch_size, drop_remainder=True)
+    return ds.repeat().map(lambda w: {**lm_row(w[0], w[1], cfg), RECORD_LINE: np.int32(w[2])}).batch(
+        cfg.batch_size, drop_remainder=True)
 
 
-def load_tokenizer_for(cfg: DataConfig) -> Any:
+def load_tokenizer_for(cfg: DataConfig, vocab_size: int | None = None) -> Any:
+    """``data.tokenizer`` (None when unset), checked to exist and to fit ``vocab_size``."""
     if not cfg.tokenizer:
         return None
-    from transformers import AutoTokenizer
+    from d3d_jax.io.hf import open_tokenizer
 
-    return AutoTokenizer.from_pretrained(cfg.tokenizer)
+    return open_tokenizer(cfg.tokenizer, vocab_size=vocab_size, hint=" (data.tokenizer)")
 
 
 def resolve_mask_token_id(cfg: DataConfig, model_mask_id: int | None, tokenizer: Any) -> int:
@@ -307,23 +361,26 @@ def resolve_mask_token_id(cfg: DataConfig, model_mask_id: int | None, tokenizer:
         mid = tokenizer.convert_tokens_to_ids("<|MASK|>")
         if mid is not None and mid != tokenizer.unk_token_id:
             return int(mid)
-    raise ValueError("data.mask_token_id: not set, and neither the model config nor the tokenizer "
-                     "defines <|MASK|>")
+    raise ConfigError("data.mask_token_id: not set, and neither the model config nor the tokenizer "
+                      "defines <|MASK|>")
 
 
 def build_dataset(cfg: DataConfig, path: str, *, tokenizer: Any = None, mask_token_id: int | None = None,
                   eos_token_id: int | None = None, seed: int | None = None, shuffle: bool | None = None,
-                  shard: tuple[int, int] = (0, 1)) -> tuple[grain.MapDataset, DataStats]:
+                  shard: tuple[int, int] = (0, 1), vocab_size: int | None = None
+                  ) -> tuple[grain.MapDataset, DataStats]:
     """The batched dataset for ``path`` in ``cfg.mode``; ``shard=(i, n)`` keeps every n-th record from i
-    (one process's share on a multi-host run; ``cfg.batch_size`` is then that process's rows)."""
+    (one process's share on a multi-host run; ``cfg.batch_size`` is then that process's rows).
+    ``vocab_size``: the model's; a record with an id outside it is skipped (None: int32 range)."""
     if not path:
-        raise ValueError("data path is empty (set data.train_path / data.dev_path)")
+        raise ConfigError("data path is empty (set data.train_path / data.dev_path)")
     if cfg.mode == "lm":
-        stream, stats = load_lm_stream(path, tokenizer, eos_token_id)
+        stream, stats = load_lm_stream(path, tokenizer, eos_token_id, vocab_size=vocab_size,
+                                       max_skipped_fraction=cfg.max_skipped_fraction)
         return lm_dataset(stream, cfg, seed=seed, shuffle=shuffle, shard=shard), stats
     if mask_token_id is None:
-        raise ValueError("data.mask_token_id: required for mode 'd3d'")
-    examples, stats = load_examples(path, tokenizer, cfg)
+        raise ConfigError("data.mask_token_id: required for mode 'd3d'")
+    examples, stats = load_examples(path, tokenizer, cfg, vocab_size)
     return d3d_dataset(examples, cfg, mask_token_id, seed=seed, shuffle=shuffle, shard=shard), stats
 
 

@@ -33,11 +33,14 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from d3d_jax.config import TrainRunConfig, to_dict
+from d3d_jax.errors import NonFiniteError
+from d3d_jax.io.checkpoint import stored_model_config
 from d3d_jax.model.qwen3 import Qwen3, abstract_model
 from d3d_jax.parallel import sharding as shd
 from d3d_jax.training import data as data_lib
 from d3d_jax.training import objectives as obj
 from d3d_jax.training.checkpoints import StopSignals, TrainCheckpointer, run_settings, trim_metrics
+from d3d_jax.training import records
 from d3d_jax.training.optim import make_optimizer, lr_schedule, tree_nbytes
 
 LossFn = Callable[..., tuple[jax.Array, dict]]
@@ -109,7 +112,22 @@ def _train_step(graphdef, tx: optax.GradientTransformation, loss_fn: LossFn, sch
     metrics["learning_rate"] = schedule(state["step"])
     updates, opt_state = tx.update(grads, state["opt_state"], params)
     params = optax.apply_updates(params, updates)
-    return dict(params=params, rest=rest, opt_state=opt_state, step=state["step"] + 1), metrics
+    return keep_if_finite(state, dict(params=params, rest=rest, opt_state=opt_state, step=state["step"] + 1),
+                          metrics)
+
+
+def keep_if_finite(old: dict, new: dict, metrics: dict) -> tuple[dict, dict]:
+    """``new`` only if the step's loss and gradient norm are finite, else ``old`` — and ``old`` from
+    then on: a negative ``step`` marks the halt, so no batch after the bad one trains either while
+    the host has not looked yet.  ``metrics["finite"]`` tells the host (:meth:`Trainer.check_finite`)."""
+    finite = jnp.isfinite(metrics["grad_norm"])
+    if "loss" in metrics:
+        finite &= jnp.isfinite(metrics["loss"])
+    running = old["step"] >= 0
+    ok = finite & running
+    state = jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
+    state["step"] = jnp.where(ok, new["step"], jnp.where(running, -old["step"] - 1, old["step"]))
+    return state, {**metrics, "finite": ok}
 
 
 def _eval_step(graphdef, mode: str, gamma: float, ar_weight: float, block_size: int, state, batch):
@@ -156,9 +174,13 @@ class Trainer:
 
         # ---- data ------------------------------------------------------------------------
         dc = cfg.data
+        self._unchecked: list[tuple[int, Any, Any]] = []  # (step, finite flag, record lines) not yet read
+        # records with ids outside the vocabulary the trained model will have are skipped
+        vocab = (model.config.vocab_size if model is not None else cfg.model.vocab_size if not cfg.train.init_from
+                 else stored_model_config(cfg.train.init_from).vocab_size)
         self.tokenizer = tokenizer
         if (train_data is None or (dev_batches is None and dc.dev_path)) and tokenizer is None:
-            self.tokenizer = data_lib.load_tokenizer_for(dc)
+            self.tokenizer = data_lib.load_tokenizer_for(dc, vocab)
         self.mask_token_id = None
         if dc.mode == "d3d":
             self.mask_token_id = data_lib.resolve_mask_token_id(dc, cfg.model.mask_token_id, self.tokenizer)
@@ -170,13 +192,13 @@ class Trainer:
             train_data, stats = data_lib.build_dataset(local, dc.train_path, tokenizer=self.tokenizer,
                                                        mask_token_id=self.mask_token_id,
                                                        eos_token_id=_first(cfg.model.eos_token_id),
-                                                       shard=(jax.process_index(), pc))
+                                                       shard=(jax.process_index(), pc), vocab_size=vocab)
             self.data_stats["train"] = stats.as_dict()
         if dev_batches is None and dc.dev_path and dc.dev_batches:
             dev_ds, stats = data_lib.build_dataset(dc, dc.dev_path, tokenizer=self.tokenizer,
                                                    mask_token_id=self.mask_token_id,
                                                    eos_token_id=_first(cfg.model.eos_token_id),
-                                                   seed=dc.seed + 12345, shuffle=False)
+                                                   seed=dc.seed + 12345, shuffle=False, vocab_size=vocab)
             self.data_stats["dev"] = stats.as_dict()
             dev_batches = data_lib.take_batches(dev_ds, dc.dev_batches)
         self.dev_batches = dev_batches or []
@@ -308,7 +330,8 @@ class Trainer:
 
     # ---- one step / evaluation ----------------------------------------------------------------
     def train_step(self, host_batch: dict) -> dict:
-        batch = self.device_batch(host_batch)
+        lines = host_batch.get(data_lib.RECORD_LINE)
+        batch = self.device_batch({k: v for k, v in host_batch.items() if k != data_lib.RECORD_LINE})
         if self._compiled is None:
             if self.cfg.train.aot_compile:
                 self.compile(batch)
@@ -318,7 +341,23 @@ class Trainer:
         with shd.use_mesh(self.mesh, self.rules):
             self.state, metrics = self._compiled(self.state, batch, self.loss_extra)
         self.step += 1
+        metrics = dict(metrics)
+        self._unchecked.append((self.step, metrics.pop("finite"), lines))
         return metrics
+
+    def check_finite(self) -> None:
+        """:class:`NonFiniteError` naming the step and its batch's records if a step since the last
+        check had a non-finite loss or gradient norm.  Its update was not applied (nor any later
+        one), so the state, and every checkpoint, is the last good step's."""
+        pending, self._unchecked = self._unchecked, []
+        for (step, _, lines), ok in zip(pending, jax.device_get([f for _, f, _ in pending])):
+            if not ok:
+                self.step = step - 1
+                self.state = {**self.state,
+                              "step": jax.device_put(np.int32(self.step), self.state_sharding["step"])}
+                msg = nonfinite_message(step, lines, self.cfg.data.train_path, self.checkpointer)
+                self._write_metrics({"step": step, "stopped": msg})
+                raise NonFiniteError(msg)
 
     def evaluate(self, batches: Iterable[dict] | None = None) -> dict:
         """Dev loss, per-slot accuracy and offline τ (d3d) or loss (lm), pooled over batches."""
@@ -355,6 +394,7 @@ class Trainer:
         self._metrics_file.flush()
 
     def save_checkpoint(self) -> None:
+        self.check_finite()  # never save a halted state
         self.checkpointer.save(self.step, self.state, self.train_iter.get_state(),
                                {"run": to_dict(self.cfg), "data_stats": self.data_stats}, settings=self.settings)
 
@@ -383,6 +423,9 @@ class Trainer:
                 pending.append((self.step, metrics))
                 done = self.step == until
                 stopping = stop.should_stop(self.step)
+                if done or stopping or any(n and self.step % n == 0 for n in (
+                        tc.log_every, tc.eval_every, tc.checkpoint_every)):
+                    self.check_finite()  # before anything is logged, evaluated or saved
                 if done or stopping or (tc.log_every and self.step % tc.log_every == 0):
                     fetched = jax.device_get(pending)
                     dt = time.time() - t_last
@@ -426,6 +469,7 @@ class Trainer:
         block_size in config.json) of the current model."""
         from d3d_jax.io.checkpoint import save_params
 
+        self.check_finite()
         out = Path(out_dir or self.out_dir / "export")
         model = self.model()
         paths = {}
@@ -446,6 +490,14 @@ class Trainer:
         if self._metrics_file is not None:
             self._metrics_file.close()
             self._metrics_file = None
+
+
+def nonfinite_message(step: int, lines: Any, data_path: str, checkpointer: Any) -> str:
+    """One sentence: the step, what was kept, and the batch's records."""
+    last = checkpointer.latest_step() if checkpointer is not None else None
+    kept = f"the last good checkpoint is step {last}" if last is not None else "no checkpoint was saved"
+    return (f"step {step}: the loss or gradient norm is not finite (NaN/inf), so its update was not applied "
+            f"and training stopped; {kept}; the batch held {records.describe_lines(data_path, lines)}")
 
 
 def _first(x):

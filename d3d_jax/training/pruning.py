@@ -467,8 +467,9 @@ def write_report(report: dict, out_dir: str | Path) -> Path:
 # --------------------------------------------------------------------------------------
 
 
-def _online_prompts(cfg: Any, tokenizer: Any) -> list[list[int]]:
-    examples, _ = data_lib.load_examples(cfg.data.dev_path or cfg.data.train_path, tokenizer, cfg.data)
+def _online_prompts(cfg: Any, tokenizer: Any, vocab_size: int) -> list[list[int]]:
+    examples, _ = data_lib.load_examples(cfg.data.dev_path or cfg.data.train_path, tokenizer, cfg.data,
+                                         vocab_size)
     return [list(ex.tokens[:ex.response_start]) for ex in examples[:cfg.prune.online_prompts]]
 
 
@@ -492,28 +493,31 @@ def run_pruning(cfg: Any, *, drafter: Qwen3 | None = None, tokenizer: Any = None
     if drafter.config.block_size not in (None, dc.block_size):
         raise ValueError(f"data.block_size={dc.block_size} differs from the drafter's block_size "
                          f"{drafter.config.block_size}")
+    vocab = drafter.config.vocab_size  # records with ids outside it are skipped
     if tokenizer is None and dc.tokenizer:
-        tokenizer = data_lib.load_tokenizer_for(dc)
+        tokenizer = data_lib.load_tokenizer_for(dc, vocab)
     mask_id = data_lib.resolve_mask_token_id(dc, drafter.config.mask_token_id, tokenizer)
     drafter.config = dataclasses.replace(drafter.config, mask_token_id=mask_id, block_size=dc.block_size)
 
     if pc.tau_measure == "offline":
         dev_ds, _ = data_lib.build_dataset(dc, dc.dev_path, tokenizer=tokenizer, mask_token_id=mask_id,
-                                           seed=dc.seed + 12345, shuffle=False)
+                                           seed=dc.seed + 12345, shuffle=False, vocab_size=vocab)
         dev = data_lib.take_batches(dev_ds, dc.dev_batches)
         tau_fn: Callable[[Qwen3], float] = OfflineTau(dev, dc.block_size)
     else:
         target = load_model(pc.target)
-        prompts = _online_prompts(cfg, tokenizer)
+        prompts = _online_prompts(cfg, tokenizer, vocab)
         eos = target.config.eos_token_id
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
         tau_fn = functools.partial(online_tau, target=target, prompts=prompts,
                                    max_new_tokens=pc.online_max_new_tokens, block_size=dc.block_size,
                                    mask_token_id=mask_id, eos_token_ids=eos_ids)
         sim_ds, _ = data_lib.build_dataset(dc, dc.dev_path or dc.train_path, tokenizer=tokenizer,
-                                           mask_token_id=mask_id, seed=dc.seed + 12345, shuffle=False)
+                                           mask_token_id=mask_id, seed=dc.seed + 12345, shuffle=False,
+                                           vocab_size=vocab)
         dev = data_lib.take_batches(sim_ds, max(dc.dev_batches, 1))
-    train_ds, _ = data_lib.build_dataset(dc, dc.train_path, tokenizer=tokenizer, mask_token_id=mask_id)
+    train_ds, _ = data_lib.build_dataset(dc, dc.train_path, tokenizer=tokenizer, mask_token_id=mask_id,
+                                         vocab_size=vocab)
     run_cfg = TrainRunConfig(model=drafter.config, mesh=cfg.mesh, data=dataclasses.replace(dc, mask_token_id=mask_id),
                              objective=cfg.objective, optim=cfg.optim,
                              train=dataclasses.replace(cfg.train, progress_bar=pc.progress_bar),

@@ -28,6 +28,8 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
+from d3d_jax.errors import DataError, ModelFileError, RecordError, UsageError
+from d3d_jax.training import records as rec_lib
 from d3d_jax.training.chat_prompts import (  # noqa: F401  (re-exported: the regeneration API)
     MalformedPrompt, Prompt, content_id, read_prompts, render_prompt, user_side)
 
@@ -51,13 +53,13 @@ class GenerationSettings:
 
     def validate(self) -> None:
         if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+            raise UsageError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise UsageError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+            raise UsageError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
         if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+            raise UsageError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
 
 
 def settings_from_config(cfg) -> GenerationSettings:
@@ -81,9 +83,9 @@ def shard_index(prompt_id: str, process_count: int) -> int:
 
 def shard_prompts(prompts: Sequence[Prompt], process_index: int, process_count: int) -> list[Prompt]:
     if process_count < 1:
-        raise ValueError(f"process_count must be >= 1, got {process_count}")
+        raise UsageError(f"process_count must be >= 1, got {process_count}")
     if not 0 <= process_index < process_count:
-        raise ValueError(f"process_index must be in [0, {process_count}), got {process_index}")
+        raise UsageError(f"process_index must be in [0, {process_count}), got {process_index}")
     return [p for p in prompts if shard_index(p.id, process_count) == process_index]
 
 
@@ -102,7 +104,7 @@ def record_seed(seed: int, prompt_id: str) -> int:
 def plan_batches(ids: Sequence[str], lengths: Sequence[int], batch_size: int) -> list[list[int]]:
     """Indices grouped into batches of similar prompt length (sorted by length, then id)."""
     if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        raise UsageError(f"batch_size must be >= 1, got {batch_size}")
     order = sorted(range(len(ids)), key=lambda i: (lengths[i], ids[i]))
     return [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
 
@@ -149,17 +151,14 @@ def recover_output(path: str | os.PathLike) -> list[dict]:
             f.flush()
             os.fsync(f.fileno())
     records = []
-    with open(path, "rb") as f:
-        for line_no, raw in enumerate(f, 1):
-            if not raw.strip():
-                continue
-            try:
-                rec = json.loads(raw.decode("utf-8"))
-            except (UnicodeDecodeError, json.JSONDecodeError) as e:
-                raise ValueError(f"{path}:{line_no}: not a JSON record ({e}); fix or move the file") from None
-            if not isinstance(rec, dict) or "id" not in rec:
-                raise ValueError(f"{path}:{line_no}: not a regeneration record (no 'id')")
-            records.append({k: rec.get(k) for k in RESUME_FIELDS})
+    for line_no, raw in rec_lib.jsonl_lines(path):
+        try:
+            rec = rec_lib.decode_line(raw)
+        except RecordError as e:
+            raise DataError(f"{path}:{line_no}: not a JSON record ({e}); fix or move the file") from None
+        if not isinstance(rec, dict) or "id" not in rec:
+            raise DataError(f"{path}:{line_no}: not a regeneration record (no 'id')")
+        records.append({k: rec.get(k) for k in RESUME_FIELDS})
     return records
 
 
@@ -167,12 +166,12 @@ def check_compatible(records: Iterable[dict], generation: dict, target: dict, pa
     """Refuse to append to a file written with other sampling settings or another target."""
     for rec in records:
         if rec.get("generation") != generation:
-            raise ValueError(f"{path}: record {rec['id']!r} was generated with {rec.get('generation')}, "
+            raise UsageError(f"{path}: record {rec['id']!r} was generated with {rec.get('generation')}, "
                              f"this run uses {generation}; use another --out")
         keys = ("config_sha256", "weights_sha256")
         old = {k: (rec.get("target") or {}).get(k) for k in keys}
         if old != {k: target.get(k) for k in keys}:
-            raise ValueError(f"{path}: record {rec['id']!r} came from target {rec.get('target')}, "
+            raise UsageError(f"{path}: record {rec['id']!r} came from target {rec.get('target')}, "
                              f"this run uses {target}; use another --out")
 
 
@@ -195,7 +194,7 @@ def merge_shards(out_path: str | os.PathLike, process_count: int,
     yet, or skipped as too long).
     """
     if process_count < 2:
-        raise ValueError(f"process_count must be >= 2 to merge shard files, got {process_count}")
+        raise UsageError(f"process_count must be >= 2 to merge shard files, got {process_count}")
     out = Path(out_path)
     seen: dict[str, Path] = {}
     tmp = out.with_name(out.name + ".merging")
@@ -204,7 +203,7 @@ def merge_shards(out_path: str | os.PathLike, process_count: int,
             for i in range(process_count):
                 part = shard_output_path(out, i, process_count)
                 if not part.exists():
-                    raise ValueError(f"{part}: missing (process {i} of {process_count} wrote nothing)")
+                    raise DataError(f"{part}: missing (process {i} of {process_count} wrote nothing)")
                 with open(part, "rb") as src:  # streamed: a shard may hold millions of records
                     for line_no, raw in enumerate(src, 1):
                         if not raw.endswith(b"\n"):
@@ -212,11 +211,11 @@ def merge_shards(out_path: str | os.PathLike, process_count: int,
                         if not raw.strip():
                             continue
                         try:
-                            pid = json.loads(raw.decode("utf-8"))["id"]
-                        except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
-                            raise ValueError(f"{part}:{line_no}: not a regeneration record ({e})") from None
+                            pid = rec_lib.decode_line(raw)["id"]
+                        except (RecordError, KeyError, TypeError) as e:
+                            raise DataError(f"{part}:{line_no}: not a regeneration record ({e})") from None
                         if pid in seen:
-                            raise ValueError(f"{part}:{line_no}: id {pid!r} is also in {seen[pid]}")
+                            raise DataError(f"{part}:{line_no}: id {pid!r} is also in {seen[pid]}")
                         seen[pid] = part
                         f.write(raw)
             f.flush()
@@ -297,7 +296,7 @@ def stop_token_ids(target, tokenizer, target_path: str | os.PathLike | None = No
         with open(Path(target_path) / "generation_config.json") as f:
             add(json.load(f).get("eos_token_id"))
     if not ids:
-        raise ValueError("no end-of-turn token: the target config and tokenizer name no eos token")
+        raise ModelFileError("no end-of-turn token: the target config and tokenizer name no eos token")
     return tuple(ids)
 
 
@@ -357,12 +356,14 @@ def regenerate(target, tokenizer, prompts_path: str | os.PathLike, out_path: str
                process_index: int | None = None, process_count: int | None = None,
                target_path: str | os.PathLike | None = None, max_records: int | None = None,
                max_prompt_tokens: int | None = None, cache_multiple: int = 64,
-               progress: bool = True) -> RegenerationSummary:
+               progress: bool = True, max_skipped_fraction: float = 0.01) -> RegenerationSummary:
     """Regenerate responses for every prompt of this process's shard not yet in the output.
 
     ``max_records`` stops after that many new records (a partial run; rerun to continue).
     Prompts longer than ``max_prompt_tokens`` (default: what fits before the target's
-    ``max_position_embeddings`` with ``max_new_tokens`` left) are skipped and listed.
+    ``max_position_embeddings`` with ``max_new_tokens`` left) are skipped and listed.  Malformed
+    lines and prompts the template or vocabulary rejects are skipped and listed too; more than
+    ``max_skipped_fraction`` of them, or no usable prompt, stop the run before generating.
     """
     import jax
     from tqdm.auto import tqdm
@@ -373,13 +374,18 @@ def regenerate(target, tokenizer, prompts_path: str | os.PathLike, out_path: str
     if process_index is None:
         process_index = jax.process_index()
     if max_records is not None and max_records < 0:
-        raise ValueError(f"max_records must be >= 0, got {max_records}")
-    limit = target.config.max_position_embeddings - settings.max_new_tokens
+        raise UsageError(f"max_records must be >= 0, got {max_records}")
+    max_pos = target.config.max_position_embeddings
+    rec_lib.check_context(1, settings.max_new_tokens, max_pos, model=str(target_path or "the target"))
+    limit = max_pos - settings.max_new_tokens
     if max_prompt_tokens is None:
         max_prompt_tokens = limit
     if max_prompt_tokens < 1 or max_prompt_tokens > limit:
-        raise ValueError(f"max_prompt_tokens must be in [1, {limit}] (max_position_embeddings "
-                         f"{target.config.max_position_embeddings} - max_new_tokens), got {max_prompt_tokens}")
+        raise UsageError(f"max_prompt_tokens must be in [1, {limit}] (max_position_embeddings "
+                         f"{max_pos} - max_new_tokens), got {max_prompt_tokens}")
+    if len(tokenizer) > target.config.vocab_size:
+        raise ModelFileError(f"the tokenizer has {len(tokenizer)} tokens but the target's vocab_size is "
+                             f"{target.config.vocab_size}")
 
     prompts, malformed = read_prompts(prompts_path)
     mine = shard_prompts(prompts, process_index, process_count)
@@ -396,18 +402,14 @@ def regenerate(target, tokenizer, prompts_path: str | os.PathLike, out_path: str
     done = {r["id"] for r in existing}
     summary.already_done = sum(p.id in done for p in mine)
 
-    usable, token_ids = [], []
-    for p in mine:
-        try:
-            ids = render_prompt(tokenizer, p.messages)
-        except Exception as e:  # a template may reject a turn order (e.g. system not first)
-            summary.skipped.append((p.line, f"id {p.id!r}: chat template failed: {e}"))
-            continue
-        if len(ids) > max_prompt_tokens:
-            summary.skipped.append((p.line, f"id {p.id!r}: prompt has {len(ids)} tokens > {max_prompt_tokens}"))
-            continue
-        usable.append(p)
-        token_ids.append(np.asarray(ids, np.int32))  # not a list: ~36 bytes/token as Python ints
+    usable, token_ids, rejected = _render_all(mine, tokenizer, max_prompt_tokens, target.config.vocab_size, summary)
+    first = (malformed + summary.skipped)[:1]
+    rec_lib.check_skipped_fraction(len(malformed) + rejected, len(prompts) + len(malformed), max_skipped_fraction,
+                                   str(prompts_path), "max_skipped_fraction",
+                                   f"line {first[0][0]}: {first[0][1]}" if first else None)
+    if mine and not usable:
+        raise DataError(f"{prompts_path}: none of this shard's {len(mine)} prompts is usable "
+                        f"(first: line {summary.skipped[0][0]}: {summary.skipped[0][1]})")
     lengths = [len(t) for t in token_ids]
     batches = plan_batches([p.id for p in usable], lengths, batch_size)
     summary.padding_waste = padding_waste(lengths, batches)
@@ -446,6 +448,28 @@ def regenerate(target, tokenizer, prompts_path: str | os.PathLike, out_path: str
     summary.seconds = time.perf_counter() - start
     summary.cpu_seconds = time.process_time() - cpu_start
     return summary
+
+
+def _render_all(prompts: Sequence[Prompt], tokenizer, max_prompt_tokens: int, vocab_size: int,
+                summary: RegenerationSummary) -> tuple[list[Prompt], list[np.ndarray], int]:
+    """Prompt ids of every prompt that renders, fits the vocabulary and ``max_prompt_tokens``; the
+    others go into ``summary.skipped`` with the reason.  Also returns how many were rejected as bad
+    (template or vocabulary; a prompt over the length limit is the limit working, not a bad one)."""
+    usable, token_ids, rejected = [], [], 0
+    for p in prompts:
+        try:
+            ids = rec_lib.token_ids(render_prompt(tokenizer, p.messages), "rendered prompt", vocab_size)
+        except Exception as e:  # a template may reject a turn order (e.g. system not first)
+            why = str(e) if isinstance(e, RecordError) else f"chat template failed: {e}"
+            summary.skipped.append((p.line, f"id {p.id!r}: {why}"))
+            rejected += 1
+            continue
+        if len(ids) > max_prompt_tokens:
+            summary.skipped.append((p.line, f"id {p.id!r}: prompt has {len(ids)} tokens > {max_prompt_tokens}"))
+            continue
+        usable.append(p)
+        token_ids.append(ids)  # an array, not a list: ~36 bytes/token as Python ints
+    return usable, token_ids, rejected
 
 
 def _record(prompt: Prompt, prompt_ids: Sequence[int], output, tokenizer, generation: dict, template: dict,

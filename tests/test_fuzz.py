@@ -1,0 +1,248 @@
+"""Issue 12 fuzz: 500 seeded random mutations of valid training records, config.json fields, prompt
+files and safetensors files.  Every outcome is a success with the output an independent oracle
+expects, or one of the project's own errors (:class:`D3DError`) — never another exception.
+Fixed counts, no model is built: a few seconds."""
+import importlib.util
+import json
+import random
+import types
+
+import numpy as np
+import pytest
+
+from d3d_jax.config import DataConfig, ModelConfig
+from d3d_jax.errors import D3DError, DataError
+from d3d_jax.io import hf
+from d3d_jax.io import safetensors_io as st
+from d3d_jax.training import data as D
+from d3d_jax.training import regenerate as rg
+
+from cli_util import ROOT
+
+SEED = 12
+COUNTS = {"records": 200, "config": 150, "prompts": 100, "safetensors": 50}  # 500 in all
+VOCAB = 64
+JUNK = [None, True, False, 0, -1, 3, 63, 64, 1.5, 2.0, float("inf"), "", "a", "7", "\u00ff", 2 ** 31, 2 ** 40,
+        2 ** 70, -2 ** 70, [], [1, "a"], [[1]], {}, {"a": 1}, [True], [0.5], list(range(5))]
+
+
+def mutate_value(rng: random.Random, value):
+    """A junk value, or (for a list) the list with one element replaced, added or removed."""
+    if isinstance(value, list) and value and rng.random() < 0.6:
+        value = list(value)
+        op = rng.randrange(3)
+        i = rng.randrange(len(value))
+        if op == 0:
+            value[i] = rng.choice(JUNK)
+        elif op == 1:
+            value.insert(i, rng.choice(JUNK))
+        else:
+            del value[i]
+        return value
+    return rng.choice(JUNK)
+
+
+def mutate_object(rng: random.Random, obj: dict, keys) -> dict:
+    obj = json.loads(json.dumps(obj))
+    for _ in range(rng.randint(1, 2)):
+        key = rng.choice(list(keys) + list(obj))
+        if key in obj and rng.random() < 0.25:
+            del obj[key]
+        else:
+            obj[key] = mutate_value(rng, obj.get(key))
+    return obj
+
+
+def mutate_bytes(rng: random.Random, raw: bytes) -> bytes:
+    """A flipped, inserted (0xFF) or truncated byte; never a newline (one record stays one line)."""
+    op, i = rng.randrange(3), rng.randrange(len(raw) + 1)
+    if op == 0 and i < len(raw):
+        return raw[:i] + bytes([rng.choice([b for b in range(256) if b not in (10, 13)])]) + raw[i + 1:]
+    if op == 1:
+        return raw[:i] + b"\xff" + raw[i:]
+    return raw[:i]
+
+
+def mutated_lines(rng, base: list[dict], keys, n: int) -> list[bytes]:
+    out = []
+    for _ in range(n):
+        obj = rng.choice(base)
+        raw = json.dumps(mutate_object(rng, obj, keys) if rng.random() < 0.7 else obj).encode()
+        out.append(mutate_bytes(rng, raw) if rng.random() < 0.3 else raw)
+    return out
+
+
+def parse(raw: bytes):
+    """The oracle's own reading of a line: the object, or None if it is not UTF-8 JSON."""
+    try:
+        return json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        return None
+
+
+# ----------------------------------------------------------------------------------------------
+def expected_record(raw: bytes, clean: int):
+    """("kept", tokens, response_start) | ("invalid",) | ("empty",), decided independently."""
+    obj = parse(raw)
+    ids_ok = lambda v: isinstance(v, list) and all(type(t) is int and 0 <= t < VOCAB for t in v)  # noqa: E731
+    if not isinstance(obj, dict) or not ids_ok(obj.get("response_token_ids", "missing")):
+        return ("invalid",)
+    prompt = obj.get("prompt_token_ids")
+    if not ids_ok(prompt):  # None too: without a tokenizer messages cannot be rendered
+        return ("invalid",)
+    response = obj["response_token_ids"]
+    if not response or len(prompt) >= clean:
+        return ("empty",)
+    return ("kept", (prompt + response)[:clean], len(prompt))
+
+
+def test_fuzz_training_records(tmp_path):
+    rng = random.Random(SEED)
+    base = D.synthetic_records(8, vocab_size=VOCAB, prompt_len=3, response_len=12, seed=SEED)
+    lines = [raw for raw in mutated_lines(rng, base, ("prompt_token_ids", "response_token_ids", "messages"),
+                                          COUNTS["records"]) if raw.strip()]
+    path = tmp_path / "records.jsonl"
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    cfg = DataConfig(packed_length=16 + 1 * 4, num_anchors=1, block_size=4, max_skipped_fraction=1.0)
+    want = [expected_record(raw, cfg.clean_length) for raw in lines]
+    examples, stats = D.load_examples(path, None, cfg, vocab_size=VOCAB)
+    kept = [(n, w) for n, w in enumerate(want, 1) if w[0] == "kept"]
+    assert stats.lines == len(lines) and stats.invalid == sum(w[0] == "invalid" for w in want)
+    assert stats.empty_response == sum(w[0] == "empty" for w in want) and stats.kept == len(kept)
+    for ex, (n, (_, tokens, start)) in zip(examples, kept):
+        assert ex.line == n and ex.tokens.tolist() == tokens and ex.response_start == start
+    assert 0.01 < stats.invalid / stats.lines < 0.9  # the mutations do hit both outcomes
+    with pytest.raises(DataError, match="are invalid, more than data.max_skipped_fraction=0.01"):
+        D.load_examples(path, None, DataConfig(packed_length=20, num_anchors=1, block_size=4), vocab_size=VOCAB)
+
+
+# ----------------------------------------------------------------------------------------------
+INT_KEYS = {"vocab_size": "vocab_size", "hidden_size": "hidden_size", "intermediate_size": "intermediate_size",
+            "num_hidden_layers": "num_layers", "num_attention_heads": "num_heads",
+            "num_key_value_heads": "num_kv_heads", "head_dim": "head_dim",
+            "max_position_embeddings": "max_position_embeddings"}
+
+
+def test_fuzz_config_json(tmp_path):
+    rng = random.Random(SEED + 1)
+    good = ModelConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                       num_kv_heads=2, head_dim=16, eos_token_id=[1, 2], mask_token_id=95, block_size=4).to_hf_dict()
+    keys = list(good) + ["rope_scaling", "use_sliding_window", "attention_bias"]
+    outcomes = {"ok": 0, "error": 0}
+    for raw in mutated_lines(rng, [good], keys, COUNTS["config"]):
+        (tmp_path / "config.json").write_bytes(raw)
+        try:
+            cfg = hf.load_config(tmp_path)
+        except D3DError as e:
+            assert str(e).startswith(str(tmp_path)), e  # every error names the directory or file
+            outcomes["error"] += 1
+            continue
+        outcomes["ok"] += 1
+        obj = parse(raw)
+        cfg.validate()
+        for key, ours in INT_KEYS.items():
+            if obj.get(key) is not None:
+                assert getattr(cfg, ours) == int(obj[key]), (key, obj[key])
+        assert not any(isinstance(obj.get(k), str) for k in INT_KEYS)  # JSON strings are not numbers
+        as_int = lambda v: int(v) if isinstance(v, float) else v  # noqa: E731  (2.0 is an integer)
+        eos = obj.get("eos_token_id")
+        assert cfg.eos_token_id == ([as_int(v) for v in eos] if isinstance(eos, list) else as_int(eos))
+    assert min(outcomes.values()) > 10, outcomes
+
+
+# ----------------------------------------------------------------------------------------------
+PROMPT_BASE = [
+    {"id": "m", "messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "to be"}]},
+    {"conversations": [{"from": "human", "value": "or not"}, {"from": "gpt", "value": "old"}]},
+    {"prompt": "that is", "system": "s"},
+    {"id": 7, "prompt": [{"role": "user", "content": [{"type": "text", "text": "the question"}]}]},
+    {"prompt_ids": [5, 6, 7]},
+]
+
+
+def _generate_cli():
+    spec = importlib.util.spec_from_file_location("generate_cli", ROOT / "infer" / "generate.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_fuzz_prompt_files(tmp_path):
+    from d3d_jax.io.tokenizer import train_tokenizer
+
+    tok = hf.open_tokenizer(train_tokenizer(["to be or not to be, that is the question"] * 20, 300,
+                                            tmp_path / "tok"))
+    cli = _generate_cli()
+    rng = random.Random(SEED + 2)
+    keys = ("messages", "conversations", "prompt", "system", "id", "prompt_ids")
+    lines = mutated_lines(rng, PROMPT_BASE, keys, COUNTS["prompts"])
+    path = tmp_path / "prompts.jsonl"
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    # regeneration's reader: every non-blank line is a prompt or listed as malformed, never an exception
+    prompts, malformed = rg.read_prompts(path)
+    nonblank = [n for n, raw in enumerate(lines, 1) if raw.strip()]
+    assert sorted([p.line for p in prompts] + [n for n, _ in malformed]) == nonblank
+    assert len({p.id for p in prompts}) == len(prompts) and len(malformed) > 5 and len(prompts) > 5
+    for p in prompts:
+        assert p.messages and all(m["role"] in ("system", "user") and isinstance(m["content"], str)
+                                  for m in p.messages)
+    # generate's reader, one line a file: ids of the line, or a project error naming file:line
+    ok = 0
+    for n, raw in enumerate(lines):
+        one = tmp_path / f"p{n}.jsonl"
+        one.write_bytes(raw + b"\n")
+        args = types.SimpleNamespace(prompt=[], prompt_ids=[], prompts_file=str(one), chat=False)
+        try:
+            (ids,) = cli.collect_prompts(args, tok, VOCAB * 5)
+        except D3DError as e:
+            assert str(e).startswith(f"{one}:1: ") or "no prompts" in str(e), e
+            continue
+        ok += 1
+        obj = parse(raw)
+        assert all(type(t) is int and 0 <= t < VOCAB * 5 for t in ids)
+        if "prompt_ids" in obj:
+            assert ids == obj["prompt_ids"]
+        elif "messages" not in obj:
+            assert ids == tok.encode(obj["prompt"], add_special_tokens=False)
+    assert ok > 10
+
+
+# ----------------------------------------------------------------------------------------------
+def test_fuzz_safetensors(tmp_path):
+    rng = random.Random(SEED + 3)
+    arrays = {"a": np.arange(12, dtype=np.float32).reshape(3, 4), "b": np.arange(5, dtype=np.int64),
+              "c": np.ones((2, 2, 2), np.float16)}
+    st.write_file(tmp_path / "good.safetensors", arrays)
+    good = (tmp_path / "good.safetensors").read_bytes()
+    header_end = 8 + int.from_bytes(good[:8], "little")
+    outcomes = {"ok": 0, "error": 0}
+    for i in range(COUNTS["safetensors"]):
+        raw = bytearray(good)
+        op = rng.randrange(5)
+        if op == 0:  # cut anywhere
+            raw = raw[: rng.randrange(len(raw))]
+        elif op == 1:  # a printable byte anywhere in the JSON header
+            raw[rng.randrange(8, header_end)] = rng.randrange(32, 127)
+        elif op == 2:  # a wrong header length
+            raw[:8] = rng.randrange(0, 2 ** 20).to_bytes(8, "little")
+        elif op == 3:  # other tensor bytes: still a valid file
+            raw[rng.randrange(header_end, len(raw))] = rng.randrange(256)
+        else:  # trailing bytes past the last tensor: still valid
+            raw += bytes(rng.randrange(1, 9))
+        path = tmp_path / f"m{i}.safetensors"
+        path.write_bytes(bytes(raw))
+        try:
+            f = st.SafetensorsFile(path)
+            got = {k: np.array(f.get(k)) for k in f.keys()}
+        except D3DError as e:
+            assert str(e).startswith(str(path)), e
+            outcomes["error"] += 1
+            continue
+        outcomes["ok"] += 1
+        header, start = st.read_header(path)
+        for k, arr in got.items():  # what the header says, read from where it says
+            info = header[k]
+            assert list(arr.shape) == info["shape"] and st._NAMES[arr.dtype] == info["dtype"]
+            lo, hi = info["data_offsets"]
+            assert arr.tobytes() == bytes(raw[start + lo: start + hi])
+    assert min(outcomes.values()) > 5, outcomes
