@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 
 from d3d_jax.config import ConfigError, MeshConfig, ModelConfig
-from d3d_jax.io.checkpoint import load_model, save_params
+from d3d_jax.io.checkpoint import PARAMS_CONFIG_FILE, load_model, save_params
 from d3d_jax.io.hf import save_qwen3
 from d3d_jax.model.qwen3 import init_model
 from d3d_jax.parallel.sharding import make_mesh
@@ -29,6 +29,28 @@ def test_param_checkpoint_round_trip(tmp_path):
     assert loaded.config == CFG  # incl. mask_token_id and block_size
     for a, b in zip(params_of(model), params_of(loaded)):
         assert a.dtype == b.dtype and np.array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_param_checkpoint_stores_weights_not_runtime_choices(tmp_path, monkeypatch):
+    """A checkpoint exported by a GPU run (fused attention, remat) loads on a host that cannot run
+    that backend: the stored config keeps the runtime-only fields at their defaults."""
+    import dataclasses
+
+    from d3d_jax.config import model as model_cfg
+
+    gpu_cfg = dataclasses.replace(CFG, head_dim=16, attention_backend="pallas", remat_policy="full")
+    monkeypatch.setattr(model_cfg, "_platform", lambda: "gpu")  # validate as the GPU host would
+    gpu_cfg.validate()
+    model = init_model(dataclasses.replace(gpu_cfg, attention_backend="xla"), seed=3)
+    model.config = gpu_cfg  # what the GPU run's model carries
+    save_params(model, tmp_path / "ckpt")
+    monkeypatch.undo()  # back on the CPU host: "pallas" would be refused here
+    stored = json.loads((tmp_path / "ckpt" / PARAMS_CONFIG_FILE).read_text())["model"]
+    assert (stored["attention_backend"], stored["remat_policy"]) == ("xla", "none")
+    loaded = load_model(tmp_path / "ckpt")
+    assert loaded.config == dataclasses.replace(gpu_cfg, attention_backend="xla", remat_policy="none")
+    for a, b in zip(params_of(model), params_of(loaded)):
+        assert np.array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_param_checkpoint_restores_onto_mesh_with_dtype(tmp_path):

@@ -92,6 +92,15 @@ class ModelConfig:
     attention_backend: str = "xla"
     remat_policy: str = "none"
 
+    # How a run computes, not what the weights are: a saved checkpoint stores their defaults, so
+    # one exported from a GPU run (attention_backend=pallas) loads on a CPU host.
+    RUNTIME_ONLY = ("attention_backend", "remat_policy", "gradient_checkpointing")
+
+    def portable(self) -> "ModelConfig":
+        """This config with the runtime-only fields at their defaults (what checkpoints store)."""
+        defaults = {f.name: f.default for f in dataclasses.fields(self) if f.name in self.RUNTIME_ONLY}
+        return dataclasses.replace(self, **defaults)
+
     def validate(self, prefix: str = "model") -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
                      "num_heads", "num_kv_heads", "head_dim", "max_position_embeddings"):

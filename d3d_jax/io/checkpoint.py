@@ -66,7 +66,8 @@ def save_params(model: Qwen3, directory: str | os.PathLike) -> Path:
     ckptr.wait_until_finished()
     if primary:
         with open(directory / PARAMS_CONFIG_FILE, "w") as f:
-            json.dump({"format": _FORMAT, "model": dataclasses.asdict(model.config)}, f, indent=2)
+            json.dump({"format": _FORMAT, "model": dataclasses.asdict(model.config.portable())}, f,
+                      indent=2)
         write_manifest(directory)
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
