@@ -10,7 +10,9 @@ the pure function ``(state, batch[, extra]) -> (state, metrics)`` with the state
 Reuse with another objective: pass ``loss_fn(model, batch) -> (loss, metrics)`` (or
 ``loss_fn(model, batch, extra)`` together with ``loss_extra=``, a pytree such as a frozen
 teacher's state that travels as a jit argument instead of being baked in as constants).
-Gradient accumulation averages the micro-batches' losses (as ``optax.MultiSteps`` does).
+Gradient accumulation is exact: each micro-batch's loss divides by the whole batch's token
+weights (``batch[objectives.LOSS_TOTALS]``, which a custom loss must honour, as the objectives'
+helpers do) and the micro-batches' gradients and metrics are summed.
 """
 
 from __future__ import annotations
@@ -83,26 +85,39 @@ def batch_shardings(batch: dict, mesh: Mesh, rules=None) -> dict:
 # --------------------------------------------------------------------------------------
 # Pure step functions
 # --------------------------------------------------------------------------------------
-def _train_step(graphdef, tx: optax.GradientTransformation, loss_fn: LossFn, schedule, state, batch, extra):
+def accumulate_grads(loss_of: Callable, totals_fn: Callable[[dict], dict], params, batch: dict):
+    """``(grads, metrics)`` of an accumulation-major batch ``[accum, micro, ...]``.
+
+    Every micro-batch is normalised by the *whole* batch's token weights (``totals_fn(batch)``,
+    see :data:`objectives.LOSS_TOTALS`), so summing the micro-batches' losses, metrics and
+    gradients gives exactly the whole batch's ``Σw·CE/Σw``, also when micro-batches carry
+    unequal weights (averaging their ratios would not).
+    """
+    grad_fn = jax.value_and_grad(loss_of, has_aux=True)
+    totals = totals_fn(batch)
+    with_totals = lambda mb: {**mb, obj.LOSS_TOTALS: totals}
+    if jax.tree.leaves(batch)[0].shape[0] == 1:
+        (_, metrics), grads = grad_fn(params, with_totals(jax.tree.map(lambda x: x[0], batch)))
+        return grads, metrics
+
+    def body(carry, mb):
+        (_, m), g = grad_fn(params, with_totals(mb))
+        return jax.tree.map(jnp.add, carry, (g, m)), None
+
+    (_, m0), g0 = jax.eval_shape(grad_fn, params, with_totals(jax.tree.map(lambda x: x[0], batch)))
+    zero = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), (g0, m0))
+    return jax.lax.scan(body, zero, batch)[0]
+
+
+def _train_step(graphdef, tx: optax.GradientTransformation, loss_fn: LossFn, schedule, totals_fn,
+                state, batch, extra):
     params, rest = state["params"], state["rest"]
 
     def loss_of(p, mb):
         m = nnx.merge(graphdef, p, rest)
         return loss_fn(m, mb) if extra is None else loss_fn(m, mb, extra)
 
-    grad_fn = jax.value_and_grad(loss_of, has_aux=True)
-    accum = jax.tree.leaves(batch)[0].shape[0]
-    if accum == 1:
-        (_, metrics), grads = grad_fn(params, jax.tree.map(lambda x: x[0], batch))
-    else:
-        def body(carry, mb):
-            (_, m), g = grad_fn(params, mb)
-            return jax.tree.map(jnp.add, carry, (g, m)), None
-
-        zero = jax.tree.map(jnp.zeros_like, jax.eval_shape(grad_fn, params, jax.tree.map(lambda x: x[0], batch)))
-        (grads, metrics), _ = jax.lax.scan(body, (zero[1], zero[0][1]), batch)
-        grads = jax.tree.map(lambda g: g / accum, grads)
-        metrics = jax.tree.map(lambda m: m / accum, metrics)
+    grads, metrics = accumulate_grads(loss_of, totals_fn, params, batch)
     metrics = dict(metrics)
     metrics["grad_norm"] = optax.tree.norm(grads)
     metrics["learning_rate"] = schedule(state["step"])
@@ -192,6 +207,7 @@ class Trainer:
         self.tx = make_optimizer(cfg.optim, cfg.train.steps)
         self.graphdef, self.state, self.state_sharding = self._create_state(model)
         self.loss_fn = loss_fn or obj.make_loss_fn(cfg.objective)
+        self.totals_fn = partial(obj.loss_totals, gamma=cfg.objective.gamma)
         self.loss_extra = loss_extra
         self.step = 0
         self.history: list[dict] = []
@@ -278,7 +294,7 @@ class Trainer:
     # ---- compile ------------------------------------------------------------------------
     def compile(self, example_batch: dict):
         """AOT ``lower().compile()`` of the train step; prints XLA's memory analysis."""
-        fn = partial(_train_step, self.graphdef, self.tx, self.loss_fn, self.schedule)
+        fn = partial(_train_step, self.graphdef, self.tx, self.loss_fn, self.schedule, self.totals_fn)
         b_sh = batch_shardings(example_batch, self.mesh, self.rules)
         jitted = jax.jit(fn, in_shardings=(self.state_sharding, b_sh, None),
                          out_shardings=(self.state_sharding, None), donate_argnums=(0,))
@@ -306,7 +322,7 @@ class Trainer:
             if self.cfg.train.aot_compile:
                 self.compile(batch)
             else:
-                fn = partial(_train_step, self.graphdef, self.tx, self.loss_fn, self.schedule)
+                fn = partial(_train_step, self.graphdef, self.tx, self.loss_fn, self.schedule, self.totals_fn)
                 self._compiled = jax.jit(fn, out_shardings=(self.state_sharding, None), donate_argnums=(0,))
         with shd.use_mesh(self.mesh, self.rules):
             self.state, metrics = self._compiled(self.state, batch, self.loss_extra)
