@@ -150,12 +150,20 @@ def test_lm_rows(tmp_path):
     np.testing.assert_array_equal(m, np.tril(np.ones((8, 8), bool)))
 
 
-def test_process_shards_partition_the_records(tmp_path):
+def test_process_shards_split_every_global_batch(tmp_path):
+    """n processes' rows of a batch, stacked in process order, are the 1-process batch, row for row
+    (records, anchors and all), and no process sees another's rows."""
     recs = [{"id": i, "prompt_token_ids": [5], "response_token_ids": [10 + i] * 6} for i in range(12)]
     _write_jsonl(tmp_path / "d.jsonl", recs)
-    cfg = DataConfig(packed_length=8 + 1 * 4, num_anchors=1, block_size=4, batch_size=2, shuffle=False)
-    seen = []
-    for i in range(3):
-        ds, _ = D.build_dataset(cfg, str(tmp_path / "d.jsonl"), mask_token_id=MASK, shard=(i, 3))
-        seen.append({int(ds[j]["tokens"][r, 1]) - 10 for j in range(2) for r in range(2)})
-    assert seen == [{0, 3, 6, 9}, {1, 4, 7, 10}, {2, 5, 8, 11}]
+    cfg = DataConfig(packed_length=8 + 1 * 4, num_anchors=1, block_size=4, batch_size=6, shuffle=True)
+    one, _ = D.build_dataset(cfg, str(tmp_path / "d.jsonl"), mask_token_id=MASK)
+    for n in (2, 3):
+        parts = [D.build_dataset(cfg, str(tmp_path / "d.jsonl"), mask_token_id=MASK, shard=(i, n))[0]
+                 for i in range(n)]
+        for j in range(3):  # across an epoch boundary (12 records = 2 batches)
+            for k, v in one[j].items():
+                np.testing.assert_array_equal(np.concatenate([p[j][k] for p in parts]), v, err_msg=k)
+            ids = [{int(t) - 10 for t in p[j]["tokens"][:, 1]} for p in parts]
+            assert all(len(x) == 6 // n for x in ids) and not set.intersection(*ids)
+    with pytest.raises(ValueError, match="batch_size=6 is not divisible by the 4 processes"):
+        D.build_dataset(cfg, str(tmp_path / "d.jsonl"), mask_token_id=MASK, shard=(0, 4))

@@ -154,7 +154,9 @@ class TrainCheckpointer:
     """``save(step, state, data_state, config)`` / ``restore_latest(abstract_state)``.
 
     ``data_state`` is the grain iterator's ``get_state()`` snapshot taken *before* the async
-    save starts (so a prefetching iterator cannot move under it); one JSON item per process.
+    save starts (so a prefetching iterator cannot move under it); one JSON item, written by the
+    primary process: every process's iterator is at the same global batch
+    (:func:`d3d_jax.training.data.batch_shard`), so a run on any number of processes resumes it.
     """
 
     def __init__(self, directory: str | os.PathLike, keep: int = 3, async_save: bool = True):
@@ -162,7 +164,7 @@ class TrainCheckpointer:
 
         self.directory = Path(directory).resolve()
         self._ocp = ocp
-        self._data_item = f"data_p{jax.process_index()}"
+        self._data_item = "data"
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save,
                                                create=True)
         self.manager = ocp.CheckpointManager(self.directory, options=options)

@@ -266,11 +266,22 @@ class _LMWindows:
 # --------------------------------------------------------------------------------------
 # grain pipelines
 # --------------------------------------------------------------------------------------
+def batch_shard(rows: grain.MapDataset, batch_size: int, shard: tuple[int, int]) -> grain.MapDataset:
+    """Process ``i`` of ``n``'s rows ``[i·b, (i+1)·b)`` (``b = batch_size / n``) of every global
+    batch of ``batch_size`` consecutive rows.  Lazy: a process packs only its own rows.  The
+    global batches, and the iterator state (the batch index), do not depend on ``n``, so a run
+    on any number of processes sees the same data and resumes another's checkpoint."""
+    i, n = shard
+    if batch_size % n:
+        raise ValueError(f"data.batch_size={batch_size} is not divisible by the {n} processes")
+    return rows.batch(batch_size // n, drop_remainder=True)[i::n]
+
+
 def d3d_dataset(examples: Sequence[Example], cfg: DataConfig, mask_token_id: int, *, seed: int | None = None,
                 shuffle: bool | None = None, shard: tuple[int, int] = (0, 1)) -> grain.MapDataset:
     """Infinite (reshuffled each epoch), batched packed rows; anchors fixed by (seed, index)."""
     seed = cfg.seed if seed is None else seed
-    ds = grain.MapDataset.source(list(examples))[shard[0]::shard[1]]
+    ds = grain.MapDataset.source(list(examples))
     if cfg.shuffle if shuffle is None else shuffle:
         ds = ds.shuffle(seed=seed)
     ds = ds.repeat()
@@ -279,16 +290,16 @@ def d3d_dataset(examples: Sequence[Example], cfg: DataConfig, mask_token_id: int
         anchors, valid = sample_anchors(rng, ex.response_start, len(ex.tokens), cfg.num_anchors, cfg.block_size)
         return pack_example(ex, anchors, valid, cfg, mask_token_id)
 
-    return ds.random_map(pack, seed=seed + 1).batch(cfg.batch_size, drop_remainder=True)
+    return batch_shard(ds.random_map(pack, seed=seed + 1), cfg.batch_size, shard)
 
 
 def lm_dataset(stream: np.ndarray, cfg: DataConfig, *, seed: int | None = None,
                shuffle: bool | None = None, shard: tuple[int, int] = (0, 1)) -> grain.MapDataset:
     seed = cfg.seed if seed is None else seed
-    ds = grain.MapDataset.source(_LMWindows(stream, cfg.packed_length))[shard[0]::shard[1]]
+    ds = grain.MapDataset.source(_LMWindows(stream, cfg.packed_length))
     if cfg.shuffle if shuffle is None else shuffle:
         ds = ds.shuffle(seed=seed)
-    return ds.repeat().map(lambda wl: lm_row(wl[0], wl[1], cfg)).batch(cfg.batch_size, drop_remainder=True)
+    return batch_shard(ds.repeat().map(lambda wl: lm_row(wl[0], wl[1], cfg)), cfg.batch_size, shard)
 
 
 def load_tokenizer_for(cfg: DataConfig) -> Any:
@@ -314,8 +325,8 @@ def resolve_mask_token_id(cfg: DataConfig, model_mask_id: int | None, tokenizer:
 def build_dataset(cfg: DataConfig, path: str, *, tokenizer: Any = None, mask_token_id: int | None = None,
                   eos_token_id: int | None = None, seed: int | None = None, shuffle: bool | None = None,
                   shard: tuple[int, int] = (0, 1)) -> tuple[grain.MapDataset, DataStats]:
-    """The batched dataset for ``path`` in ``cfg.mode``; ``shard=(i, n)`` keeps every n-th record from i
-    (one process's share on a multi-host run; ``cfg.batch_size`` is then that process's rows)."""
+    """The batched dataset for ``path`` in ``cfg.mode``; ``shard=(i, n)``: process ``i`` of ``n``'s
+    rows of every global batch of ``cfg.batch_size`` rows (:func:`batch_shard`)."""
     if not path:
         raise ValueError("data path is empty (set data.train_path / data.dev_path)")
     if cfg.mode == "lm":

@@ -37,18 +37,12 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from d3d_jax.config import TrainRunConfig, to_dict
 from d3d_jax.model.qwen3 import Qwen3, abstract_model
 from d3d_jax.parallel import sharding as shd
+from d3d_jax.parallel.distributed import maybe_initialize_distributed  # noqa: F401 (re-exported)
 from d3d_jax.training import data as data_lib
 from d3d_jax.training import objectives as obj
 from d3d_jax.training.optim import make_optimizer, lr_schedule, tree_nbytes
 
 LossFn = Callable[..., tuple[jax.Array, dict]]
-
-
-def maybe_initialize_distributed() -> None:
-    """``jax.distributed.initialize()`` when launched multi-host (coordinator env vars set)."""
-    keys = ("JAX_COORDINATOR_ADDRESS", "COORDINATOR_ADDRESS", "MEGASCALE_COORDINATOR_ADDRESS")
-    if any(os.environ.get(k) for k in keys) and not jax.distributed.is_initialized():
-        jax.distributed.initialize()
 
 
 # --------------------------------------------------------------------------------------
@@ -178,10 +172,10 @@ class Trainer:
             self.mask_token_id = data_lib.resolve_mask_token_id(dc, cfg.model.mask_token_id, self.tokenizer)
         self.data_stats: dict = {}
         if train_data is None:
-            # Multi-host: each process reads its own records and builds its share of the batch.
+            # Multi-host: each process builds only its rows of every global batch, and the global
+            # batches are the same whatever the process count (so are losses and the data state).
             pc = jax.process_count()
-            local = dataclasses.replace(dc, batch_size=dc.batch_size // pc) if pc > 1 else dc
-            train_data, stats = data_lib.build_dataset(local, dc.train_path, tokenizer=self.tokenizer,
+            train_data, stats = data_lib.build_dataset(dc, dc.train_path, tokenizer=self.tokenizer,
                                                        mask_token_id=self.mask_token_id,
                                                        eos_token_id=_first(cfg.model.eos_token_id),
                                                        shard=(jax.process_index(), pc))
@@ -281,10 +275,14 @@ class Trainer:
     def device_batch(self, host_batch: dict) -> dict:
         """``[global_b, ...]`` host arrays -> ``[accum, micro, ...]`` arrays on the mesh."""
         b = {k: np.asarray(v).reshape(self.accum, -1, *np.shape(v)[1:]) for k, v in host_batch.items()}
-        sh = batch_shardings(b, self.mesh, self.rules)
-        if jax.process_count() > 1:
-            return {k: jax.make_array_from_process_local_data(sh[k], v) for k, v in b.items()}
-        return jax.device_put(b, sh)
+        pc = jax.process_count()
+        if pc == 1:
+            return jax.device_put(b, batch_shardings(b, self.mesh, self.rules))
+        # each process holds 1/pc of every micro-batch: shard by the *global* shape (the local one
+        # may not divide over the mesh, which would silently make the batch replicated)
+        glob = {k: jax.ShapeDtypeStruct((v.shape[0], v.shape[1] * pc, *v.shape[2:]), v.dtype) for k, v in b.items()}
+        sh = batch_shardings(glob, self.mesh, self.rules)
+        return {k: jax.make_array_from_process_local_data(sh[k], v, glob[k].shape) for k, v in b.items()}
 
     def _eval_batch(self, host_batch: dict) -> dict:
         rd = shd.rules_dict(self.rules)
@@ -435,7 +433,16 @@ class Trainer:
 
             extra = {k: getattr(model.config, k) for k in ("mask_token_id", "block_size")
                      if getattr(model.config, k) is not None}
-            paths["hf"] = str(save_qwen3(model, out / "hf", extra_config=extra, tokenizer=self.tokenizer))
+            if jax.process_count() > 1:
+                # every process takes part in gathering the shards; one writes the files
+                from jax.experimental import multihost_utils
+
+                model = nnx.merge(self.graphdef, *(jax.tree.map(
+                    lambda x: multihost_utils.process_allgather(x, tiled=True), self.state[k])
+                    for k in ("params", "rest")))
+            if jax.process_index() == 0:
+                save_qwen3(model, out / "hf", extra_config=extra, tokenizer=self.tokenizer)
+            paths["hf"] = str(out / "hf")
         return paths
 
     def close(self) -> None:
