@@ -167,3 +167,32 @@ def test_process_shards_split_every_global_batch(tmp_path):
             assert all(len(x) == 6 // n for x in ids) and not set.intersection(*ids)
     with pytest.raises(ValueError, match="batch_size=6 is not divisible by the 4 processes"):
         D.build_dataset(cfg, str(tmp_path / "d.jsonl"), mask_token_id=MASK, shard=(0, 4))
+
+
+def test_first_block_anchor_on_the_last_prompt_token(tmp_path):
+    """data.first_block_anchor: the last prompt token (decoding's first anchor) becomes eligible, its
+    block is full and its slots 1..B-1 are the response's first B-1 tokens; off, anchors stay >= rs."""
+    B = 4
+    # prompt 3 tokens; responses of B-1 tokens (only the first block fits) up to 9 tokens
+    recs = [{"id": i, "prompt_token_ids": [5, 6, 7], "response_token_ids": list(range(20, 20 + B - 1 + i))}
+            for i in range(7)]
+    _write_jsonl(tmp_path / "d.jsonl", recs)
+    for on in (False, True):
+        cfg = DataConfig(packed_length=16 + 8 * B, num_anchors=8, block_size=B, batch_size=7, shuffle=False,
+                         first_block_anchor=on)
+        ds, stats = D.build_dataset(cfg, str(tmp_path / "d.jsonl"), mask_token_id=MASK)
+        assert stats.without_anchor == (0 if on else 1)
+        b = ds[0]
+        for r in range(7):
+            n, rs = 3 + B - 1 + r, 3
+            a = b["anchors"][r][b["anchor_valid"][r]]
+            lo = rs - 1 if on else rs
+            assert len(a) == min(8, n - B - lo + 1)  # every eligible position, each once
+            assert np.all(a >= lo) and np.all(a + B - 1 < n)
+            first = np.flatnonzero(b["anchor_valid"][r] & (b["anchors"][r] == rs - 1))
+            assert len(first) == (1 if on else 0)
+            if on:
+                base = cfg.clean_length + int(first[0]) * B
+                assert list(b["tokens"][r, base:base + B]) == [7] + [MASK] * (B - 1)
+                assert list(b["labels"][r, base + 1:base + B]) == recs[r]["response_token_ids"][:B - 1]
+                assert list(b["slot"][r, base:base + B]) == list(range(B))

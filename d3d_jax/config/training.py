@@ -39,6 +39,9 @@ class DataConfig:
     dev_batches: int = 4
     mask_token_id: int | None = None  # None: the model's (or the tokenizer's <|MASK|>)
     pad_token_id: int = 0
+    # Also draw anchors at response_start - 1 (the last prompt token), where decoding anchors every
+    # generation's first block; the block's slots are then the first B-1 response tokens.
+    first_block_anchor: bool = False
 
     def validate(self, prefix: str = "data") -> None:
         _require(self.mode in ("d3d", "lm"), f"{prefix}.mode", f"must be 'd3d' or 'lm', got {self.mode!r}")

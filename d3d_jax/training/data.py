@@ -16,7 +16,8 @@ over-long ones truncated and counted (:class:`DataStats`).
 
 block ``b`` is ``[x[a_b], MASK×(B-1)]`` at positions ``a_b + 0..B-1``; anchors are drawn
 without replacement from response positions ``p`` with ``p + B - 1 < len`` (full blocks only),
-sorted.  A row is a dict of arrays (batched: a leading batch axis):
+sorted (``DataConfig.first_block_anchor`` adds the last prompt token: :func:`first_anchor`).
+A row is a dict of arrays (batched: a leading batch axis):
 
 * ``tokens, positions, block_ids, context_end, valid`` – the model input and its
   :class:`~d3d_jax.model.masks.TokenMeta` (``batch_meta`` builds it);
@@ -138,7 +139,7 @@ def load_examples(path: str | Path, tokenizer: Any, cfg: DataConfig) -> tuple[li
         ex = record_to_example(rec, tokenizer, cfg.clean_length, stats)
         if ex is None:
             continue
-        if len(ex.tokens) - cfg.block_size < ex.response_start:
+        if len(ex.tokens) - cfg.block_size < first_anchor(ex, cfg):
             stats.without_anchor += 1
         out.append(ex)
     stats.kept = len(out)
@@ -151,6 +152,12 @@ def load_examples(path: str | Path, tokenizer: Any, cfg: DataConfig) -> tuple[li
 # --------------------------------------------------------------------------------------
 # Anchors and packing
 # --------------------------------------------------------------------------------------
+def first_anchor(ex: Example, cfg: DataConfig) -> int:
+    """The lowest anchor position: the first response token, or with ``cfg.first_block_anchor``
+    the last prompt token (inference's first block: its slots are the response's first B-1 tokens)."""
+    return max(ex.response_start - 1, 0) if cfg.first_block_anchor else ex.response_start
+
+
 def sample_anchors(rng: np.random.Generator, response_start: int, length: int, num_anchors: int,
                    block_size: int) -> tuple[np.ndarray, np.ndarray]:
     """Sorted anchors without replacement from ``response_start <= p <= length - block_size``.
@@ -287,7 +294,7 @@ def d3d_dataset(examples: Sequence[Example], cfg: DataConfig, mask_token_id: int
     ds = ds.repeat()
 
     def pack(ex: Example, rng: np.random.Generator) -> dict:
-        anchors, valid = sample_anchors(rng, ex.response_start, len(ex.tokens), cfg.num_anchors, cfg.block_size)
+        anchors, valid = sample_anchors(rng, first_anchor(ex, cfg), len(ex.tokens), cfg.num_anchors, cfg.block_size)
         return pack_example(ex, anchors, valid, cfg, mask_token_id)
 
     return batch_shard(ds.random_map(pack, seed=seed + 1), cfg.batch_size, shard)
