@@ -8,7 +8,7 @@ pipeline's drafter stage), and reports offline τ on the demo's dev split:
 
 * **first blocks** – one block per dev response, anchored on its last prompt token (the block
   decoding drafts first), per-block τ paired across the two runs;
-* **all anchors** – the pipeline's dev batches (anchors inside the response, as trained).
+* **all anchors** – the pipeline's dev batches with anchors inside the response only.
 
 Runs one training at a time (CPU-sized: the demo drafter is 2 layers of width 128).
 """
@@ -88,9 +88,9 @@ def finetune(pipe, drafter_dir: Path, name: str, steps: int, seed: int, first_bl
     return hf_dir
 
 
-def evaluate(pipe, model, first_batches: list[dict]) -> dict:
+def evaluate(pipe, model, first_batches: list[dict], dev_batches: list[dict]) -> dict:
     per_block = per_block_tau(model, first_batches, pipe.cfg.block_size)
-    overall = pipe.offline_tau(model)
+    overall = pipe.offline_tau(model, dev_batches)
     return {"tau_first_block": float(per_block.mean()), "tau_all_anchors": overall["tau"],
             "first_blocks": int(per_block.size), "anchors": overall["anchors"], "per_block": per_block.tolist()}
 
@@ -104,12 +104,13 @@ def main(args) -> dict:
     pipe = Pipeline(cfg, work_dir=args.work_dir)
     drafter_dir = pipe.drafter_dir(args.drafter)
     first = first_block_batches(pipe)
-    runs = {"shipped": evaluate(pipe, load_model(str(drafter_dir)), first)}
+    dev = pipe.dev_batches(first_block_anchor=False)  # anchors inside the response, as before the option
+    runs = {"shipped": evaluate(pipe, load_model(str(drafter_dir)), first, dev)}
     for seed in (int(s) for s in args.seeds.split(",")):
         for on in (False, True):
             name = f"{args.drafter}_ft{args.steps}_seed{seed}_{'first_block' if on else 'response_only'}"
             hf = finetune(pipe, drafter_dir, name, args.steps, seed, on)
-            runs[name] = {"first_block_anchor": on, "seed": seed, **evaluate(pipe, load_model(str(hf)), first)}
+            runs[name] = {"first_block_anchor": on, "seed": seed, **evaluate(pipe, load_model(str(hf)), first, dev)}
     out = {"drafter": str(drafter_dir), "steps": args.steps, "runs": runs, "paired": paired(runs)}
     print_table(out)
     if args.json:

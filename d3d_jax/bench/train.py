@@ -56,7 +56,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--peak-tflops", type=float, default=0.0, help="peak TFLOP/s per device (overrides the table)")
     p.add_argument("--plan-config", default="", help="also plan this config (e.g. configs/train/d3d-8b.yaml)")
     p.add_argument("--plan-devices", type=int, default=64)
-    p.add_argument("--plan-batch", type=int, default=0, help="global batch for --plan-config (default: one row per device)")
+    p.add_argument("--plan-batch", type=int, default=0,
+                   help="global batch for --plan-config (default: one row per device)")
     p.add_argument("--skip-throughput", action="store_true", help="print the plan only")
     p.add_argument("--json", default="", help="also write the results here")
     p.add_argument("overrides", nargs="*", help="key=value overrides for the timed config")
@@ -279,8 +280,9 @@ def run_bench(config: str, devices: int, batch: int, steps: int, overrides: list
         out["skipped"] = "--skip-throughput"
     elif device.platform == "cpu" and plan["num_params"] > CPU_MAX_PARAMS:
         host_gib = _host_memory_gib()
-        out["skipped"] = (f"not run on CPU: {plan['num_params'] / 1e9:.2f}B parameters (> {CPU_MAX_PARAMS / 1e6:.0f}M): "
-                          f"a step takes minutes and the plan needs {plan['per_device_GiB']['total'] * devices:.1f} GiB "
+        need = plan["per_device_GiB"]["total"] * devices
+        out["skipped"] = (f"not run on CPU: {plan['num_params'] / 1e9:.2f}B parameters "
+                          f"(> {CPU_MAX_PARAMS / 1e6:.0f}M): a step takes minutes and the plan needs {need:.1f} GiB "
                           f"(host: {host_gib:.1f} GiB); run it on a GPU or TPU")
     if "skipped" in out:
         out["flops"] = step_flops(mc, _one_batch(cfg))
@@ -327,14 +329,16 @@ def print_result(r: dict) -> None:
     t = r["throughput"]
     print(f"  step time           {1e3 * t['step_s']:9.1f} ms   ({t['steps']} steps; compile + first step "
           f"{t['compile_and_first_step_s']:.1f} s; final loss {t['final_loss']:.4f})")
-    print(f"  tokens/s            {t['packed_tokens_per_s']:12.0f} packed ({t['packed_tokens_per_s'] / t['devices']:.0f} "
-          f"per device), {t['block_slot_tokens_per_s']:.0f} block-slot")
+    tps = t["packed_tokens_per_s"]
+    print(f"  tokens/s            {tps:12.0f} packed ({tps / t['devices']:.0f} per device), "
+          f"{t['block_slot_tokens_per_s']:.0f} block-slot")
     mfu = "n/a" if t["mfu"] is None else f"{100 * t['mfu']:.1f} %"
     peak = "" if t["peak_flops_per_device"] is None else f"{t['peak_flops_per_device'] / 1e12:.2f} TFLOP/s, "
     print(f"  MFU                 {mfu:>12} (peak {peak}{t['peak_source']})")
     plan_gib = t["plan_total_bytes"] / 2 ** 30
     if t["peak_memory_bytes"] is None:
-        print(f"  peak memory         {'n/a':>12} ({t['device_kind']} reports no memory_stats); plan {plan_gib:.2f} GiB/device")
+        print(f"  peak memory         {'n/a':>12} ({t['device_kind']} reports no memory_stats); "
+              f"plan {plan_gib:.2f} GiB/device")
     else:
         print(f"  peak memory         {t['peak_memory_bytes'] / 2 ** 30:8.2f} GiB per device; plan {plan_gib:.2f} GiB "
               f"(measured / plan {t['peak_memory_over_plan']:.2f})")
