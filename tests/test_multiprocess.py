@@ -57,6 +57,30 @@ def test_environment_decides_distributed_settings():
         distributed_settings({**env, "JAX_PROCESS_ID": "2"})
 
 
+def test_launcher_environment_failure_and_timeout():
+    """Each process gets its id, the process count, one coordinator and its own device count; one
+    failing process stops the others (exit status kept), and --timeout stops a hung run (124)."""
+    sys.path.insert(0, str(REPO / "train"))
+    import io
+    import time
+
+    import launch_local
+
+    report = ("import os; print(os.environ['JAX_PROCESS_ID'], os.environ['JAX_NUM_PROCESSES'], "
+              "os.environ['JAX_COORDINATOR_ADDRESS'], os.environ['XLA_FLAGS'])")
+    sink = io.StringIO()
+    assert launch_local.launch(["-c", report], 3, 2, sink=sink) == 0
+    lines = sorted(sink.getvalue().splitlines())
+    assert [ln.split()[:3] for ln in lines] == [[f"[p{i}]", str(i), "3"] for i in range(3)]
+    assert len({ln.split()[3] for ln in lines}) == 1 and lines[0].split()[3].startswith("127.0.0.1:")
+    assert all(ln.split()[4:] == ["--xla_force_host_platform_device_count=2"] for ln in lines)
+    t0 = time.time()
+    fail = "import os, sys, time; sys.exit(3) if os.environ['JAX_PROCESS_ID'] == '1' else time.sleep(120)"
+    assert launch_local.launch(["-c", fail], 2, 1, sink=io.StringIO()) == 3
+    assert launch_local.launch(["-c", "import time; time.sleep(120)"], 2, 1, timeout=2, sink=io.StringIO()) == 124
+    assert time.time() - t0 < 60  # neither waited for the sleepers
+
+
 @pytest.mark.slow
 def test_two_processes_equal_one_and_checkpoints_cross_over(tmp_path):
     corpus = D.write_jsonl(tmp_path / "train.jsonl", D.synthetic_records(64, vocab_size=64, seed=0))

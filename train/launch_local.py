@@ -85,8 +85,8 @@ def launch(program: list[str], num_processes: int = 2, devices_per_process: int 
     deadline = None if timeout is None else time.time() + timeout
     status = 0
     try:
-        while any(p.poll() is None for p in procs):
-            failed = [p.returncode for p in procs if p.returncode not in (None, 0)]
+        while None in (codes := [p.poll() for p in procs]):  # poll every process, every time
+            failed = [c for c in codes if c not in (None, 0)]
             if failed or (deadline is not None and time.time() > deadline):
                 status = failed[0] if failed else 124
                 sink.write(f"[launch] {'a process exited with ' + str(status) if failed else 'timed out'}; "
