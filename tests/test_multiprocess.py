@@ -49,8 +49,10 @@ def _copy_checkpoint(src: Path, step: int, dst: Path) -> None:
 def test_environment_decides_distributed_settings():
     env = {"JAX_COORDINATOR_ADDRESS": "127.0.0.1:1234", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "1"}
     assert distributed_settings(env) == dict(coordinator_address="127.0.0.1:1234", num_processes=2, process_id=1)
-    assert distributed_settings({}) is None and distributed_settings({"SLURM_NTASKS": "1"}) is None
-    for auto in ({"D3D_DISTRIBUTED": "1"}, {"SLURM_NTASKS": "4"}, {"OMPI_COMM_WORLD_SIZE": "2"},
+    # inside a SLURM job but not asked to: a single-process run (a test under srun must not hang)
+    assert distributed_settings({}) is None and distributed_settings({"SLURM_NTASKS": "4"}) is None
+    assert distributed_settings({"D3D_DISTRIBUTED": "0"}) is None
+    for auto in ({"D3D_DISTRIBUTED": "1"}, {"D3D_DISTRIBUTED": "1", "SLURM_NTASKS": "4"},
                  {"JAX_COORDINATOR_ADDRESS": "10.0.0.2:1234"}):
         assert distributed_settings(auto) == {}, auto  # jax.distributed.initialize() detects the rest
     with pytest.raises(ValueError, match="JAX_PROCESS_ID=2 is not in"):

@@ -8,10 +8,11 @@ the environment, in this order:
 * ``JAX_COORDINATOR_ADDRESS`` + ``JAX_NUM_PROCESSES`` + ``JAX_PROCESS_ID``: explicit, as
   ``train/launch_local.py`` sets them, or a cluster you wire by hand (e.g. a GPU cluster without
   SLURM: the same three variables on every host, the address being host 0's);
-* ``D3D_DISTRIBUTED=1``, a SLURM job step of several tasks, an Open MPI job of several ranks, or
-  ``JAX_COORDINATOR_ADDRESS`` alone: ``jax.distributed.initialize()`` with no arguments, and JAX
-  detects the rest (a Cloud TPU pod slice from the TPU metadata server, SLURM, Open MPI, Kubernetes);
-* otherwise nothing: a single-process run.
+* ``D3D_DISTRIBUTED=1`` (or ``JAX_COORDINATOR_ADDRESS`` alone): ``jax.distributed.initialize()``
+  with no arguments, and JAX detects the rest (a Cloud TPU pod slice from the TPU metadata
+  server, a SLURM job step, Open MPI, Kubernetes);
+* otherwise nothing: a single-process run.  Being inside a SLURM or MPI job is not enough: a
+  single-process program (or a test run) there must not try to join a cluster.
 
 This module imports nothing but JAX itself, so importing it starts no backend.
 """
@@ -26,13 +27,6 @@ import jax
 EXPLICIT = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")
 
 
-def _several(environ: Mapping[str, str], key: str) -> bool:
-    try:
-        return int(environ.get(key, "1")) > 1
-    except ValueError:
-        return False
-
-
 def distributed_settings(environ: Mapping[str, str] = os.environ) -> dict | None:
     """The ``jax.distributed.initialize`` keyword arguments this environment asks for, or None
     when it describes a single-process run (see the module docstring)."""
@@ -45,8 +39,7 @@ def distributed_settings(environ: Mapping[str, str] = os.environ) -> dict | None
         if not 0 <= pid < n:
             raise ValueError(f"JAX_PROCESS_ID={pid} is not in [0, JAX_NUM_PROCESSES={n})")
         return dict(coordinator_address=environ["JAX_COORDINATOR_ADDRESS"], num_processes=n, process_id=pid)
-    if (environ.get("D3D_DISTRIBUTED", "") not in ("", "0") or environ.get("JAX_COORDINATOR_ADDRESS")
-            or _several(environ, "SLURM_NTASKS") or _several(environ, "OMPI_COMM_WORLD_SIZE")):
+    if environ.get("D3D_DISTRIBUTED", "") not in ("", "0") or environ.get("JAX_COORDINATOR_ADDRESS"):
         return {}
     return None
 
