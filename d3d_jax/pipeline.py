@@ -253,8 +253,6 @@ class Pipeline:
         save_qwen3(model, hf_dir, dtype="bfloat16", extra_config=extra)
 
     def dev_batches(self, **data_changes) -> list[dict]:
-        import dataclasses
-
         from d3d_jax.training import data as data_lib
 
         dc = dataclasses.replace(self.drafter_data(), **data_changes)
