@@ -266,17 +266,17 @@ class Pipeline:
         extra = {k: getattr(model.config, k) for k in ("mask_token_id", "block_size")}
         save_qwen3(model, hf_dir, dtype="bfloat16", extra_config=extra)
 
-    def dev_batches(self) -> list[dict]:
+    def dev_batches(self, **data_changes) -> list[dict]:
         from d3d_jax.training import data as data_lib
 
-        dc = self.drafter_data()
+        dc = dataclasses.replace(self.drafter_data(), **data_changes)
         ds, _ = data_lib.build_dataset(dc, dc.dev_path, tokenizer=self.tokenizer(),
                                        mask_token_id=dc.mask_token_id, seed=dc.seed + 12345, shuffle=False)
         n = max(1, min(8, len(ds) if hasattr(ds, "__len__") else 8))
         return data_lib.take_batches(ds, n)
 
-    def offline_tau(self, model) -> dict:
-        """Offline τ (spec §3.1) on the dev split of target-greedy responses."""
+    def offline_tau(self, model, batches: list[dict] | None = None) -> dict:
+        """Offline τ (spec §3.1) on the dev split of target-greedy responses (or on ``batches``)."""
         import jax
         from flax import nnx
 
@@ -289,7 +289,8 @@ class Pipeline:
         def sums(m, batch):
             return obj.tau_from_logits(m(batch["tokens"], batch_meta(batch)), batch, bs)
 
-        parts = [sums(model, {k: jax.numpy.asarray(v) for k, v in b.items()}) for b in self.dev_batches()]
+        parts = [sums(model, {k: jax.numpy.asarray(v) for k, v in b.items()})
+                 for b in (self.dev_batches() if batches is None else batches)]
         return obj.summarize_tau(obj.pool_tau_sums(parts))
 
     # ---- (6) pruning --------------------------------------------------------------------------

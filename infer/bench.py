@@ -25,6 +25,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
               "async vs sync vs plain (tokens/s, τ, hit rate); C×F sweep, speedup/hit rate vs budget PNG"),
     "regenerate": ("d3d_jax.bench.regenerate",
                    "regeneration tokens/s at batch 1 vs 8 (tiny target), the data-regeneration path"),
+    "first-block": ("d3d_jax.bench.first_block",
+                    "offline τ on first blocks: a demo drafter fine-tuned with / without data.first_block_anchor"),
     "eval": ("d3d_jax.evaluation.cli",
              "Table 1 for a target + drafter: τ, speedup, tokens/s, hit rate per benchmark, plots"),
 }

@@ -168,12 +168,49 @@ def test_lm_rows(tmp_path):
     np.testing.assert_array_equal(m, np.tril(np.ones((8, 8), bool)))
 
 
-def test_process_shards_partition_the_records(tmp_path):
+def test_process_shards_split_every_global_batch(tmp_path):
+    """n processes' rows of a batch, stacked in process order, are the 1-process batch, row for row
+    (records, anchors and all), and no process sees another's rows."""
     recs = [{"id": i, "prompt_token_ids": [5], "response_token_ids": [10 + i] * 6} for i in range(12)]
     _write_jsonl(tmp_path / "d.jsonl", recs)
-    cfg = DataConfig(packed_length=8 + 1 * 4, num_anchors=1, block_size=4, batch_size=2, shuffle=False)
-    seen = []
-    for i in range(3):
-        ds, _ = D.build_dataset(cfg, str(tmp_path / "d.jsonl"), mask_token_id=MASK, shard=(i, 3))
-        seen.append({int(ds[j]["tokens"][r, 1]) - 10 for j in range(2) for r in range(2)})
-    assert seen == [{0, 3, 6, 9}, {1, 4, 7, 10}, {2, 5, 8, 11}]
+    cfg = DataConfig(packed_length=8 + 1 * 4, num_anchors=1, block_size=4, batch_size=6, shuffle=True)
+    one, _ = D.build_dataset(cfg, str(tmp_path / "d.jsonl"), mask_token_id=MASK)
+    for n in (2, 3):
+        parts = [D.build_dataset(cfg, str(tmp_path / "d.jsonl"), mask_token_id=MASK, shard=(i, n))[0]
+                 for i in range(n)]
+        for j in range(3):  # across an epoch boundary (12 records = 2 batches)
+            for k, v in one[j].items():
+                np.testing.assert_array_equal(np.concatenate([p[j][k] for p in parts]), v, err_msg=k)
+            ids = [{int(t) - 10 for t in p[j]["tokens"][:, 1]} for p in parts]
+            assert all(len(x) == 6 // n for x in ids) and not set.intersection(*ids)
+    with pytest.raises(ValueError, match="batch_size=6 is not divisible by the 4 processes"):
+        D.build_dataset(cfg, str(tmp_path / "d.jsonl"), mask_token_id=MASK, shard=(0, 4))
+
+
+def test_first_block_anchor_on_the_last_prompt_token(tmp_path):
+    """data.first_block_anchor: the last prompt token (decoding's first anchor) becomes eligible, its
+    block is full and its slots 1..B-1 are the response's first B-1 tokens; off, anchors stay >= rs."""
+    B = 4
+    # prompt 3 tokens; responses of B-1 tokens (only the first block fits) up to 9 tokens
+    recs = [{"id": i, "prompt_token_ids": [5, 6, 7], "response_token_ids": list(range(20, 20 + B - 1 + i))}
+            for i in range(7)]
+    _write_jsonl(tmp_path / "d.jsonl", recs)
+    for on in (False, True):
+        cfg = DataConfig(packed_length=16 + 8 * B, num_anchors=8, block_size=B, batch_size=7, shuffle=False,
+                         first_block_anchor=on)
+        ds, stats = D.build_dataset(cfg, str(tmp_path / "d.jsonl"), mask_token_id=MASK)
+        assert stats.without_anchor == (0 if on else 1)
+        b = ds[0]
+        for r in range(7):
+            n, rs = 3 + B - 1 + r, 3
+            a = b["anchors"][r][b["anchor_valid"][r]]
+            lo = rs - 1 if on else rs
+            assert len(a) == min(8, n - B - lo + 1)  # every eligible position, each once
+            assert np.all(a >= lo) and np.all(a + B - 1 < n)
+            first = np.flatnonzero(b["anchor_valid"][r] & (b["anchors"][r] == rs - 1))
+            assert len(first) == (1 if on else 0)
+            if on:
+                base = cfg.clean_length + int(first[0]) * B
+                assert list(b["tokens"][r, base:base + B]) == [7] + [MASK] * (B - 1)
+                assert list(b["labels"][r, base + 1:base + B]) == recs[r]["response_token_ids"][:B - 1]
+                assert list(b["slot"][r, base:base + B]) == list(range(B))

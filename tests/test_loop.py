@@ -221,3 +221,49 @@ def test_init_from_hf_dir_with_fp32_master_bf16_compute(corpus, tmp_path):
         assert b.dtype == np.float32
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     tr.close()
+
+
+def test_accumulation_equals_whole_batch_for_unequal_micro_batches():
+    """Micro-batches with very different token weights: the accumulated loss and gradients are the
+    whole batch's Σw·CE/Σw + λ·(AR mean), not the mean of the micro-batches' ratios."""
+    from flax import nnx
+
+    from d3d_jax.config import DataConfig, ModelConfig, ObjectiveConfig
+    from d3d_jax.model.qwen3 import init_model
+    from d3d_jax.training import objectives as obj
+    from d3d_jax.training.loop import accumulate_grads
+
+    B, n = 4, 3
+    dc = DataConfig(packed_length=24 + n * B, num_anchors=n, block_size=B)
+    rng = np.random.default_rng(0)
+    # micro-batch 0: long responses (3 anchors, ~20 AR tokens each); 1: short ones (1 anchor, 4 AR tokens)
+    lengths = [(3, 24), (4, 24), (10, 14), (2, 6)]
+    rows = []
+    for rs, length in lengths:
+        ex = D.Example(rng.integers(4, 60, length).astype(np.int32), rs)
+        a, v = D.sample_anchors(rng, rs, length, n, B)
+        rows.append(D.pack_example(ex, a, v, dc, 3))
+    whole = {k: jax.numpy.asarray(np.stack([r[k] for r in rows])) for k in rows[0]}
+    micro = {k: v.reshape(2, 2, *v.shape[1:]) for k, v in whole.items()}
+    oc = ObjectiveConfig(gamma=3.0, ar_weight=0.7)
+    w = [float(obj.loss_totals({k: v[i] for k, v in micro.items()}, oc.gamma)["diff_weight"]) for i in range(2)]
+    assert w[0] > 2 * w[1]  # the micro-batches really are unequal
+
+    model = init_model(ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2,
+                                   num_kv_heads=1, head_dim=16, max_position_embeddings=64, block_size=B,
+                                   mask_token_id=3), seed=1)
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    loss_fn = obj.make_loss_fn(oc)
+    loss_of = lambda p, b: loss_fn(nnx.merge(graphdef, p, rest), b)
+    (want_loss, want_m), want_g = jax.value_and_grad(loss_of, has_aux=True)(params, whole)
+    totals_fn = lambda b: obj.loss_totals(b, oc.gamma)
+    got_g, got_m = jax.jit(lambda p, b: accumulate_grads(loss_of, totals_fn, p, b))(params, micro)
+
+    # the mean of the micro-batches' own ratios is measurably different: the test can tell them apart
+    ratios = np.mean([float(loss_of(params, {k: v[i] for k, v in micro.items()})[0]) for i in range(2)])
+    assert abs(ratios - float(want_loss)) > 1e-3 * float(want_loss)  # 1000× the tolerance below
+    for k in ("loss", "loss_diff", "loss_ar", "diff_weight_sum", "ar_tokens"):
+        np.testing.assert_allclose(float(got_m[k]), float(want_m[k]), rtol=1e-6, err_msg=k)
+    scale = max(float(np.max(np.abs(g))) for g in jax.tree.leaves(want_g))
+    for g, h in zip(jax.tree.leaves(got_g), jax.tree.leaves(want_g)):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(h), rtol=1e-6, atol=1e-6 * scale)

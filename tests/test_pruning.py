@@ -359,7 +359,8 @@ def test_prune_drafter_program_keeps_tau_and_compares_rules(tmp_path, capsys):
             n, vocab_size=v - 1, prompt_len=4, response_len=24, seed=seed))
     data = C.DataConfig(train_path=str(tmp_path / "train.jsonl"), dev_path=str(tmp_path / "dev.jsonl"),
                         packed_length=28 + 4 * bs, num_anchors=4, block_size=bs, batch_size=8,
-                        dev_batches=2, mask_token_id=v - 1)
+                        dev_batches=2, mask_token_id=v - 1, first_block_anchor=False)
+    # (anchors inside the response, the data this test's τ and retention figures were set on)
     # Three layers for a task one layer can learn: the drafter has layers to spare.
     model = C.ModelConfig(vocab_size=v, hidden_size=32, intermediate_size=64, num_layers=3, num_heads=2,
                           num_kv_heads=1, head_dim=16, max_position_embeddings=128,
@@ -381,7 +382,8 @@ def test_prune_drafter_program_keeps_tau_and_compares_rules(tmp_path, capsys):
         f"prune.out_dir={out}", "prune.target_layers=2", "prune.progress_bar=false",
         f"data.train_path={data.train_path}", f"data.dev_path={data.dev_path}",
         f"data.packed_length={data.packed_length}", "data.num_anchors=4", f"data.block_size={bs}",
-        f"data.mask_token_id={v - 1}", "train.steps=80", "data.dev_batches=4", "optim.learning_rate=3e-3",
+        f"data.mask_token_id={v - 1}", "data.first_block_anchor=false", "train.steps=80", "data.dev_batches=4",
+        "optim.learning_rate=3e-3",
         "optim.final_learning_rate=3e-4"])
     assert rc == 0
     report = json.loads((out / "pruning_report.json").read_text())

@@ -160,7 +160,9 @@ def test_cli_prints_one_line_and_exits_2(corpus, template, tmp_path, capsys):
     import train_drafter
 
     run_dir = _copy(template, tmp_path)
-    assert train_drafter.main(_args(corpus, run_dir, *RUN, "model.num_layers=2")) == 2
+    from d3d_jax.cli import run_cli
+
+    assert run_cli(train_drafter.main, _args(corpus, run_dir, *RUN, "model.num_layers=2")) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and "model.num_layers (checkpoint 1, config 2)" in err
     _short_one_line(err)

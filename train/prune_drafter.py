@@ -20,15 +20,15 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 from d3d_jax.config import PruneRunConfig, parse_config_cli  # noqa: E402
+from d3d_jax.parallel.distributed import maybe_initialize_distributed  # noqa: E402
 
 
 def main(argv=None) -> int:
+    maybe_initialize_distributed()  # before the config: validating it may count devices (starts JAX)
     cfg, _ = parse_config_cli(PruneRunConfig, argv, __doc__)
 
-    from d3d_jax.training.loop import maybe_initialize_distributed
     from d3d_jax.training.pruning import run_pruning
 
-    maybe_initialize_distributed()
     report = run_pruning(cfg)
     rounds = report["rounds"]
     print(f"τ₀ = {report['initial_tau']:.4f} at depth {report['initial_depth']}; "

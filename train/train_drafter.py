@@ -7,8 +7,9 @@ train); e.g. ``train.steps=200 optim.name=adamw data.train_path=data.jsonl``.  R
 command resumes from the newest intact checkpoint in ``train.out_dir/checkpoints``; SIGTERM or
 SIGINT saves the current step and exits with status 128 + signal.  Writes
 ``train.out_dir/metrics.jsonl`` and, at the end, ``train.out_dir/export/{params,hf}``.
-Multi-host: launched with JAX's coordinator environment variables set, it calls
-``jax.distributed.initialize()`` first.
+Multi-process: ``jax.distributed.initialize`` runs first, before anything (config validation
+included) touches JAX, when the environment describes several processes
+(:mod:`d3d_jax.parallel.distributed`; ``train/launch_local.py`` starts N processes on one machine).
 """
 
 from __future__ import annotations
@@ -21,9 +22,12 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 from d3d_jax.config import TrainRunConfig, parse_config_cli, to_dict  # noqa: E402
+from d3d_jax.parallel.distributed import maybe_initialize_distributed  # noqa: E402
 
 
 def main(argv=None) -> int:
+    # before the config: validating it counts devices, which starts a JAX backend
+    maybe_initialize_distributed()
     cfg, args = parse_config_cli(
         TrainRunConfig, argv, __doc__,
         lambda ap: ap.add_argument("--print-config", action="store_true",

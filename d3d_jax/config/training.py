@@ -42,6 +42,11 @@ class DataConfig:
     # Records failing validation (not UTF-8 / JSON, wrong types, ids outside the vocabulary) are
     # skipped and listed; more than this fraction of them stops the run before its first step.
     max_skipped_fraction: float = 0.01
+    # Also draw anchors at response_start - 1 (the last prompt token), where decoding anchors every
+    # generation's first block; the block's slots are then the first B-1 response tokens.  On by
+    # default: on the demo it lifts first-block offline τ 1.35/1.21 -> 2.29/2.35 (two seeds) at
+    # unchanged overall τ (README, "First-block anchors"; infer/bench.py first-block).
+    first_block_anchor: bool = True
 
     def validate(self, prefix: str = "data") -> None:
         _require(self.mode in ("d3d", "lm"), f"{prefix}.mode", f"must be 'd3d' or 'lm', got {self.mode!r}")

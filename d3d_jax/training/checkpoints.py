@@ -2,7 +2,7 @@
 fallback to the newest intact step, settings checks, save-and-stop on SIGTERM/SIGINT.
 
 Layout: ``out_dir/checkpoints/<step>/`` is an Orbax ``CheckpointManager`` step holding the train
-state (``state``), each process's grain iterator state (``data_p<i>``) and the run config
+state (``state``), the grain iterator state (``data``) and the run config
 (``config``), plus ``d3d_manifest.json``: size and sha256 of every file, the Orbax item handlers
 and the run's *settings* (model shape, optimiser, data order; see :func:`run_settings`).
 
@@ -101,7 +101,8 @@ class TrainCheckpointer:
 
     ``data_state`` is the grain iterator's ``get_state()`` taken *before* the async save starts
     (a prefetching iterator cannot move under it).  Orbax writes JSON items on the primary host
-    only, so every process's state is gathered into one ``data`` item ``{"p0": ..., "p1": ...}``.
+    only; that is enough, since every process's iterator stands at the same *global* batch
+    (:func:`d3d_jax.training.data.batch_shard`), so a run on any number of processes resumes it.
     """
 
     def __init__(self, directory: str | os.PathLike, keep: int = 3, async_save: bool = True):
@@ -148,7 +149,7 @@ class TrainCheckpointer:
              settings: dict | None = None) -> None:
         ocp = self._ocp
         items = {"state": ocp.args.StandardSave(flatten_state(state)),
-                 "data": ocp.args.JsonSave(_gather_per_process(data_state))}
+                 "data": ocp.args.JsonSave(data_state)}
         if config is not None:
             items["config"] = ocp.args.JsonSave(config)
         # The save thread reads _pending: the previous save must be done before it changes.
@@ -201,11 +202,7 @@ class TrainCheckpointer:
             abstract_state))
         out = self.manager.restore(step, args=ocp.args.Composite(
             state=ocp.args.StandardRestore(target), data=ocp.args.JsonRestore()))
-        mine = f"p{jax.process_index()}"
-        if mine not in out["data"]:
-            raise CheckpointError(f"{self.directory}/{step} holds the data iterators of {len(out['data'])} "
-                                  f"process(es), not of process {jax.process_index()}")
-        return unflatten_state(out["state"], abstract_state), out["data"][mine]
+        return unflatten_state(out["state"], abstract_state), out["data"]
 
     def restore_intact(self, abstract_state: Any, settings: dict | None = None,
                        warn: Callable[[str], None] = print) -> tuple[int, Any, Any] | None:
@@ -285,16 +282,6 @@ class TrainCheckpointer:
             self._manager.close()
 
 
-def _gather_per_process(value: Any) -> dict[str, Any]:
-    """``{"p<i>": value of process i}`` on every process, for a small JSON-able ``value``."""
-    if jax.process_count() == 1:
-        return {"p0": value}
-    from jax.experimental import multihost_utils
-
-    raw = np.frombuffer(json.dumps(value).encode(), np.uint8)
-    width = int(np.max(multihost_utils.process_allgather(np.int64(raw.size))))
-    rows = multihost_utils.process_allgather(np.pad(raw, (0, width - raw.size)))
-    return {f"p{i}": json.loads(bytes(row).rstrip(b"\0")) for i, row in enumerate(np.asarray(rows))}
 
 
 def _barrier(name: str) -> None:

@@ -20,7 +20,8 @@ failing step can name the records of its batch.
 
 block ``b`` is ``[x[a_b], MASK×(B-1)]`` at positions ``a_b + 0..B-1``; anchors are drawn
 without replacement from response positions ``p`` with ``p + B - 1 < len`` (full blocks only),
-sorted.  A row is a dict of arrays (batched: a leading batch axis):
+sorted (``DataConfig.first_block_anchor`` adds the last prompt token: :func:`first_anchor`).
+A row is a dict of arrays (batched: a leading batch axis):
 
 * ``tokens, positions, block_ids, context_end, valid`` – the model input and its
   :class:`~d3d_jax.model.masks.TokenMeta` (``batch_meta`` builds it);
@@ -153,7 +154,7 @@ def load_examples(path: str | Path, tokenizer: Any, cfg: DataConfig,
             continue
         if ex is None:
             continue
-        if len(ex.tokens) - cfg.block_size < ex.response_start:
+        if len(ex.tokens) - cfg.block_size < first_anchor(ex, cfg):
             stats.without_anchor += 1
         out.append(ex)
     stats.kept = len(out)
@@ -168,6 +169,12 @@ def load_examples(path: str | Path, tokenizer: Any, cfg: DataConfig,
 # --------------------------------------------------------------------------------------
 # Anchors and packing
 # --------------------------------------------------------------------------------------
+def first_anchor(ex: Example, cfg: DataConfig) -> int:
+    """The lowest anchor position: the first response token, or with ``cfg.first_block_anchor``
+    the last prompt token (inference's first block: its slots are the response's first B-1 tokens)."""
+    return max(ex.response_start - 1, 0) if cfg.first_block_anchor else ex.response_start
+
+
 def sample_anchors(rng: np.random.Generator, response_start: int, length: int, num_anchors: int,
                    block_size: int) -> tuple[np.ndarray, np.ndarray]:
     """Sorted anchors without replacement from ``response_start <= p <= length - block_size``.
@@ -316,20 +323,31 @@ class _LMWindows:
 # --------------------------------------------------------------------------------------
 # grain pipelines
 # --------------------------------------------------------------------------------------
+def batch_shard(rows: grain.MapDataset, batch_size: int, shard: tuple[int, int]) -> grain.MapDataset:
+    """Process ``i`` of ``n``'s rows ``[i·b, (i+1)·b)`` (``b = batch_size / n``) of every global
+    batch of ``batch_size`` consecutive rows.  Lazy: a process packs only its own rows.  The
+    global batches, and the iterator state (the batch index), do not depend on ``n``, so a run
+    on any number of processes sees the same data and resumes another's checkpoint."""
+    i, n = shard
+    if batch_size % n:
+        raise ValueError(f"data.batch_size={batch_size} is not divisible by the {n} processes")
+    return rows.batch(batch_size // n, drop_remainder=True)[i::n]
+
+
 def d3d_dataset(examples: Sequence[Example], cfg: DataConfig, mask_token_id: int, *, seed: int | None = None,
                 shuffle: bool | None = None, shard: tuple[int, int] = (0, 1)) -> grain.MapDataset:
     """Infinite (reshuffled each epoch), batched packed rows; anchors fixed by (seed, index)."""
     seed = cfg.seed if seed is None else seed
-    ds = grain.MapDataset.source(list(examples))[shard[0]::shard[1]]
+    ds = grain.MapDataset.source(list(examples))
     if cfg.shuffle if shuffle is None else shuffle:
         ds = ds.shuffle(seed=seed)
     ds = ds.repeat()
 
     def pack(ex: Example, rng: np.random.Generator) -> dict:
-        anchors, valid = sample_anchors(rng, ex.response_start, len(ex.tokens), cfg.num_anchors, cfg.block_size)
+        anchors, valid = sample_anchors(rng, first_anchor(ex, cfg), len(ex.tokens), cfg.num_anchors, cfg.block_size)
         return {**pack_example(ex, anchors, valid, cfg, mask_token_id), RECORD_LINE: np.int32(ex.line)}
 
-    return ds.random_map(pack, seed=seed + 1).batch(cfg.batch_size, drop_remainder=True)
+    return batch_shard(ds.random_map(pack, seed=seed + 1), cfg.batch_size, shard)
 
 
 def lm_dataset(stream: LMStream | np.ndarray, cfg: DataConfig, *, seed: int | None = None,
@@ -337,11 +355,11 @@ def lm_dataset(stream: LMStream | np.ndarray, cfg: DataConfig, *, seed: int | No
     seed = cfg.seed if seed is None else seed
     if not isinstance(stream, LMStream):
         stream = LMStream(np.asarray(stream, np.int32), np.zeros(1, np.int64), np.zeros(1, np.int32))
-    ds = grain.MapDataset.source(_LMWindows(stream, cfg.packed_length))[shard[0]::shard[1]]
+    ds = grain.MapDataset.source(_LMWindows(stream, cfg.packed_length))
     if cfg.shuffle if shuffle is None else shuffle:
         ds = ds.shuffle(seed=seed)
-    return ds.repeat().map(lambda w: {**lm_row(w[0], w[1], cfg), RECORD_LINE: np.int32(w[2])}).batch(
-        cfg.batch_size, drop_remainder=True)
+    rows = ds.repeat().map(lambda w: {**lm_row(w[0], w[1], cfg), RECORD_LINE: np.int32(w[2])})
+    return batch_shard(rows, cfg.batch_size, shard)
 
 
 def load_tokenizer_for(cfg: DataConfig, vocab_size: int | None = None) -> Any:
@@ -369,8 +387,8 @@ def build_dataset(cfg: DataConfig, path: str, *, tokenizer: Any = None, mask_tok
                   eos_token_id: int | None = None, seed: int | None = None, shuffle: bool | None = None,
                   shard: tuple[int, int] = (0, 1), vocab_size: int | None = None
                   ) -> tuple[grain.MapDataset, DataStats]:
-    """The batched dataset for ``path`` in ``cfg.mode``; ``shard=(i, n)`` keeps every n-th record from i
-    (one process's share on a multi-host run; ``cfg.batch_size`` is then that process's rows).
+    """The batched dataset for ``path`` in ``cfg.mode``; ``shard=(i, n)``: process ``i`` of ``n``'s
+    rows of every global batch of ``cfg.batch_size`` rows (:func:`batch_shard`).
     ``vocab_size``: the model's; a record with an id outside it is skipped (None: int32 range)."""
     if not path:
         raise ConfigError("data path is empty (set data.train_path / data.dev_path)")

@@ -10,7 +10,9 @@ the pure function ``(state, batch[, extra]) -> (state, metrics)`` with the state
 Reuse with another objective: pass ``loss_fn(model, batch) -> (loss, metrics)`` (or
 ``loss_fn(model, batch, extra)`` together with ``loss_extra=``, a pytree such as a frozen
 teacher's state that travels as a jit argument instead of being baked in as constants).
-Gradient accumulation averages the micro-batches' losses (as ``optax.MultiSteps`` does).
+Gradient accumulation is exact: each micro-batch's loss divides by the whole batch's token
+weights (``batch[objectives.LOSS_TOTALS]``, which a custom loss must honour, as the objectives'
+helpers do) and the micro-batches' gradients and metrics are summed.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from d3d_jax.errors import NonFiniteError
 from d3d_jax.io.checkpoint import stored_model_config
 from d3d_jax.model.qwen3 import Qwen3, abstract_model
 from d3d_jax.parallel import sharding as shd
+from d3d_jax.parallel.distributed import maybe_initialize_distributed  # noqa: F401 (re-exported)
 from d3d_jax.training import data as data_lib
 from d3d_jax.training import objectives as obj
 from d3d_jax.training.checkpoints import StopSignals, TrainCheckpointer, run_settings, trim_metrics
@@ -44,13 +47,6 @@ from d3d_jax.training import records
 from d3d_jax.training.optim import make_optimizer, lr_schedule, tree_nbytes
 
 LossFn = Callable[..., tuple[jax.Array, dict]]
-
-
-def maybe_initialize_distributed() -> None:
-    """``jax.distributed.initialize()`` when launched multi-host (coordinator env vars set)."""
-    keys = ("JAX_COORDINATOR_ADDRESS", "COORDINATOR_ADDRESS", "MEGASCALE_COORDINATOR_ADDRESS")
-    if any(os.environ.get(k) for k in keys) and not jax.distributed.is_initialized():
-        jax.distributed.initialize()
 
 
 # --------------------------------------------------------------------------------------
@@ -87,26 +83,39 @@ def batch_shardings(batch: dict, mesh: Mesh, rules=None) -> dict:
 # --------------------------------------------------------------------------------------
 # Pure step functions
 # --------------------------------------------------------------------------------------
-def _train_step(graphdef, tx: optax.GradientTransformation, loss_fn: LossFn, schedule, state, batch, extra):
+def accumulate_grads(loss_of: Callable, totals_fn: Callable[[dict], dict], params, batch: dict):
+    """``(grads, metrics)`` of an accumulation-major batch ``[accum, micro, ...]``.
+
+    Every micro-batch is normalised by the *whole* batch's token weights (``totals_fn(batch)``,
+    see :data:`objectives.LOSS_TOTALS`), so summing the micro-batches' losses, metrics and
+    gradients gives exactly the whole batch's ``Σw·CE/Σw``, also when micro-batches carry
+    unequal weights (averaging their ratios would not).
+    """
+    grad_fn = jax.value_and_grad(loss_of, has_aux=True)
+    totals = totals_fn(batch)
+    with_totals = lambda mb: {**mb, obj.LOSS_TOTALS: totals}
+    if jax.tree.leaves(batch)[0].shape[0] == 1:
+        (_, metrics), grads = grad_fn(params, with_totals(jax.tree.map(lambda x: x[0], batch)))
+        return grads, metrics
+
+    def body(carry, mb):
+        (_, m), g = grad_fn(params, with_totals(mb))
+        return jax.tree.map(jnp.add, carry, (g, m)), None
+
+    (_, m0), g0 = jax.eval_shape(grad_fn, params, with_totals(jax.tree.map(lambda x: x[0], batch)))
+    zero = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), (g0, m0))
+    return jax.lax.scan(body, zero, batch)[0]
+
+
+def _train_step(graphdef, tx: optax.GradientTransformation, loss_fn: LossFn, schedule, totals_fn,
+                state, batch, extra):
     params, rest = state["params"], state["rest"]
 
     def loss_of(p, mb):
         m = nnx.merge(graphdef, p, rest)
         return loss_fn(m, mb) if extra is None else loss_fn(m, mb, extra)
 
-    grad_fn = jax.value_and_grad(loss_of, has_aux=True)
-    accum = jax.tree.leaves(batch)[0].shape[0]
-    if accum == 1:
-        (_, metrics), grads = grad_fn(params, jax.tree.map(lambda x: x[0], batch))
-    else:
-        def body(carry, mb):
-            (_, m), g = grad_fn(params, mb)
-            return jax.tree.map(jnp.add, carry, (g, m)), None
-
-        zero = jax.tree.map(jnp.zeros_like, jax.eval_shape(grad_fn, params, jax.tree.map(lambda x: x[0], batch)))
-        (grads, metrics), _ = jax.lax.scan(body, (zero[1], zero[0][1]), batch)
-        grads = jax.tree.map(lambda g: g / accum, grads)
-        metrics = jax.tree.map(lambda m: m / accum, metrics)
+    grads, metrics = accumulate_grads(loss_of, totals_fn, params, batch)
     metrics = dict(metrics)
     metrics["grad_norm"] = optax.tree.norm(grads)
     metrics["learning_rate"] = schedule(state["step"])
@@ -186,10 +195,10 @@ class Trainer:
             self.mask_token_id = data_lib.resolve_mask_token_id(dc, cfg.model.mask_token_id, self.tokenizer)
         self.data_stats: dict = {}
         if train_data is None:
-            # Multi-host: each process reads its own records and builds its share of the batch.
+            # Multi-host: each process builds only its rows of every global batch, and the global
+            # batches are the same whatever the process count (so are losses and the data state).
             pc = jax.process_count()
-            local = dataclasses.replace(dc, batch_size=dc.batch_size // pc) if pc > 1 else dc
-            train_data, stats = data_lib.build_dataset(local, dc.train_path, tokenizer=self.tokenizer,
+            train_data, stats = data_lib.build_dataset(dc, dc.train_path, tokenizer=self.tokenizer,
                                                        mask_token_id=self.mask_token_id,
                                                        eos_token_id=_first(cfg.model.eos_token_id),
                                                        shard=(jax.process_index(), pc), vocab_size=vocab)
@@ -215,6 +224,7 @@ class Trainer:
         self.tx = make_optimizer(cfg.optim, cfg.train.steps)
         self.graphdef, self.state, self.state_sharding = self._create_state(model)
         self.loss_fn = loss_fn or obj.make_loss_fn(cfg.objective)
+        self.totals_fn = partial(obj.loss_totals, gamma=cfg.objective.gamma)
         self.loss_extra = loss_extra
         self.step = 0
         self.stop_signal: int | None = None  # set when SIGTERM/SIGINT stopped fit() early
@@ -294,10 +304,14 @@ class Trainer:
     def device_batch(self, host_batch: dict) -> dict:
         """``[global_b, ...]`` host arrays -> ``[accum, micro, ...]`` arrays on the mesh."""
         b = {k: np.asarray(v).reshape(self.accum, -1, *np.shape(v)[1:]) for k, v in host_batch.items()}
-        sh = batch_shardings(b, self.mesh, self.rules)
-        if jax.process_count() > 1:
-            return {k: jax.make_array_from_process_local_data(sh[k], v) for k, v in b.items()}
-        return jax.device_put(b, sh)
+        pc = jax.process_count()
+        if pc == 1:
+            return jax.device_put(b, batch_shardings(b, self.mesh, self.rules))
+        # each process holds 1/pc of every micro-batch: shard by the *global* shape (the local one
+        # may not divide over the mesh, which would silently make the batch replicated)
+        glob = {k: jax.ShapeDtypeStruct((v.shape[0], v.shape[1] * pc, *v.shape[2:]), v.dtype) for k, v in b.items()}
+        sh = batch_shardings(glob, self.mesh, self.rules)
+        return {k: jax.make_array_from_process_local_data(sh[k], v, glob[k].shape) for k, v in b.items()}
 
     def _eval_batch(self, host_batch: dict) -> dict:
         rd = shd.rules_dict(self.rules)
@@ -307,7 +321,7 @@ class Trainer:
     # ---- compile ------------------------------------------------------------------------
     def compile(self, example_batch: dict):
         """AOT ``lower().compile()`` of the train step; prints XLA's memory analysis."""
-        fn = partial(_train_step, self.graphdef, self.tx, self.loss_fn, self.schedule)
+        fn = partial(_train_step, self.graphdef, self.tx, self.loss_fn, self.schedule, self.totals_fn)
         b_sh = batch_shardings(example_batch, self.mesh, self.rules)
         jitted = jax.jit(fn, in_shardings=(self.state_sharding, b_sh, None),
                          out_shardings=(self.state_sharding, None), donate_argnums=(0,))
@@ -336,7 +350,7 @@ class Trainer:
             if self.cfg.train.aot_compile:
                 self.compile(batch)
             else:
-                fn = partial(_train_step, self.graphdef, self.tx, self.loss_fn, self.schedule)
+                fn = partial(_train_step, self.graphdef, self.tx, self.loss_fn, self.schedule, self.totals_fn)
                 self._compiled = jax.jit(fn, out_shardings=(self.state_sharding, None), donate_argnums=(0,))
         with shd.use_mesh(self.mesh, self.rules):
             self.state, metrics = self._compiled(self.state, batch, self.loss_extra)
@@ -481,7 +495,16 @@ class Trainer:
 
             extra = {k: getattr(model.config, k) for k in ("mask_token_id", "block_size")
                      if getattr(model.config, k) is not None}
-            paths["hf"] = str(save_qwen3(model, out / "hf", extra_config=extra, tokenizer=self.tokenizer))
+            if jax.process_count() > 1:
+                # every process takes part in gathering the shards; one writes the files
+                from jax.experimental import multihost_utils
+
+                model = nnx.merge(self.graphdef, *(jax.tree.map(
+                    lambda x: multihost_utils.process_allgather(x, tiled=True), self.state[k])
+                    for k in ("params", "rest")))
+            if jax.process_index() == 0:
+                save_qwen3(model, out / "hf", extra_config=extra, tokenizer=self.tokenizer)
+            paths["hf"] = str(out / "hf")
         return paths
 
     def close(self) -> None:

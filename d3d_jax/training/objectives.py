@@ -11,6 +11,12 @@ Every loss function has the signature ``loss_fn(model, batch) -> (loss, metrics)
 (:mod:`d3d_jax.training.loop`) can train with any of them; ``weighted_block_loss`` is the hook for
 a different per-slot loss (pruning's distillation against an adjusted teacher reuses the same
 ``w_k`` weighting and normalisation).
+
+**Gradient accumulation.** A micro-batch's ratio ``Σw·CE/Σw`` is not its share of the batch's
+ratio when micro-batches carry different token weights.  So the loop puts the *whole* batch's
+denominators (:func:`loss_totals`) into every micro-batch under ``LOSS_TOTALS``; the losses then
+divide by those, each micro-batch's loss and metrics are its exact contribution, and their sum
+over the micro-batches is the whole-batch loss (and gradient).
 """
 
 from __future__ import annotations
@@ -24,6 +30,10 @@ from d3d_jax.config import ObjectiveConfig
 from d3d_jax.training.data import batch_meta
 
 LossFn = Callable[..., tuple[jax.Array, dict]]
+
+# Batch key of the whole-batch denominators (``{"diff_weight", "ar_tokens"}``), set under
+# gradient accumulation; without it every loss normalises by its own batch.
+LOSS_TOTALS = "loss_totals"
 
 
 def slot_weights(slot: jax.Array, gamma: float) -> jax.Array:
@@ -40,31 +50,50 @@ def token_cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
     return lse - picked
 
 
+def loss_totals(batch: dict, gamma: float) -> dict:
+    """The denominators of the whole (e.g. ``[accum, micro, ...]``) batch: ``Σ w_k`` and the count
+    of AR-loss tokens (data only, so the loop computes them before any forward pass)."""
+    return {"diff_weight": jnp.sum(slot_weights(batch["slot"], gamma)),
+            "ar_tokens": jnp.sum(batch["ar_mask"].astype(jnp.float32))}
+
+
+def _total(batch: dict, key: str) -> jax.Array | None:
+    return batch[LOSS_TOTALS][key] if LOSS_TOTALS in batch else None
+
+
 def weighted_block_loss(per_token_loss: jax.Array, batch: dict, gamma: float) -> tuple[jax.Array, jax.Array]:
-    """``Σ w·loss / Σ w`` over the batch's block slots; returns ``(loss, Σ w)``."""
+    """``Σ w·loss / Σ w`` over the batch's block slots (``Σ w`` of the whole batch when
+    ``batch[LOSS_TOTALS]`` is set); returns ``(loss, this batch's Σ w)``."""
     w = slot_weights(batch["slot"], gamma)
-    total = jnp.sum(w)
-    return jnp.sum(w * per_token_loss) / jnp.maximum(total, 1e-9), total
+    own = jnp.sum(w)
+    total = _total(batch, "diff_weight")
+    return jnp.sum(w * per_token_loss) / jnp.maximum(own if total is None else total, 1e-9), own
 
 
-def masked_mean(per_token_loss: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Array]:
+def masked_mean(per_token_loss: jax.Array, mask: jax.Array, total: jax.Array | None = None
+                ) -> tuple[jax.Array, jax.Array]:
+    """``Σ mask·loss / total`` (``total`` defaults to ``Σ mask``); returns ``(mean, Σ mask)``."""
     m = mask.astype(jnp.float32)
     count = jnp.sum(m)
-    return jnp.sum(m * per_token_loss) / jnp.maximum(count, 1.0), count
+    return jnp.sum(m * per_token_loss) / jnp.maximum(count if total is None else total, 1.0), count
+
+
+def ar_loss(per_token_loss: jax.Array, batch: dict) -> tuple[jax.Array, jax.Array]:
+    """Mean next-token CE over ``ar_mask`` (over the whole batch's AR tokens under accumulation)."""
+    return masked_mean(per_token_loss, batch["ar_mask"], _total(batch, "ar_tokens"))
 
 
 def d3d_loss_from_logits(logits: jax.Array, batch: dict, gamma: float, ar_weight: float) -> tuple[jax.Array, dict]:
     ce = token_cross_entropy(logits, batch["labels"])
     l_diff, wsum = weighted_block_loss(ce, batch, gamma)
-    l_ar, n_ar = masked_mean(ce, batch["ar_mask"])
+    l_ar, n_ar = ar_loss(ce, batch)
     loss = l_diff + ar_weight * l_ar
     return loss, {"loss": loss, "loss_diff": l_diff, "loss_ar": l_ar, "diff_weight_sum": wsum,
                   "ar_tokens": n_ar}
 
 
 def lm_loss_from_logits(logits: jax.Array, batch: dict) -> tuple[jax.Array, dict]:
-    ce = token_cross_entropy(logits, batch["labels"])
-    loss, n = masked_mean(ce, batch["ar_mask"])
+    loss, n = ar_loss(token_cross_entropy(logits, batch["labels"]), batch)
     return loss, {"loss": loss, "loss_ar": loss, "ar_tokens": n}
 
 

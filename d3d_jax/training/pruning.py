@@ -278,13 +278,13 @@ def distillation_loss_from_logits(student_logits: jax.Array, teacher_logits: jax
     arrays of the clean stream would otherwise cost as much again as the logits.
     """
     y = jnp.maximum(batch["labels"], 0)
-    l_ar, n_ar = obj.masked_mean(obj.token_cross_entropy(student_logits, y), batch["ar_mask"])
+    l_ar, n_ar = obj.ar_loss(obj.token_cross_entropy(student_logits, y), batch)
     cut = slice(None) if block_tokens is None else slice(student_logits.shape[1] - block_tokens, None)
     q = jax.nn.softmax(teacher_logits[:, cut].astype(jnp.float32), axis=-1)
     q_tilde = jax.lax.stop_gradient(adjusted_teacher(q, y[:, cut], margin))
     logp = jax.nn.log_softmax(student_logits[:, cut].astype(jnp.float32), axis=-1)
     soft_ce = -jnp.sum(q_tilde * logp, axis=-1)
-    l_diff, wsum = obj.weighted_block_loss(soft_ce, {"slot": batch["slot"][:, cut]}, gamma)
+    l_diff, wsum = obj.weighted_block_loss(soft_ce, {**batch, "slot": batch["slot"][:, cut]}, gamma)
     loss = l_diff + ar_weight * l_ar
     return loss, {"loss": loss, "loss_diff": l_diff, "loss_ar": l_ar, "diff_weight_sum": wsum,
                   "ar_tokens": n_ar}
