@@ -5,12 +5,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import types
-import typing
 from pathlib import Path
 from typing import Any, Mapping, Sequence
-
-import yaml
 
 from d3d_jax.config.base import (CONFIG_DIR, DTYPES, ConfigError, _HF_KEY_NAMES, _MISSING,  # noqa: F401
                                  _convert, _deep_merge, _require, build_dataclass, load_config,

@@ -3,16 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
-import types
-import typing
-from pathlib import Path
-from typing import Any, Mapping, Sequence
 
-import yaml
-
-from d3d_jax.config.base import DTYPES, ConfigError, _require  # noqa: F401
+from d3d_jax.config.base import _require
 from d3d_jax.config.model import MeshConfig, ModelConfig
 from d3d_jax.config.training import DataConfig, ObjectiveConfig, OptimConfig, TrainConfig, TrainRunConfig
 

@@ -3,16 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
-import types
-import typing
-from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
-import yaml
-
-from d3d_jax.config.base import DTYPES, ConfigError, _require  # noqa: F401
+from d3d_jax.config.base import DTYPES, _require
 from d3d_jax.config.model import REMAT_POLICIES, MeshConfig, ModelConfig
 
 
