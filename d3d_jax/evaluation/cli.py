@@ -44,17 +44,14 @@ def main(args) -> int:
     from d3d_jax.evaluation import benchmarks as B
     from d3d_jax.evaluation import plots
     from d3d_jax.io.checkpoint import load_model
-    from d3d_jax.io.hf import load_tokenizer
+    from d3d_jax.io.hf import eos_token_ids, load_tokenizer
 
     tok, mask_id = load_tokenizer(args.tokenizer or args.target)
     target = load_model(args.target)
     drafter = load_model(args.drafter)
     mask_id = drafter.config.mask_token_id if drafter.config.mask_token_id is not None else mask_id
     block = args.block_size or drafter.config.block_size or 16
-    eos = target.config.eos_token_id
-    eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
-    if tok.eos_token_id is not None and tok.eos_token_id not in eos_ids:
-        eos_ids += (tok.eos_token_id,)
+    eos_ids = eos_token_ids(target.config, tok)
     suites = {}
     for spec in args.benchmarks:
         name, _, path = spec.partition("=")
