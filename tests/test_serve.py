@@ -379,3 +379,40 @@ def test_prometheus_metrics(make_server, mode):
     misses = sum(o.model_extra["spec_metrics"]["misses"] for o in outs)
     expect_hit = hits / (hits + misses) if mode == "async" else 0.0
     assert _metric(text, "async_hit_rate") == pytest.approx(expect_hit, rel=1e-5)
+
+
+# --------------------------------------------------------------------------------------------
+# The evaluation harness's --concurrency N (scheduler rounds without HTTP)
+# --------------------------------------------------------------------------------------------
+def test_eval_concurrency_keeps_n_in_flight_and_matches_solo(tokenizer):
+    from d3d_jax.demo import chat_prompt_ids
+    from d3d_jax.evaluation import benchmarks as B
+
+    made = {}
+
+    def factory(mode):
+        made[mode] = FakeDecoder(FakeConfig(mode=mode, num_slots=3, max_cache_len=512))
+        return made[mode]
+
+    settings = B.EvalSettings(max_new_tokens=12, block_size=4, max_cache_len=512, concurrency=3)
+    from d3d_jax.evaluation import concurrent
+
+    gen = concurrent.make_generate_fn(None, None, settings, (EOS,), decoder_factory=factory, request_cls=Request)
+    samples = [B.Sample(f"s/{i}", [f"question {i} " * (i + 1)] + ([f"and then {i}?"] if i % 3 == 0 else []), "")
+               for i in range(7)]
+    runs = {m: B.run_mode(gen, tokenizer, samples, m, chat_prompt_ids) for m in ("plain", "sync", "async")}
+    # the solo reference, conversation by conversation (a later turn sees the earlier answer)
+    expected = []
+    for s in samples:
+        conv = []
+        for turn in s.turns:
+            conv.append({"role": "user", "content": turn})
+            ids, _ = reference(Request(chat_prompt_ids(tokenizer, conv), 12, None, (), 0))
+            expected.append(ids)
+            conv.append({"role": "assistant", "content": tokenizer.decode(ids, skip_special_tokens=True)})
+    res = B.summarize(runs, 4)
+    for m, run in runs.items():
+        assert run.outputs == expected, m
+        assert made[m].max_active == 3 and made[m].free_slots() == [0, 1, 2]
+        assert res[m]["equals_plain"] and res[m]["seconds"] > 0
+    assert "hit_rate" in res["async"] and "hit_rate" not in res["sync"]

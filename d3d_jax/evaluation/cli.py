@@ -33,11 +33,15 @@ def add_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
     ap.add_argument("--branch-fanout", type=int, default=2, help="async F")
     ap.add_argument("--async-sweep", default="", help="C×F points, e.g. 4x2,8x2,12x2")
     ap.add_argument("--hf-peer", action="store_true", help="also transformers assisted generation")
+    ap.add_argument("--concurrency", type=int, default=1,
+                    help="requests in flight in one long-lived decoder per mode (default 1: batch 1)")
     ap.add_argument("--out", default="runs/eval")
     return ap
 
 
 def main(args) -> int:
+    if args.concurrency < 1:
+        raise SystemExit(f"error: --concurrency must be >= 1, got {args.concurrency}")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     from d3d_jax import demo
@@ -64,6 +68,7 @@ def main(args) -> int:
     if "plain" not in modes:
         raise ValueError("--modes must include plain (speedups and the equality check are against it)")
     settings = B.EvalSettings(max_new_tokens=args.max_new_tokens, block_size=block, modes=modes,
+                              concurrency=args.concurrency,
                               max_cache_len=-(-(2 * longest + 2 * args.max_new_tokens + 4 * block) // 64) * 64,
                               async_options={"branch_positions": args.branch_positions or min(12, block),
                                              "branch_fanout": args.branch_fanout} if "async" in modes else {})

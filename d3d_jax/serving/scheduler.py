@@ -72,7 +72,8 @@ def _request_metrics(h: Handle, slot_metrics: dict | None) -> dict:
     tau = m.get("tau")
     tau = float(tau) if tau is not None else ((h.accepted + h.rounds) / h.rounds if h.rounds else 0.0)
     now = time.perf_counter()
-    return {"tau": tau, "hit_rate": hits / (hits + misses) if hits + misses else None,
+    hist = m.get("accept_hist")
+    return {"tau": tau, "accept_hist": None if hist is None else [int(x) for x in hist], "hit_rate": hits / (hits + misses) if hits + misses else None,
             "rounds": rounds, "accepted_tokens": h.accepted, "hits": hits, "misses": misses,
             "ttft_s": (h.t_first - h.t_submit) if h.t_first is not None else None,
             "latency_s": now - h.t_submit}
