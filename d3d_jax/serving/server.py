@@ -48,7 +48,8 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--max-prompt-tokens", type=int, default=None, help="default: the context length - 1")
     p.add_argument("--default-max-tokens", type=int, default=256, help="when a request gives none")
     p.add_argument("--max-queue", type=int, default=4096, help="waiting requests beyond this get 503")
-    p.add_argument("--no-warmup", action="store_true", help="skip compiling with a dummy request at start")
+    p.add_argument("--warmup-max-prompt", type=int, default=256,
+                   help="compile before serving for prompts up to this length (0: no warm-up)")
     p.add_argument("--log-level", default="warning")
     return p
 
@@ -123,7 +124,17 @@ def make_service(decoder, tokenizer, eos_ids, *, model_name: str, mode: str, api
                    api_key=api_key, mode=mode)
 
 
-def warmup(svc, prompt_lengths=(8,), max_tokens: int | None = None) -> float:
+def warmup_lengths(max_prompt: int, cap: int) -> list[int]:
+    """Prompt lengths 16, 32, 64 ... up to ``min(max_prompt, cap)``: one per power-of-two prefill
+    bucket, so no client pays for a compile."""
+    out, n = [], 16
+    while n <= min(max_prompt, cap):
+        out.append(n)
+        n *= 2
+    return out or ([min(max_prompt, cap)] if max_prompt > 0 else [])
+
+
+def warmup(svc, prompt_lengths=(16,), max_tokens: int | None = None) -> float:
     """Compile the decoder's programs with dummy requests before the first client waits on them."""
     from d3d_jax.serving.scheduler import Event
 
@@ -134,7 +145,7 @@ def warmup(svc, prompt_lengths=(8,), max_tokens: int | None = None) -> float:
         req = svc.build(P.ParsedRequest("completion", svc.model_name, params), [1] * n)
         errors: list[Event] = []
         svc.scheduler.submit(req, lambda ev: errors.append(ev) if ev.error else None)
-        svc.scheduler.run_until_idle(timeout_s=600)
+        svc.scheduler.run_until_idle(timeout_s=1800)
         if errors:
             raise RuntimeError(f"warm-up failed: {errors[0].error}")
     return time.perf_counter() - t0
@@ -187,8 +198,9 @@ def main(args) -> None:
                        mode=args.mode, api_key=api_key, max_body_bytes=args.max_body_bytes,
                        max_prompt_tokens=args.max_prompt_tokens,
                        default_max_tokens=args.default_max_tokens, max_queue=args.max_queue)
-    if not args.no_warmup:
-        log.warning("warm-up (compiling) took %.1f s", warmup(svc))
+    lengths = warmup_lengths(args.warmup_max_prompt, svc.limits.prompt_cap - 2 * decoder.config.block_size)
+    if lengths:
+        log.warning("warm-up (compiling prompts of %s tokens) took %.1f s", lengths, warmup(svc, lengths))
     svc.scheduler.start()
     sock = socket.create_server((args.host, args.port))  # --port 0: a free port, printed below
     host, port = sock.getsockname()[:2]
