@@ -70,7 +70,7 @@ class Service:
         seed = p.seed if p.seed is not None else int.from_bytes(os.urandom(4), "little")
         out = self.make_request(prompt=ids, max_new_tokens=max_new,
                                 sampling=SamplingParams(p.temperature, p.top_p, p.top_k),
-                                stop_token_ids=stop_ids, seed=seed % (2 ** 32))
+                                stop_token_ids=stop_ids, seed=seed % (2 ** 31))
         if self.validate_request is not None:
             try:
                 self.validate_request(out)
