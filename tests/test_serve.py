@@ -416,3 +416,18 @@ def test_eval_concurrency_keeps_n_in_flight_and_matches_solo(tokenizer):
         assert made[m].max_active == 3 and made[m].free_slots() == [0, 1, 2]
         assert res[m]["equals_plain"] and res[m]["seconds"] > 0
     assert "hit_rate" in res["async"] and "hit_rate" not in res["sync"]
+
+
+def test_waiting_events_are_merged_into_one_chunk():
+    import asyncio
+
+    from d3d_jax.serving.app import _merge
+    from d3d_jax.serving.scheduler import Event
+
+    q: asyncio.Queue = asyncio.Queue()
+    for ev in (Event([3, 4]), Event([5], True, "length", {"tau": 2.0}), Event([9])):
+        q.put_nowait(ev)
+    merged = _merge(Event([1, 2]), q)
+    assert (merged.token_ids, merged.finished, merged.finish_reason, merged.metrics) == \
+        ([1, 2, 3, 4, 5], True, "length", {"tau": 2.0})
+    assert q.qsize() == 1  # nothing past the end of the request is taken

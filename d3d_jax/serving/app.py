@@ -121,6 +121,15 @@ def _sink(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue) -> Callable[[Ev
     return put
 
 
+def _merge(ev: Event, queue: asyncio.Queue) -> Event:
+    """``ev`` plus every event already waiting: when the event loop falls behind the decoder, a
+    client gets one chunk with several rounds' tokens instead of one chunk per round."""
+    while not ev.finished and not queue.empty():
+        nxt = queue.get_nowait()
+        ev = Event(ev.token_ids + nxt.token_ids, nxt.finished, nxt.finish_reason, nxt.metrics, nxt.error)
+    return ev
+
+
 async def _events(queue: asyncio.Queue, http: Request) -> AsyncIterator[Event]:
     """The request's events until it finishes; stops early when the client disconnects."""
     while True:
@@ -130,6 +139,7 @@ async def _events(queue: asyncio.Queue, http: Request) -> AsyncIterator[Event]:
             if await http.is_disconnected():
                 return
             continue
+        ev = _merge(ev, queue)
         yield ev
         if ev.finished:
             return
