@@ -248,6 +248,58 @@ def test_request_errors_name_the_problem(setup):
 
 
 # --------------------------------------------------------------------------------------
+# acceptance_override: the benchmark-only hook (a stand-in for d3d_jax.bench.simulate)
+# --------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class FullBlocks:
+    """Every round accepts every draft, and (async) every outcome hits the all-accept branch."""
+
+    def accept(self, accepted, next_token, anchor_pos, row_keys, width):
+        return jnp.full_like(accepted, width - 1), next_token
+
+    def hit(self, hit, branch, accepted, next_token, anchor_pos, row_keys, layout):
+        return jnp.ones_like(hit), jnp.full_like(branch, layout.all_accept_index)
+
+
+@dataclasses.dataclass(frozen=True)
+class Unchanged:
+    """Hands back what the real rule and the real branch match decided."""
+
+    def accept(self, accepted, next_token, anchor_pos, row_keys, width):
+        return accepted, next_token
+
+    def hit(self, hit, branch, accepted, next_token, anchor_pos, row_keys, layout):
+        return hit, branch
+
+
+def _run(dec, reqs):
+    metrics = {}
+    tokens, _ = _serve(dec, reqs, schedule=[0] * len(reqs), metrics=metrics)
+    return [dict(metrics[i], token_ids=tokens[i]) for i in range(len(reqs))]
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_acceptance_override_sets_tau(setup, mode):
+    """Forcing full acceptance gives τ = B exactly (and, async, a hit every round); handing the
+    real decision back changes nothing: the hook sits after the real rule and branch match."""
+    s = setup
+    reqs = [Request(s["prompts"][i], 13, index=i) for i in range(SLOTS)]
+    forced = _run(_decoder(s, mode, acceptance_override=FullBlocks()), reqs)
+    rounds = -(-13 // BLOCK)  # every round commits a whole block
+    for r in forced:
+        assert r["n_out"] == 13 and r["accept_hist"] == [0] * (BLOCK - 1) + [rounds]
+        assert r["tau"] == BLOCK
+        if mode == "async":  # judged: every round but the last (no next block is needed)
+            assert r["hits"] == rounds - 1 and r["misses"] == 0
+    real = _run(_decoder(s, mode), reqs)
+    same = _run(_decoder(s, mode, acceptance_override=Unchanged()), reqs)
+    assert any(r["tau"] < BLOCK for r in real)
+    for a, b, i in zip(real, same, range(SLOTS)):
+        assert a["token_ids"] == b["token_ids"] == s["solo"][i][:13]
+        assert a["accept_hist"] == b["accept_hist"] and a["hits"] == b["hits"]
+
+
+# --------------------------------------------------------------------------------------
 # Async rounds never wait on the host
 # --------------------------------------------------------------------------------------
 def test_async_rounds_only_dispatch(setup, monkeypatch):
