@@ -218,6 +218,34 @@ async def _collect(run: _Run, http: Request) -> dict | None:
                         else None, reason, usage, spec)
 
 
+async def _generate(svc: Service, http: Request, kind: str):
+    """Parse, tokenize and validate, then queue; stream or collect the result."""
+    body = await _read_json(http, svc.limits.max_body_bytes)
+    if kind == "chat":
+        from d3d_jax.training.chat_prompts import _content_text
+
+        parsed = P.parse_chat(body, svc.model_name, _content_text)
+    else:
+        parsed = P.parse_completion(body, svc.model_name)
+    ids = await run_in_threadpool(svc.encode, parsed)
+    request = svc.build(parsed, ids)
+    if not svc.scheduler.alive:
+        raise P.ApiError("the decoder is not running", status=503, type="server_error")
+    queue: asyncio.Queue = asyncio.Queue()
+    try:
+        handle = svc.scheduler.submit(request, _sink(asyncio.get_running_loop(), queue))
+    except QueueFull as e:
+        raise P.ApiError(str(e), status=503, type="server_error") from None
+    p = parsed.params
+    run = _Run(handle, queue, P.Formatter(kind, svc.model_name),
+               TextStream(svc.tokenizer, ids, p.stop, p.skip_special_tokens), p, len(ids))
+    if p.stream:
+        return StreamingResponse(_stream(run, http), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    out = await _collect(run, http)
+    return JSONResponse(out) if out is not None else PlainTextResponse("", 499)
+
+
 def create_app(svc: Service) -> FastAPI:
     app = FastAPI(title="d3d-jax", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.service = svc
@@ -254,39 +282,13 @@ def create_app(svc: Service) -> FastAPI:
         return PlainTextResponse(metrics.render(s.num_active, s.num_queued, s.num_slots, svc.mode),
                                  media_type="text/plain; version=0.0.4")
 
-    async def generate(http: Request, kind: str):
-        body = await _read_json(http, svc.limits.max_body_bytes)
-        if kind == "chat":
-            from d3d_jax.training.chat_prompts import _content_text
-
-            parsed = P.parse_chat(body, svc.model_name, _content_text)
-        else:
-            parsed = P.parse_completion(body, svc.model_name)
-        ids = await run_in_threadpool(svc.encode, parsed)
-        request = svc.build(parsed, ids)
-        if not svc.scheduler.alive:
-            raise P.ApiError("the decoder is not running", status=503, type="server_error")
-        queue: asyncio.Queue = asyncio.Queue()
-        try:
-            handle = svc.scheduler.submit(request, _sink(asyncio.get_running_loop(), queue))
-        except QueueFull as e:
-            raise P.ApiError(str(e), status=503, type="server_error") from None
-        p = parsed.params
-        run = _Run(handle, queue, P.Formatter(kind, svc.model_name),
-                   TextStream(svc.tokenizer, ids, p.stop, p.skip_special_tokens), p, len(ids))
-        if p.stream:
-            return StreamingResponse(_stream(run, http), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        out = await _collect(run, http)
-        return JSONResponse(out) if out is not None else PlainTextResponse("", 499)
-
     @app.post("/v1/completions")
     async def completions(http: Request):
-        return await generate(http, "completion")
+        return await _generate(svc, http, "completion")
 
     @app.post("/v1/chat/completions")
     async def chat(http: Request):
-        return await generate(http, "chat")
+        return await _generate(svc, http, "chat")
 
     if svc.api_key:
         app.add_middleware(_Auth, key=svc.api_key, on_reject=metrics.record_http_error)
