@@ -2,8 +2,8 @@
 
 Fast tests run the real HTTP stack (uvicorn on 127.0.0.1, the official ``openai`` client) over
 ``serve_fake.FakeDecoder`` — a toy LM implementing the decoder contract, whose solo token-by-token
-decode (``serve_fake.reference``) is the independent reference.  The slow tests at the end
-(``test_serve_real.py``) run the real SpecDecoder on the demo models.
+decode (``serve_fake.reference``) is the independent reference.  ``test_serve_e2e.py`` runs the
+real SpecDecoder on the demo models (slow).
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import http.client
 import json
 import random
 import time
+from pathlib import Path
 
 import pytest
 
@@ -20,7 +21,7 @@ from serve_fake import FakeConfig, FakeDecoder, Request, reference
 
 openai = pytest.importorskip("openai")
 
-TOKENIZER = "artifacts/demo/tokenizer"
+TOKENIZER = Path(__file__).resolve().parent.parent / "artifacts" / "demo" / "tokenizer"
 EOS = 2
 
 
