@@ -432,3 +432,11 @@ def test_waiting_events_are_merged_into_one_chunk():
     assert (merged.token_ids, merged.finished, merged.finish_reason, merged.metrics) == \
         ([1, 2, 3, 4, 5], True, "length", {"tau": 2.0})
     assert q.qsize() == 1  # nothing past the end of the request is taken
+
+
+def test_warmup_compiles_one_prompt_per_power_of_two_bucket():
+    from d3d_jax.serving.server import warmup_lengths
+
+    assert warmup_lengths(256, 1000) == [16, 32, 64, 128, 256]
+    assert warmup_lengths(256, 100) == [16, 32, 64]
+    assert warmup_lengths(256, 10) == [10] and warmup_lengths(0, 100) == [] and warmup_lengths(256, -5) == []

@@ -75,6 +75,11 @@ def decoder_config(args, target_cfg, drafter_cfg):
 
     block = args.block_size or (drafter_cfg.block_size if drafter_cfg is not None else None) or 16
     max_len = args.max_model_len or min(2048, target_cfg.max_position_embeddings)
+    if max_len < block + 2:
+        from d3d_jax.config import ConfigError
+
+        raise ConfigError(f"--max-model-len {max_len}: leaves no room for a prompt and a completion "
+                          f"(must be >= block size {block} + 2)")
     async_kw = {}
     if args.mode == "async":
         async_kw = dict(branch_positions=args.branch_positions or min(12, block),
@@ -131,7 +136,7 @@ def warmup_lengths(max_prompt: int, cap: int) -> list[int]:
     while n <= min(max_prompt, cap):
         out.append(n)
         n *= 2
-    return out or ([min(max_prompt, cap)] if max_prompt > 0 else [])
+    return out or ([min(max_prompt, cap)] if min(max_prompt, cap) > 0 else [])
 
 
 def warmup(svc, prompt_lengths=(16,), max_tokens: int | None = None) -> float:
