@@ -27,6 +27,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
                    "regeneration tokens/s at batch 1 vs 8 (tiny target), the data-regeneration path"),
     "first-block": ("d3d_jax.bench.first_block",
                     "offline τ on first blocks: a demo drafter fine-tuned with / without data.first_block_anchor"),
+    "serve": ("d3d_jax.bench.serve",
+              "1/4/16 concurrent clients against the real server: tokens/s, TTFT, TPOT per mode (Table 2)"),
     "eval": ("d3d_jax.evaluation.cli",
              "Table 1 for a target + drafter: τ, speedup, tokens/s, hit rate per benchmark, plots"),
 }

@@ -132,11 +132,9 @@ def eos_ids(args, target_cfg, tokenizer) -> list[int]:
         return []
     if args.eos_ids is not None:
         return _ids(args.eos_ids, "--eos-ids")
-    ids = target_cfg.eos_token_id
-    ids = [] if ids is None else ([ids] if isinstance(ids, int) else list(ids))
-    if tokenizer is not None and tokenizer.eos_token_id is not None:
-        ids.append(int(tokenizer.eos_token_id))
-    return sorted({i for i in ids if 0 <= i < target_cfg.vocab_size})
+    from d3d_jax.io.hf import eos_token_ids
+
+    return list(eos_token_ids(target_cfg, tokenizer))
 
 
 def parse_option(text: str):

@@ -184,7 +184,12 @@ def run_mode(generate_fn: Callable, tokenizer, samples: Sequence[Sample], mode: 
     """Generate every turn of every sample (batch 1, as the paper's latency numbers), timing all.
 
     One untimed call per padded first-turn prompt length comes first, so compilation (one program
-    per length bucket) is not billed to any mode."""
+    per length bucket) is not billed to any mode.  A ``generate_fn`` with ``concurrency > 1``
+    (``EvalSettings.concurrency``) runs all samples in flight instead (``evaluation.concurrent``)."""
+    if getattr(generate_fn, "concurrency", 1) > 1:
+        from d3d_jax.evaluation import concurrent
+
+        return concurrent.run_mode(generate_fn, tokenizer, samples, mode, encode_fn)
     outputs, metrics, seconds = [], [], 0.0
     seen: set[int] = set()
     for s in samples:
@@ -317,11 +322,17 @@ class EvalSettings:
     max_cache_len: int = 1024
     modes: tuple[str, ...] = ("plain", "sync", "async")
     async_options: dict = dataclasses.field(default_factory=dict)
+    concurrency: int = 1  # > 1: requests in flight in one long-lived decoder per mode
 
 
 def make_generate_fn(target, drafter, settings: EvalSettings, eos_token_ids: Sequence[int],
                      mask_token_id: int | None, extra_options: dict | None = None) -> Callable:
     from d3d_jax.decoding import engine
+
+    if settings.concurrency > 1:
+        from d3d_jax.evaluation import concurrent
+
+        return concurrent.make_generate_fn(target, drafter, settings, eos_token_ids)
 
     def fn(prompts, mode):
         opts = dict(settings.async_options if mode == "async" else {})

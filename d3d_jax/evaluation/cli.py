@@ -37,6 +37,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
     ap.add_argument("--branch-fanout", type=int, default=2, help="async F")
     ap.add_argument("--async-sweep", default="", help="C×F points, e.g. 4x2,8x2,12x2")
     ap.add_argument("--hf-peer", action="store_true", help="also transformers assisted generation")
+    ap.add_argument("--concurrency", type=int, default=1,
+                    help="requests in flight in one long-lived decoder per mode (default 1: batch 1)")
     ap.add_argument("--out", default="runs/eval")
     return ap
 
@@ -54,13 +56,15 @@ def check_limits(args, target, longest: int, block: int, modes: tuple[str, ...])
 
 
 def main(args) -> int:
+    if args.concurrency < 1:
+        raise SystemExit(f"error: --concurrency must be >= 1, got {args.concurrency}")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     from d3d_jax import demo
     from d3d_jax.evaluation import benchmarks as B
     from d3d_jax.evaluation import plots
     from d3d_jax.io.checkpoint import load_model
-    from d3d_jax.io.hf import load_tokenizer
+    from d3d_jax.io.hf import eos_token_ids, load_tokenizer
 
     modes = tuple(m for m in args.modes.split(",") if m)
     if "plain" not in modes:
@@ -70,10 +74,7 @@ def main(args) -> int:
     drafter = load_model(args.drafter)
     mask_id = drafter.config.mask_token_id if drafter.config.mask_token_id is not None else mask_id
     block = args.block_size or drafter.config.block_size or 16
-    eos = target.config.eos_token_id
-    eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
-    if tok.eos_token_id is not None and tok.eos_token_id not in eos_ids:
-        eos_ids += (tok.eos_token_id,)
+    eos_ids = eos_token_ids(target.config, tok)
     suites = {}
     for spec in args.benchmarks:
         name, _, path = spec.partition("=")
@@ -84,6 +85,7 @@ def main(args) -> int:
                   for ss in suites.values() for s in ss for t in s.turns[:1])
     check_limits(args, target, longest, block, modes)
     settings = B.EvalSettings(max_new_tokens=args.max_new_tokens, block_size=block, modes=modes,
+                              concurrency=args.concurrency,
                               max_cache_len=-(-(2 * longest + 2 * args.max_new_tokens + 4 * block) // 64) * 64,
                               async_options={"branch_positions": args.branch_positions or min(12, block),
                                              "branch_fanout": args.branch_fanout} if "async" in modes else {})

@@ -337,6 +337,16 @@ def load_tokenizer(path: str | os.PathLike, vocab_size: int | None = None) -> tu
     return tok, mask_id
 
 
+def eos_token_ids(model_config: ModelConfig, tokenizer: Any = None) -> tuple[int, ...]:
+    """The ids that end a response: the model config's ``eos_token_id`` (an id or a list) plus the
+    tokenizer's EOS token, those inside the vocabulary, sorted."""
+    ids = model_config.eos_token_id
+    ids = [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
+    if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
+        ids.append(int(tokenizer.eos_token_id))
+    return tuple(sorted({int(i) for i in ids if 0 <= int(i) < model_config.vocab_size}))
+
+
 def _rebuild(model: Qwen3, cfg: ModelConfig, replace_leaves: Mapping[PurePath, jax.Array]) -> Qwen3:
     """A model with config ``cfg``: every leaf shared from ``model`` except ``replace_leaves``."""
     new_model = abstract_model(cfg)

@@ -1,0 +1,263 @@
+"""Continuous batching around one :class:`~d3d_jax.decoding.decoder.SpecDecoder`.
+
+One thread owns the decoder (JAX calls release the GIL, so the HTTP event loop stays responsive).
+Each round it
+
+1. frees the slots of cancelled requests (client gone, stop string matched) and drops cancelled
+   requests still in the queue — a cancel takes effect at the next round;
+2. admits queued requests into free slots (``prefill`` + ``insert``; first come, first served);
+3. runs ``step()`` once for all active slots and hands each request its new tokens;
+4. frees the slots whose request finished.
+
+Requests beyond the free slots wait in the queue (oversubscription queues, it does not fail).
+Results go to a per-request ``sink(event)`` called on the scheduler thread; the HTTP layer's sink
+forwards to its event loop.  :meth:`run_until_idle` drives the same rounds without a thread (the
+evaluation harness's ``--concurrency``).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+import logging
+import threading
+import time
+from typing import Any, Callable
+
+from d3d_jax.serving.metrics import ServerMetrics
+
+log = logging.getLogger("d3d_jax.serving")
+
+
+@dataclasses.dataclass
+class Event:
+    """What one request receives: new tokens each round, then ``finished`` with the outcome."""
+
+    token_ids: list[int]
+    finished: bool = False
+    finish_reason: str | None = None  # eos | stop | length | error
+    metrics: dict | None = None  # on finish: tau, hit_rate, rounds, accepted, ttft_s, ...
+    error: str | None = None
+
+
+class QueueFull(RuntimeError):
+    """More requests waiting than ``max_queue``: the HTTP layer answers 503."""
+
+
+class Handle:
+    """A submitted request.  ``cancel()`` is safe from any thread; the slot frees next round."""
+
+    def __init__(self, rid: int, request: Any, sink: Callable[[Event], None], wake: Callable[[], None]):
+        self.id, self.request, self.sink = rid, request, sink
+        self._wake = wake
+        self.cancelled = False
+        self.done = False
+        self.slot: int | None = None
+        self.t_submit = time.perf_counter()
+        self.t_first: float | None = None
+        self.n_out = self.rounds = self.accepted = self.hits = self.misses = 0
+
+    def cancel(self) -> None:
+        if not self.done and not self.cancelled:
+            self.cancelled = True
+            self._wake()
+
+
+def _request_metrics(h: Handle, slot_metrics: dict | None) -> dict:
+    """τ and hit rate of one request: the decoder's own counts when it has them, else ours."""
+    m = dict(slot_metrics or {})
+    rounds = int(m.get("rounds", h.rounds) or 0)
+    hits, misses = int(m.get("hits", h.hits) or 0), int(m.get("misses", h.misses) or 0)
+    tau = m.get("tau")
+    tau = float(tau) if tau is not None else ((h.accepted + h.rounds) / h.rounds if h.rounds else 0.0)
+    now = time.perf_counter()
+    hist = m.get("accept_hist")
+    return {"tau": tau, "accept_hist": None if hist is None else [int(x) for x in hist], "hit_rate": hits / (hits + misses) if hits + misses else None,
+            "rounds": rounds, "accepted_tokens": h.accepted, "hits": hits, "misses": misses,
+            "ttft_s": (h.t_first - h.t_submit) if h.t_first is not None else None,
+            "latency_s": now - h.t_submit}
+
+
+class Scheduler:
+    def __init__(self, decoder, *, metrics: ServerMetrics | None = None, max_queue: int = 4096,
+                 idle_wait_s: float = 0.05):
+        self.decoder = decoder
+        self.metrics = metrics or ServerMetrics()
+        self.max_queue = max_queue
+        self.idle_wait_s = idle_wait_s
+        self.num_slots = len(decoder.free_slots()) + len(decoder.active_slots())
+        self._queue: collections.deque[Handle] = collections.deque()
+        self._active: dict[int, Handle] = {}  # slot -> handle (scheduler thread only)
+        self._cv = threading.Condition()
+        self._ids = itertools.count()
+        self._thread: threading.Thread | None = None
+        self._stop = False
+        self.error: BaseException | None = None  # what killed the thread, if anything
+
+    # ---- any thread --------------------------------------------------------------------------
+    def submit(self, request: Any, sink: Callable[[Event], None]) -> Handle:
+        with self._cv:
+            if len(self._queue) >= self.max_queue:
+                raise QueueFull(f"{len(self._queue)} requests are already waiting (max_queue)")
+            h = Handle(next(self._ids), request, sink, self._wake)
+            self._queue.append(h)
+            self._cv.notify()
+        return h
+
+    def _wake(self) -> None:
+        with self._cv:
+            self._cv.notify()
+
+    @property
+    def num_queued(self) -> int:
+        return len(self._queue)
+
+    @property
+    def num_active(self) -> int:
+        return len(self._active)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def start(self) -> "Scheduler":
+        self._stop = False
+        self._thread = threading.Thread(target=self._loop, name="d3d-scheduler", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 30.0) -> None:
+        with self._cv:
+            self._stop = True
+            self._cv.notify()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    # ---- scheduler thread --------------------------------------------------------------------
+    def _loop(self) -> None:
+        try:
+            while not self._stop:
+                if not self.run_round():
+                    with self._cv:
+                        if not self._stop and not self._queue:
+                            self._cv.wait(self.idle_wait_s)
+        except BaseException as e:  # a dead scheduler must not leave clients waiting forever
+            log.exception("scheduler stopped")
+            self.error = e
+            self._fail_all(f"scheduler stopped: {type(e).__name__}: {e}")
+            raise
+
+    def run_until_idle(self, timeout_s: float | None = None) -> None:
+        """Drive rounds on the calling thread until nothing is queued or active."""
+        t_end = None if timeout_s is None else time.monotonic() + timeout_s
+        while self.run_round() or self._queue:
+            if t_end is not None and time.monotonic() > t_end:
+                raise TimeoutError(f"requests still running after {timeout_s} s")
+
+    def run_round(self) -> bool:
+        """One scheduling round; False when there was nothing to decode."""
+        self._reap_cancelled()
+        self._admit()
+        if not self._active:
+            return False
+        t0 = time.perf_counter()
+        try:
+            outs = self.decoder.step()
+        except Exception as e:  # noqa: BLE001 - reported to every request in the batch
+            log.exception("decoder step failed")
+            for slot in list(self._active):
+                self._finish(slot, "error", error=f"decoder step failed: {type(e).__name__}: {e}")
+            return True
+        self._deliver(outs, time.perf_counter() - t0)
+        return True
+
+    def _reap_cancelled(self) -> None:
+        with self._cv:
+            if any(h.cancelled for h in self._queue):
+                for h in [h for h in self._queue if h.cancelled]:
+                    h.done = True
+                    self.metrics.record_request("cancelled")
+                self._queue = collections.deque(h for h in self._queue if not h.cancelled)
+        for slot, h in list(self._active.items()):
+            if h.cancelled:
+                self._release(slot)
+                self.metrics.record_request("cancelled")
+
+    def _admit(self) -> None:
+        free = list(self.decoder.free_slots())
+        while free:
+            with self._cv:
+                if not self._queue:
+                    return
+                h = self._queue.popleft()
+            try:
+                prefix = self.decoder.prefill(h.request)
+                slot = free.pop(0)
+                self.decoder.insert(prefix, slot)
+            except Exception as e:  # noqa: BLE001 - this request fails, the server goes on
+                log.exception("prefill failed")
+                h.done = True
+                self.metrics.record_request("error")
+                self._send(h, Event([], True, "error", error=f"prefill failed: {type(e).__name__}: {e}"))
+                continue
+            h.slot = slot
+            self._active[slot] = h
+            self.metrics.record_admitted(len(h.request.prompt))
+
+    def _deliver(self, outs: dict, seconds: float) -> None:
+        tokens = accepted = hits = misses = 0
+        for slot, out in outs.items():
+            h = self._active.get(slot)
+            if h is None:
+                continue
+            h.rounds += 1
+            h.accepted += int(out.accepted)
+            hits += out.hit is True
+            misses += out.hit is False
+            h.hits += out.hit is True
+            h.misses += out.hit is False
+            accepted += int(out.accepted)
+            tokens += len(out.token_ids)
+            if out.token_ids:
+                h.t_first = h.t_first or time.perf_counter()
+                h.n_out += len(out.token_ids)
+            if out.finished:
+                self._finish(slot, out.finish_reason or "length", token_ids=list(out.token_ids))
+            elif out.token_ids and not h.cancelled:
+                self._send(h, Event(list(out.token_ids)))
+        self.metrics.record_round(len(outs), tokens, accepted, hits, misses, seconds)
+
+    def _finish(self, slot: int, reason: str, token_ids=(), error: str | None = None) -> None:
+        h = self._active[slot]
+        try:
+            sm = self.decoder.slot_metrics(slot) if error is None else None
+        except Exception:  # noqa: BLE001 - metrics are best effort, the tokens are not
+            sm = None
+        self._release(slot)
+        self.metrics.record_request(reason)
+        if not h.cancelled:
+            self._send(h, Event(list(token_ids), True, reason, _request_metrics(h, sm), error))
+
+    def _release(self, slot: int) -> None:
+        h = self._active.pop(slot)
+        h.done = True
+        try:
+            self.decoder.free(slot)
+        except Exception:  # noqa: BLE001
+            log.exception("free(%d) failed", slot)
+
+    def _send(self, h: Handle, ev: Event) -> None:
+        try:
+            h.sink(ev)
+        except Exception:  # noqa: BLE001 - a broken consumer must not stop the batch
+            log.exception("sink of request %d failed; cancelling it", h.id)
+            h.cancelled = True
+
+    def _fail_all(self, message: str) -> None:
+        with self._cv:
+            queued, self._queue = list(self._queue), collections.deque()
+        for h in queued + list(self._active.values()):
+            h.done = True
+            self._send(h, Event([], True, "error", error=message))
+        self._active.clear()

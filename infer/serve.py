@@ -1,0 +1,30 @@
+#!/usr/bin/env python
+"""OpenAI-compatible streaming server around one speculative decoder (plain, sync or async).
+
+  infer/serve.py --target PATH [--drafter PATH] --mode plain|sync|async [--tokenizer DIR]
+                 [--host 127.0.0.1] [--port 8000] [--api-key KEY] [--num-slots 8] ...
+
+Routes: POST /v1/completions, POST /v1/chat/completions (SSE with "stream": true), GET /v1/models,
+GET /health, GET /metrics (Prometheus).  Prints ``READY http://HOST:PORT ...`` once it accepts
+requests (``--port 0`` picks a free port).  The logic is in ``d3d_jax/serving/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+def main(argv=None):
+    from d3d_jax.serving import server
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    server.add_arguments(p)
+    return server.main(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    main()
