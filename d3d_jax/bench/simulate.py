@@ -1,0 +1,216 @@
+"""Simulated acceptance, for benchmarks only (SGLang's ``SGLANG_SIMULATE_ACC_LEN``, vLLM's
+``rejection_sample_method='synthetic'``).
+
+Random weights make real acceptance meaningless, and a replay drafter does not hold τ in bf16 (1-
+and 16-token forwards round differently, so greedy output drifts from the reference it replays).
+:class:`SimulatedAcceptance` instead runs the FULL real verify and then overwrites its outcome:
+
+* ``accept``: the acceptance length by a seeded schedule with mean τ (SGLang's ``match-expected``:
+  ``floor`` or ``ceil`` of ``τ - 1`` accepted drafts, weighted to hit the mean), drawn per row and
+  round, keyed by (simulation seed, row key, anchor position): runs are reproducible and a row's
+  schedule does not depend on its batch.  Token values are ignored; the committed tokens are the
+  drafts and the real target token.
+* ``hit`` (async): the branch hit flag by a seeded coin with rate ``hit_rate``, and the branch
+  consistent with the simulated length (the first alternative at rejection slot ``a + 1``).
+
+The result is tied to the real one (``where(real < 0, real, simulated)``, never true), so XLA
+cannot drop the real computation: the verify costs what it costs without the override
+(:func:`verify_cost_comparison` shows it from the compiled cost analysis).
+
+It is reachable only through ``infer/bench.py gpu|engine|async --simulate-tau/--simulate-hit-rate``;
+the decoder accepts an override only when it carries ``benchmark_only = True``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import time
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from d3d_jax.decoding import verify as V
+
+SALT_SIM_ACCEPT = 6  # verify.py uses salts 0..4, async_engine 5
+SALT_SIM_HIT = 7
+SCHEDULE = "match-expected"
+
+
+class SimulationError(ValueError):
+    """Bad simulated-acceptance settings (named in the message)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SimulatedAcceptance:
+    """A benchmark-only ``acceptance_override`` (see DECODER_API.md): mean acceptance length
+    ``tau`` (τ = accepted drafts + 1, in [1, block size]) and async ``hit_rate`` in [0, 1]."""
+
+    tau: float
+    hit_rate: float = 1.0
+    seed: int = 0
+    benchmark_only: ClassVar[bool] = True  # the decoder refuses overrides without this marker
+
+    def __post_init__(self):
+        if not (isinstance(self.tau, (int, float)) and math.isfinite(self.tau) and self.tau >= 1.0):
+            raise SimulationError(f"--simulate-tau must be a number >= 1 (τ = accepted + 1), got {self.tau!r}")
+        if not (isinstance(self.hit_rate, (int, float)) and 0.0 <= self.hit_rate <= 1.0):
+            raise SimulationError(f"--simulate-hit-rate must be in [0, 1], got {self.hit_rate!r}")
+        if int(self.seed) != self.seed or self.seed < 0:
+            raise SimulationError(f"simulation seed must be an integer >= 0, got {self.seed!r}")
+        object.__setattr__(self, "tau", float(self.tau))
+        object.__setattr__(self, "hit_rate", float(self.hit_rate))
+        object.__setattr__(self, "seed", int(self.seed))
+
+    def check_block(self, block_size: int, asynchronous: bool = False) -> None:
+        """τ must fit the block: ≤ B (sync), ≤ B - 2 (async: a shortened block after an
+        all-accept hit has B - 2 real drafts, and every simulated outcome must be reachable)."""
+        top = block_size - 2 if asynchronous else block_size
+        if self.tau > top:
+            mode = "async rounds" if asynchronous else "a block"
+            raise SimulationError(f"--simulate-tau {self.tau} is above {top}, the largest mean "
+                                  f"acceptance length of {mode} of size {block_size}")
+
+    def record(self) -> dict:
+        """What every benchmark result records about the simulation."""
+        return {"tau": self.tau, "hit_rate": self.hit_rate, "seed": self.seed, "schedule": SCHEDULE}
+
+    def describe(self) -> str:
+        return (f"SIMULATED acceptance ({SCHEDULE}): tau {self.tau:g}, hit rate {self.hit_rate:g}, "
+                f"seed {self.seed}; the real verify runs, token values are ignored")
+
+    # -- device side -------------------------------------------------------------------
+    def _uniform(self, row_keys: jax.Array, anchor_pos: jax.Array, salt: int) -> jax.Array:
+        keys = jax.vmap(lambda k: jax.random.fold_in(k, self.seed))(row_keys)
+        return V.uniform_keyed(V.position_keys(keys, anchor_pos[:, None], salt))[:, 0]
+
+    def lengths(self, anchor_pos: jax.Array, row_keys: jax.Array, width: int) -> jax.Array:
+        """Simulated accepted drafts ``[b]``: ``floor(τ-1)`` or ``+1`` with the fractional part's
+        probability, clipped to ``[0, width-1]``."""
+        mean = min(self.tau - 1.0, width - 1.0)
+        lo = math.floor(mean)
+        up = self._uniform(row_keys, anchor_pos, SALT_SIM_ACCEPT) < jnp.float32(mean - lo)
+        return jnp.minimum(lo + up.astype(jnp.int32), width - 1).astype(jnp.int32)
+
+    def accept(self, accepted, next_token, anchor_pos, row_keys, width):
+        """After the real rule: the simulated acceptance length; the target token is kept."""
+        sim = self.lengths(anchor_pos, row_keys, width)
+        return jnp.where(accepted < 0, accepted, sim).astype(jnp.int32), next_token
+
+    def hit(self, hit, branch, accepted, next_token, anchor_pos, row_keys, layout):
+        """After the real branch matching: hit by a coin, branch at rejection slot ``a + 1``
+        (its first alternative).  Past the last branch position no branch exists: a miss."""
+        del next_token
+        coin = self._uniform(row_keys, anchor_pos, SALT_SIM_HIT) < jnp.float32(self.hit_rate)
+        has_branch = accepted + 1 <= layout.positions - 1
+        sim_branch = jnp.clip(accepted, 0, max(layout.positions - 2, 0)) * layout.fanout
+        sim_hit = coin & has_branch
+        sim_hit = jnp.where(branch < 0, hit, sim_hit)  # tie: keeps the real matching alive
+        return sim_hit, jnp.where(sim_hit, sim_branch, branch).astype(jnp.int32)
+
+
+@dataclasses.dataclass(frozen=True)
+class SimulatedRule:
+    """An ``engine.generate(acceptance_rule=...)`` rule: the real rule, then ``override.accept``."""
+
+    override: SimulatedAcceptance
+    sample_drafts: bool = False
+
+    def __call__(self, logits, drafts, draft_probs, anchor_pos, row_keys, sampling):
+        accepted, next_token = V.default_rule(self.sample_drafts)(logits, drafts, draft_probs,
+                                                                  anchor_pos, row_keys, sampling)
+        return self.override.accept(accepted, next_token, anchor_pos, row_keys, logits.shape[1])
+
+
+# --------------------------------------------------------------------------------------
+# Benchmark flags
+# --------------------------------------------------------------------------------------
+def add_arguments(p: argparse.ArgumentParser, tau: float | None = None,
+                  hit_rate: float | None = None) -> None:
+    g = p.add_argument_group("simulated acceptance (benchmarks only; recorded in every result)")
+    g.add_argument("--simulate-tau", type=float, default=tau, metavar="TAU",
+                   help="run the real verify, then accept by a seeded schedule with mean τ"
+                        + (f" (default {tau})" if tau is not None else " (default: off)"))
+    g.add_argument("--simulate-hit-rate", type=float, default=hit_rate, metavar="H",
+                   help="async: branch hits by a seeded coin with this rate"
+                        + (f" (default {hit_rate})" if hit_rate is not None else ""))
+    g.add_argument("--simulate-seed", type=int, default=0)
+
+
+def from_args(args: argparse.Namespace, *, hits: bool = True) -> SimulatedAcceptance | None:
+    """The override the flags ask for, or None; ``hits=False``: the benchmark has no async rounds."""
+    tau, h = args.simulate_tau, args.simulate_hit_rate
+    if tau is None:
+        if h is not None:
+            raise SimulationError("--simulate-hit-rate needs --simulate-tau")
+        return None
+    if h is not None and not hits:
+        raise SimulationError("--simulate-hit-rate: this benchmark runs no async rounds "
+                              "(use infer/bench.py async or gpu)")
+    return SimulatedAcceptance(tau, 1.0 if h is None else h, args.simulate_seed)
+
+
+def record(sim: SimulatedAcceptance | None) -> dict | None:
+    return None if sim is None else sim.record()
+
+
+def header(sim: SimulatedAcceptance | None) -> str:
+    return sim.describe() if sim is not None else "real acceptance (no simulation)"
+
+
+# --------------------------------------------------------------------------------------
+# Cost of the verify with and without the override
+# --------------------------------------------------------------------------------------
+def cost_summary(compiled) -> dict:
+    """flops and bytes accessed of a compiled executable (a dict, or a list of one per module
+    in older jax versions)."""
+    ca = compiled.cost_analysis()
+    if isinstance(ca, (list, tuple)):
+        ca = ca[0] if ca else {}
+    ca = ca or {}
+    return {"flops": float(ca.get("flops", float("nan"))),
+            "bytes_accessed": float(ca.get("bytes accessed", float("nan")))}
+
+
+def _median_ms(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - t0)
+    return 1e3 * float(np.median(times))
+
+
+def verify_cost_comparison(target, drafter, sim: SimulatedAcceptance, *, block_size: int = 16,
+                           prompt_len: int = 64, cache_len: int | None = None,
+                           repeats: int = 5) -> dict:
+    """Compile the engine's verify step with the real rule and with the simulated one (same
+    shapes, a real draft from ``drafter``); compare cost analysis and median time."""
+    from flax import nnx
+
+    from d3d_jax.decoding import engine as E
+
+    cfg = target.config
+    cache_len = cache_len or -(-(prompt_len + 2 * block_size) // 16) * 16
+    d = E._as_drafter(drafter, cfg.vocab_size, None)
+    graphdef, params = nnx.split(target)
+    prompt = np.random.default_rng(0).integers(0, cfg.vocab_size - 1, (1, prompt_len)).astype(np.int32)
+    lens, rows = np.full((1,), prompt_len, np.int32), np.zeros((1,), np.int32)
+    out = {}
+    for name, rule in (("real", None), ("simulated", SimulatedRule(sim))):
+        static = E.DecodeStatic(target_graphdef=graphdef, drafter_spec=d.spec, sampling=V.SamplingParams(),
+                                width=block_size, cache_len=cache_len, rule=rule)
+        batch = E.PreparedBatch(static, params, d.params, d.init_state(prompt, lens, rows, cache_len),
+                                jnp.asarray(prompt), jnp.asarray(lens), rows, 0, max_new_tokens=8)
+        state = E.prefill_step(static, *batch.args())
+        draft, state = E.draft_step(static, d.params, state)
+        compiled = E.verify_step.lower(static, params, state, draft).compile()
+        out[name] = dict(cost_summary(compiled),
+                         ms=_median_ms(lambda: compiled(params, state, draft), repeats))
+    out["flops_ratio"] = out["simulated"]["flops"] / out["real"]["flops"]
+    out["bytes_ratio"] = out["simulated"]["bytes_accessed"] / out["real"]["bytes_accessed"]
+    out["time_ratio"] = out["simulated"]["ms"] / out["real"]["ms"]
+    return out
