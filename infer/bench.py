@@ -25,6 +25,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
               "async vs sync vs plain (tokens/s, τ, hit rate); C×F sweep, speedup/hit rate vs budget PNG"),
     "regenerate": ("d3d_jax.bench.regenerate",
                    "regeneration tokens/s at batch 1 vs 8 (tiny target), the data-regeneration path"),
+    "gpu": ("d3d_jax.bench.gpu",
+            "everything of issue 16 on the present accelerator: roofline, sync/async, parts, drafter sizes"),
     "eval": ("d3d_jax.evaluation.cli",
              "Table 1 for a target + drafter: τ, speedup, tokens/s, hit rate per benchmark, plots"),
 }

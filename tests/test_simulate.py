@@ -125,7 +125,7 @@ def test_bad_settings_are_refused(kw, match):
 def test_block_and_flag_checks():
     S.SimulatedAcceptance(16.0).check_block(16)
     with pytest.raises(S.SimulationError, match="above 14"):
-        S.SimulatedAcceptance(14.5).check_block(16, asynchronous=True)
+        S.SimulatedAcceptance(14.5, 0.5).check_block(16, asynchronous=True)
     p = argparse.ArgumentParser()
     S.add_arguments(p)
     assert S.from_args(p.parse_args([])) is None
@@ -134,9 +134,12 @@ def test_block_and_flag_checks():
     with pytest.raises(S.SimulationError, match="no async rounds"):
         S.from_args(p.parse_args(["--simulate-tau", "4", "--simulate-hit-rate", "0.5"]), hits=False)
     sim = S.from_args(p.parse_args(["--simulate-tau", "4", "--simulate-seed", "2"]))
-    assert sim == S.SimulatedAcceptance(4.0, 1.0, 2) and sim.benchmark_only
-    assert S.record(sim) == {"tau": 4.0, "hit_rate": 1.0, "seed": 2, "schedule": "match-expected"}
-    assert "SIMULATED" in S.header(sim) and "real acceptance" in S.header(None)
+    assert sim == S.SimulatedAcceptance(4.0, None, 2) and sim.benchmark_only
+    assert S.record(sim) == {"tau": 4.0, "hit_rate": None, "seed": 2, "schedule": "match-expected"}
+    assert "hit rate unused" in S.header(sim) and "real acceptance" in S.header(None)
+    with pytest.raises(S.SimulationError, match="need --simulate-hit-rate"):
+        sim.check_block(16, asynchronous=True)
+    assert "hit rate 0.5" in S.header(S.SimulatedAcceptance(4.0, 0.5).record())
 
 
 def test_generate_cli_refuses_simulation_and_points_at_the_benchmark():

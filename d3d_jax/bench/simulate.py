@@ -47,27 +47,31 @@ class SimulationError(ValueError):
 @dataclasses.dataclass(frozen=True)
 class SimulatedAcceptance:
     """A benchmark-only ``acceptance_override`` (see DECODER_API.md): mean acceptance length
-    ``tau`` (τ = accepted drafts + 1, in [1, block size]) and async ``hit_rate`` in [0, 1]."""
+    ``tau`` (τ = accepted drafts + 1, in [1, block size]) and async ``hit_rate`` in [0, 1]
+    (None: the benchmark has no async rounds)."""
 
     tau: float
-    hit_rate: float = 1.0
+    hit_rate: float | None = None
     seed: int = 0
     benchmark_only: ClassVar[bool] = True  # the decoder refuses overrides without this marker
 
     def __post_init__(self):
         if not (isinstance(self.tau, (int, float)) and math.isfinite(self.tau) and self.tau >= 1.0):
             raise SimulationError(f"--simulate-tau must be a number >= 1 (τ = accepted + 1), got {self.tau!r}")
-        if not (isinstance(self.hit_rate, (int, float)) and 0.0 <= self.hit_rate <= 1.0):
+        if self.hit_rate is not None and not (isinstance(self.hit_rate, (int, float))
+                                              and 0.0 <= self.hit_rate <= 1.0):
             raise SimulationError(f"--simulate-hit-rate must be in [0, 1], got {self.hit_rate!r}")
         if int(self.seed) != self.seed or self.seed < 0:
             raise SimulationError(f"simulation seed must be an integer >= 0, got {self.seed!r}")
         object.__setattr__(self, "tau", float(self.tau))
-        object.__setattr__(self, "hit_rate", float(self.hit_rate))
+        object.__setattr__(self, "hit_rate", None if self.hit_rate is None else float(self.hit_rate))
         object.__setattr__(self, "seed", int(self.seed))
 
     def check_block(self, block_size: int, asynchronous: bool = False) -> None:
         """τ must fit the block: ≤ B (sync), ≤ B - 2 (async: a shortened block after an
         all-accept hit has B - 2 real drafts, and every simulated outcome must be reachable)."""
+        if asynchronous and self.hit_rate is None:
+            raise SimulationError("async rounds need --simulate-hit-rate with --simulate-tau")
         top = block_size - 2 if asynchronous else block_size
         if self.tau > top:
             mode = "async rounds" if asynchronous else "a block"
@@ -79,8 +83,7 @@ class SimulatedAcceptance:
         return {"tau": self.tau, "hit_rate": self.hit_rate, "seed": self.seed, "schedule": SCHEDULE}
 
     def describe(self) -> str:
-        return (f"SIMULATED acceptance ({SCHEDULE}): tau {self.tau:g}, hit rate {self.hit_rate:g}, "
-                f"seed {self.seed}; the real verify runs, token values are ignored")
+        return header(self.record())
 
     # -- device side -------------------------------------------------------------------
     def _uniform(self, row_keys: jax.Array, anchor_pos: jax.Array, salt: int) -> jax.Array:
@@ -104,6 +107,8 @@ class SimulatedAcceptance:
         """After the real branch matching: hit by a coin, branch at rejection slot ``a + 1``
         (its first alternative).  Past the last branch position no branch exists: a miss."""
         del next_token
+        if self.hit_rate is None:
+            raise SimulationError("async rounds need --simulate-hit-rate with --simulate-tau")
         coin = self._uniform(row_keys, anchor_pos, SALT_SIM_HIT) < jnp.float32(self.hit_rate)
         has_branch = accepted + 1 <= layout.positions - 1
         sim_branch = jnp.clip(accepted, 0, max(layout.positions - 2, 0)) * layout.fanout
@@ -150,15 +155,22 @@ def from_args(args: argparse.Namespace, *, hits: bool = True) -> SimulatedAccept
     if h is not None and not hits:
         raise SimulationError("--simulate-hit-rate: this benchmark runs no async rounds "
                               "(use infer/bench.py async or gpu)")
-    return SimulatedAcceptance(tau, 1.0 if h is None else h, args.simulate_seed)
+    return SimulatedAcceptance(tau, h, args.simulate_seed)
 
 
 def record(sim: SimulatedAcceptance | None) -> dict | None:
     return None if sim is None else sim.record()
 
 
-def header(sim: SimulatedAcceptance | None) -> str:
-    return sim.describe() if sim is not None else "real acceptance (no simulation)"
+def header(rec: dict | SimulatedAcceptance | None) -> str:
+    """A table's header line from a result's ``simulated_acceptance`` record (or the object)."""
+    if isinstance(rec, SimulatedAcceptance):
+        rec = rec.record()
+    if rec is None:
+        return "real acceptance (no simulation)"
+    hits = "unused" if rec["hit_rate"] is None else f"{rec['hit_rate']:g}"
+    return (f"SIMULATED acceptance ({rec['schedule']}): tau {rec['tau']:g}, hit rate {hits}, "
+            f"seed {rec['seed']}; the real verify runs, token values are ignored")
 
 
 # --------------------------------------------------------------------------------------
