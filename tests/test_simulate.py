@@ -148,3 +148,23 @@ def test_generate_cli_refuses_simulation_and_points_at_the_benchmark():
                        capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert r.returncode == 2
     assert "infer/bench.py" in r.stderr and "--simulate-tau" in r.stderr
+
+
+@pytest.mark.slow
+def test_bench_engine_records_the_simulation_in_json_and_table():
+    from d3d_jax.bench import engine as bench
+
+    p = argparse.ArgumentParser()
+    bench.add_arguments(p)
+    args = p.parse_args(["--layers", "1", "--hidden", "64", "--intermediate", "128", "--heads", "2",
+                         "--kv-heads", "1", "--head-dim", "32", "--vocab", "256", "--prompt-len", "8",
+                         "--max-new-tokens", "32", "--repeats", "1", "--skip-transformers",
+                         "--simulate-tau", "4"])
+    res = bench.run(args)
+    assert res["simulated_acceptance"] == {"tau": 4.0, "hit_rate": None, "seed": 0,
+                                           "schedule": "match-expected"}
+    assert res["sync_efficiency"]["tau"] == 4.0  # integral τ: every round accepts exactly 3
+    assert res["sync_efficiency"]["same_tokens_as_plain"] is None
+    table = bench.format_table(res)
+    assert "SIMULATED acceptance (match-expected): tau 4" in table
+    assert "n/a (simulated acceptance)" in table
