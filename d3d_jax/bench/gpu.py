@@ -86,6 +86,9 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--budget-s", type=float, default=420.0,
                    help="skip (and record) later sections once this much wall time is spent")
     p.add_argument("--skip-async", action="store_true", help="no measured async run")
+    p.add_argument("--compile-cache", default=None,
+                   help="persistent XLA cache on an accelerator (default OUT/xla_cache: a rerun "
+                        "skips compiling; timings never include compilation either way); 'off'")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=DEFAULT_OUT, help="folder for bench_gpu.json and bench_gpu.md")
     simulate.add_arguments(p, tau=7.9, hit_rate=0.7)
@@ -431,6 +434,8 @@ def run(args: argparse.Namespace) -> dict:
     if sim is not None:
         sim.check_block(args.block_size, asynchronous=not args.skip_async)
     on_cpu = jax.devices()[0].platform == "cpu"
+    if not on_cpu and args.compile_cache != "off":
+        jax.config.update("jax_compilation_cache_dir", args.compile_cache or str(Path(args.out) / "xla_cache"))
     plan = CPU_PLAN if args.shapes == "cpu" or (args.shapes == "auto" and on_cpu) else GPU_PLAN
     args.max_new = args.max_new or plan.max_new
     budget = Budget(args.budget_s)
