@@ -14,6 +14,7 @@ from flax import nnx
 
 from d3d_jax.config import ConfigError, ModelConfig
 from d3d_jax.decoding import branches as br
+from d3d_jax.decoding.drafting import ModelDrafter
 from d3d_jax.model.kv_cache import init_cache
 from d3d_jax.model.masks import block_meta, causal_meta, concat_meta
 from d3d_jax.model.qwen3 import init_model
@@ -76,8 +77,10 @@ def test_every_branch_equals_its_own_sync_draft(model, c, f):
     draft_len = np.array([B - 1, B - 2], np.int32)  # row 1: the shortened block after an all-accept hit
     block_alts = np.asarray(br.slot_alternatives(jnp.asarray(rng.normal(size=(2, B, CFG.vocab_size))),
                                                  jnp.asarray(block), f))
-    run = br.make_packed_draft(model, layout, MASK, with_logits=True)
-    drafts, new_cache = run(nnx.state(model), cache, jnp.asarray(block), jnp.asarray(block_alts),
+    # the production path: the model drafter's branch pack, jitted as the decoder jits it
+    d = ModelDrafter(model, MASK)
+    run = jax.jit(lambda *a: d.branch_pack(*a, layout, with_logits=True), donate_argnums=(1,))
+    drafts, new_cache = run(d.params, cache, jnp.asarray(block), jnp.asarray(block_alts),
                             jnp.asarray(s), jnp.asarray(draft_len))
     print(layout.describe())
     assert layout.budget == B * ((c - 1) * f + 2)

@@ -12,6 +12,7 @@ from flax import nnx
 
 from d3d_jax.config import ModelConfig
 from d3d_jax.decoding import verify as V
+from d3d_jax.decoding.decoder import Request
 from d3d_jax.decoding.drafting import ModelDrafter, ReplayDrafter
 from d3d_jax.model.masks import block_meta, causal_meta, concat_meta
 from d3d_jax.model.qwen3 import init_model
@@ -47,10 +48,11 @@ def test_cached_block_drafting_equals_whole_sequence_forward(drafter, sample_dra
     seq = jnp.asarray(rng.integers(0, MASK, (b, S)), jnp.int32)
     prompt_len = np.array([1, 4, 7])
     prompt = np.asarray(seq)[:, :8]
-    state = d.init_state(prompt, prompt_len, np.arange(b), S)
-    prefill = jax.jit(d.spec.prefill)
-    propose = jax.jit(d.spec.propose, static_argnums=(5, 6, 7))
-    state = prefill(d.params, state, jnp.asarray(prompt), jnp.asarray(prompt_len - 1))
+    prefill = jax.jit(d.prefill)
+    propose = jax.jit(d.propose, static_argnums=(5, 6, 7))
+    # the production path: prefill a prompt-length cache, insert it into the slots' cache
+    rows = prefill(d.params, None, jnp.asarray(prompt), jnp.asarray(prompt_len - 1))
+    state = d.insert(d.init_state(b, S), rows, jnp.arange(b))
     s = prompt_len - 1  # anchors: the last prompt token
     keys = jax.random.split(jax.random.key(1), b)
     sp = V.SamplingParams(1.0) if sample_drafts else V.SamplingParams()
@@ -58,7 +60,7 @@ def test_cached_block_drafting_equals_whole_sequence_forward(drafter, sample_dra
         out, state = propose(d.params, state, seq, jnp.asarray(s, jnp.int32), keys, sp, BLOCK,
                              sample_drafts)
         assert np.asarray(state.lengths).tolist() == s.tolist()  # block K/V not kept
-        refs = np.asarray(_reference_forward(d.spec.graphdef, d.params, seq, jnp.asarray(s, jnp.int32)))
+        refs = np.asarray(_reference_forward(d.graphdef, d.params, seq, jnp.asarray(s, jnp.int32)))
         for r in range(b):
             ref = refs[r]
             np.testing.assert_allclose(np.asarray(out.logits[r]), ref, atol=1e-4)
@@ -80,10 +82,11 @@ def test_replay_drafter_error_rate_and_keying():
 
     def propose(rate, rows):
         rd = ReplayDrafter(conts, VOCAB, error_rate=rate, seed=9)
-        st = rd.init_state(np.zeros((len(rows), 4), np.int32), np.full(len(rows), plen),
-                           np.asarray(rows), 64)
-        out, _ = jax.jit(rd.spec.propose, static_argnums=(5, 6, 7))(None, st, None, jnp.asarray(anchors[rows], jnp.int32), keys[: len(rows)],
-                                 V.SamplingParams(), BLOCK, False)
+        st = rd.prefill(None, rd.request_data([Request([0] * plen, index=int(r)) for r in rows], 64),
+                        None, None)
+        out, _ = jax.jit(rd.propose, static_argnums=(5, 6, 7))(
+            None, st, None, jnp.asarray(anchors[rows], jnp.int32), keys[: len(rows)],
+            V.SamplingParams(), BLOCK, False)
         return np.asarray(out.drafts)
 
     rows = np.arange(n)

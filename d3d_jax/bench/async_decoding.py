@@ -4,7 +4,7 @@ One run: plain, sync and async decoding of the same prompts (tokens/s, τ, hit r
 times), then a sweep over branch positions C × fan-out F, saved as JSON and as a PNG of speedup
 and hit rate against the branch budget ``N_async = B·((C-1)·F + 2)``.
 
-Weights are random, so acceptance is set, not learned: an :class:`AsyncReplayDrafter` proposes the
+Weights are random, so acceptance is set, not learned: a :class:`CostedReplayDrafter` proposes the
 target's own greedy continuation with a per-token error rate chosen for the requested τ, and its
 branch alternatives catch the target's token at the requested hit rate — while running the real
 drafter model's forwards (``cost_model``), so every timing is a true cost.
@@ -89,7 +89,8 @@ def _summary(outs) -> dict:
 
 
 def run(args) -> dict:
-    from d3d_jax.decoding.async_engine import AsyncReplayDrafter, resolve_slices
+    from d3d_jax.decoding.async_replay import CostedReplayDrafter
+    from d3d_jax.decoding.placement import resolve_slices
     from d3d_jax.decoding.branches import BranchLayout
     from d3d_jax.decoding.engine import generate
 
@@ -133,8 +134,8 @@ def run(args) -> dict:
     refs = [o.token_ids for o in plain_outs]
 
     def replay(hit_rate):
-        return AsyncReplayDrafter(refs, vocab, error_rate=err, hit_rate=hit_rate, seed=args.seed,
-                                  cost_model=drafter_model, mask_token_id=mask)
+        return CostedReplayDrafter(refs, vocab, drafter_model, error_rate=err, hit_rate=hit_rate,
+                                   seed=args.seed, mask_token_id=mask)
 
     _, sync = timed("sync", replay(args.hit_rate))
     dev_kw = {} if devices == (None, None) else dict(target_devices=args.target_devices,

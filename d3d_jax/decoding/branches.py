@@ -31,11 +31,9 @@ the next round's branches need no logits from the host.
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
 
 from d3d_jax.config import ConfigError
 from d3d_jax.model.kv_cache import KVCache
@@ -158,7 +156,7 @@ class BranchDrafts:
 def packed_forward(model, cache: KVCache, block: jax.Array, block_alts: jax.Array,
                    anchor_pos: jax.Array, draft_len: jax.Array, layout: BranchLayout,
                    mask_token_id: int, with_logits: bool = False) -> tuple[BranchDrafts, KVCache]:
-    """One drafter forward over the whole branch pack (traceable; see :func:`make_packed_draft`).
+    """One drafter forward over the whole branch pack (traceable; a model drafter's ``branch_pack``).
 
     ``cache.lengths`` must equal ``anchor_pos`` (everything before the anchor committed); the
     returned cache holds the shared prefix's K/V at ``s … s+L`` with lengths unchanged.
@@ -173,24 +171,6 @@ def packed_forward(model, cache: KVCache, block: jax.Array, block_alts: jax.Arra
     br_tokens = jnp.concatenate([anchors, drafts[:, :, 1:]], axis=2)
     alts = slot_alternatives(br_logits, br_tokens, layout.fanout)
     return BranchDrafts(br_tokens, alts, br_logits if with_logits else None), cache
-
-
-def make_packed_draft(model, layout: BranchLayout, mask_token_id: int, with_logits: bool = False):
-    """A jitted ``(state, cache, block, block_alts, anchor_pos, draft_len) -> (BranchDrafts, cache)``.
-
-    The model's graph is static; its state is an argument so one compile serves new weights.
-    The cache is donated (the drafter's only large mutable buffer).
-    """
-    layout.validate()
-    graphdef, _ = nnx.split(model)
-
-    @functools.partial(jax.jit, donate_argnums=(1,))
-    def run(state, cache, block, block_alts, anchor_pos, draft_len):
-        m = nnx.merge(graphdef, state)
-        return packed_forward(m, cache, block, block_alts, anchor_pos, draft_len, layout,
-                              mask_token_id, with_logits)
-
-    return run
 
 
 # --------------------------------------------------------------------------------------

@@ -17,10 +17,12 @@ All maths is float32.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+import numbers
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 # Salts that separate the independent uniforms used at one position.
 SALT_TARGET = 0  # y ~ p (plain sampling, point-mass verification, bonus)
@@ -30,9 +32,15 @@ SALT_DRAFT = 3  # d ~ q (drafter side)
 SALT_REPLAY = 4  # replay drafter's error coin
 
 
+@jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
-    """Target sampling: ``temperature == 0`` is greedy; top-k 0 and top-p 1 disable the filters."""
+    """Target sampling: ``temperature == 0`` is greedy; top-k 0 and top-p 1 disable the filters.
+
+    One request's parameters are Python numbers (hashable, usable as a static argument).  Inside
+    the decoder they are per-row DATA: :meth:`stack` makes arrays ``[b]`` (a pytree), so one
+    compiled program serves every mix of requests.  Every function below takes either form.
+    """
 
     temperature: float = 0.0
     top_p: float = 1.0
@@ -47,16 +55,36 @@ class SamplingParams:
             raise ValueError(f"sampling.top_k must be an integer >= 0, got {self.top_k}")
 
     @property
-    def greedy(self) -> bool:
+    def greedy(self):
+        """A bool for one request's parameters, a ``[b]`` bool array for per-row ones."""
         return self.temperature == 0.0
+
+    @property
+    def is_static(self) -> bool:
+        return all(isinstance(v, numbers.Number) for v in (self.temperature, self.top_p, self.top_k))
+
+    @staticmethod
+    def stack(params: Sequence["SamplingParams"]) -> "SamplingParams":
+        """Per-row arrays ``[b]`` (host numpy) from one :class:`SamplingParams` per row."""
+        return SamplingParams(np.asarray([p.temperature for p in params], np.float32),
+                              np.asarray([p.top_p for p in params], np.float32),
+                              np.asarray([p.top_k for p in params], np.int32))
+
+
+GREEDY = SamplingParams()
+
+
+def _per_row(value, like: jax.Array) -> jax.Array:
+    """A per-row value ``[b]`` (or a scalar) shaped to broadcast against ``like [b, ...]``."""
+    v = jnp.asarray(value)
+    return v.reshape(v.shape + (1,) * (like.ndim - v.ndim))
 
 
 # --------------------------------------------------------------------------------------
 # Distributions and keyed sampling
 # --------------------------------------------------------------------------------------
-def processed_probs(logits: jax.Array, sampling: SamplingParams) -> jax.Array:
-    """Target distribution after temperature → top-k → top-p (transformers' order), float32."""
-    x = logits.astype(jnp.float32) / jnp.float32(sampling.temperature if sampling.temperature > 0 else 1.0)
+def _filter_static(x: jax.Array, sampling: SamplingParams) -> jax.Array:
+    """Top-k then top-p for one request's parameters (top-k by ``lax.top_k``: no full sort)."""
     v = x.shape[-1]
     neg = jnp.float32(-jnp.inf)
     x_desc = None
@@ -67,12 +95,43 @@ def processed_probs(logits: jax.Array, sampling: SamplingParams) -> jax.Array:
         if x_desc is None:
             x_desc = -jnp.sort(-x, axis=-1)
         # after top-k only the k kept values matter: top-p sorts those, not the whole vocabulary
-        p_desc = jax.nn.softmax(x_desc, axis=-1)
-        mass_before = jnp.cumsum(p_desc, axis=-1) - p_desc
-        # keep the smallest prefix whose mass reaches top_p (at least the top token)
-        keep_desc = mass_before < jnp.float32(sampling.top_p)
-        threshold = jnp.min(jnp.where(keep_desc, x_desc, jnp.inf), axis=-1, keepdims=True)
-        x = jnp.where(x < threshold, neg, x)
+        x = jnp.where(x < _top_p_threshold(x_desc, sampling.top_p), neg, x)
+    return x
+
+
+def _top_p_threshold(x_desc: jax.Array, top_p) -> jax.Array:
+    """Smallest kept logit: the shortest prefix whose mass reaches ``top_p`` (at least one token)."""
+    p_desc = jax.nn.softmax(x_desc, axis=-1)
+    mass_before = jnp.cumsum(p_desc, axis=-1) - p_desc
+    keep_desc = mass_before < top_p
+    return jnp.min(jnp.where(keep_desc, x_desc, jnp.inf), axis=-1, keepdims=True)
+
+
+def _filter_rows(x: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """Top-k then top-p with per-row ``top_k``/``top_p`` (shaped like ``x[..., :1]``): one sort."""
+    v = x.shape[-1]
+    neg = jnp.float32(-jnp.inf)
+    x_desc = -jnp.sort(-x, axis=-1)
+    k_on = (top_k > 0) & (top_k < v)
+    kth = jnp.take_along_axis(x_desc, jnp.broadcast_to(jnp.clip(top_k - 1, 0, v - 1),
+                                                       x.shape[:-1] + (1,)), axis=-1)
+    x = jnp.where(k_on & (x < kth), neg, x)
+    x_desc = jnp.where(k_on & (jnp.arange(v) >= top_k), neg, x_desc)
+    return jnp.where((top_p < 1.0) & (x < _top_p_threshold(x_desc, top_p)), neg, x)
+
+
+def processed_probs(logits: jax.Array, sampling: SamplingParams) -> jax.Array:
+    """Target distribution after temperature → top-k → top-p (transformers' order), float32."""
+    x = logits.astype(jnp.float32)
+    if sampling.is_static:
+        x = x / jnp.float32(sampling.temperature if sampling.temperature > 0 else 1.0)
+        return jax.nn.softmax(_filter_static(x, sampling), axis=-1)
+    t = _per_row(sampling.temperature, x)
+    x = x / jnp.where(t > 0, t, 1.0)
+    top_k, top_p = _per_row(sampling.top_k, x), _per_row(sampling.top_p, x)
+    # the sort only runs when some row filters: a batch of plain temperature sampling skips it
+    filtering = jnp.any((top_k > 0) & (top_k < x.shape[-1])) | jnp.any(top_p < 1.0)
+    x = jax.lax.cond(filtering, lambda x: _filter_rows(x, top_k, top_p), lambda x: x, x)
     return jax.nn.softmax(x, axis=-1)
 
 
@@ -102,11 +161,18 @@ def uniform_keyed(keys: jax.Array) -> jax.Array:
 
 def target_tokens(logits: jax.Array, sampling: SamplingParams, row_keys: jax.Array,
                   positions: jax.Array) -> jax.Array:
-    """The target's own token per slot: argmax (greedy) or ``y ~ p`` keyed by ``positions`` [b, W]."""
-    if sampling.greedy:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    probs = processed_probs(logits, sampling)
-    return sample_keyed(position_keys(row_keys, positions, SALT_TARGET), probs)
+    """The target's own token per slot: argmax (greedy rows) or ``y ~ p`` keyed by ``positions``."""
+    argmax = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+    def sampled():
+        probs = processed_probs(logits, sampling)
+        y = sample_keyed(position_keys(row_keys, positions, SALT_TARGET), probs)
+        return jnp.where(_per_row(sampling.greedy, y), argmax, y)
+
+    if sampling.is_static:
+        return argmax if sampling.greedy else sampled()
+    # an all-greedy batch pays for no sampling at all
+    return jax.lax.cond(jnp.any(sampling.temperature > 0), sampled, lambda: argmax)
 
 
 def leading_true(flags: jax.Array) -> jax.Array:
@@ -138,10 +204,24 @@ def residual_probs(p: jax.Array, q: jax.Array) -> jax.Array:
 
 def verify_sampled(logits, drafts, draft_probs, anchor_pos, row_keys, sampling: SamplingParams,
                    residual_fn: Callable = residual_probs):
-    """Drafts sampled from q: accept d_k with min(1, p(d_k)/q(d_k)); correction ~ residual."""
-    b, w, _ = logits.shape
-    if sampling.greedy:
+    """Drafts sampled from q: accept d_k with min(1, p(d_k)/q(d_k)); correction ~ residual.
+    Greedy rows (whose drafts are the drafter's argmax) use the point-mass rule."""
+    if sampling.is_static and sampling.greedy:
         return verify_point_mass(logits, drafts, None, anchor_pos, row_keys, sampling)
+
+    def sampled():
+        return _speculative_sample(logits, drafts, draft_probs, anchor_pos, row_keys, sampling,
+                                   residual_fn)
+
+    if sampling.is_static:
+        return sampled()
+    greedy = verify_point_mass(logits, drafts, None, anchor_pos, row_keys, GREEDY)
+    mixed = jax.lax.cond(jnp.any(sampling.temperature > 0), sampled, lambda: greedy)
+    return tuple(jnp.where(sampling.greedy, g, m) for g, m in zip(greedy, mixed))
+
+
+def _speculative_sample(logits, drafts, draft_probs, anchor_pos, row_keys, sampling, residual_fn):
+    b, w, _ = logits.shape
     p = processed_probs(logits, sampling)  # [b, W, V]
     q = draft_probs.astype(jnp.float32)  # [b, W-1, V]
     positions = anchor_pos[:, None] + 1 + jnp.arange(w, dtype=jnp.int32)[None]  # decided by slot k

@@ -1,0 +1,107 @@
+"""The async round loop: the host only dispatches (spec §5; issue 16, "rounds that never wait").
+
+Round k+1's verify and branch pack are dispatched right behind round k's: everything a round
+needs (the hand-off block, the decision, the drafter state) stays on the devices.  The host reads
+one small array every :data:`STOP_CHECK_EVERY` rounds — the done flags of the round *before* the
+one it just dispatched, so the device queue is never empty while it waits — and stops once every
+row is done (at most a few no-op rounds late; a done row commits nothing).
+
+With ``timeline`` (a list) the loop also records, per round, when each dispatch returned and (from
+helper threads, off the main thread) when its result was ready, plus per-row hit/miss flags read
+once at the end.  Per-round means and the host-induced gap between rounds come from those.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import time
+
+import jax
+
+from d3d_jax.decoding.async_core import D_DONE, V_ACCEPTED, V_DRAFT_LEN, V_HIT, V_MISS
+
+STOP_CHECK_EVERY = 4  # rounds between two reads of the done flags
+
+
+def _ready_at(x) -> float:
+    jax.block_until_ready(x)
+    return time.perf_counter()
+
+
+def run_rounds(dec, max_rounds: int, timeline: list | None = None) -> dict:
+    """Dispatch async rounds of ``dec`` until every row is done; returns the batch's metrics."""
+    pool = cf.ThreadPoolExecutor(max_workers=3) if timeline is not None else None
+    marks: list[dict] = []
+    pending, rounds, wait_s = None, 0, 0.0
+    t0, host0 = time.perf_counter(), time.thread_time()
+    try:
+        for r in range(max_rounds):  # every round commits >= 1 token per active row
+            td = time.perf_counter()
+            decision, drafts, view, _ = dec.dispatch_async_round()
+            rounds += 1
+            if pool is not None:
+                marks.append(dict(dispatch=td, dispatched=time.perf_counter(), view=view,
+                                  verify=pool.submit(_ready_at, decision),
+                                  packed=pool.submit(_ready_at, drafts.tokens),
+                                  select=pool.submit(_ready_at, view),
+                                  verify_devices=decision.devices(),
+                                  packed_devices=drafts.tokens.devices()))
+            if pending is not None:  # the previous check's round: the queue holds this one
+                tw = time.perf_counter()
+                done = jax.device_get(pending)[:, D_DONE]
+                wait_s += time.perf_counter() - tw
+                pending = None
+                if done.all():
+                    break
+            if r % STOP_CHECK_EVERY == 0:
+                pending = decision
+                decision.copy_to_host_async()
+    finally:
+        host_s = time.thread_time() - host0
+        jax.block_until_ready(dec._hand)
+        loop_s = time.perf_counter() - t0
+        if pool is not None:
+            pool.shutdown(wait=True)
+    metrics = dict(async_rounds=rounds, round_host_s=host_s / max(rounds, 1), loop_s=loop_s,
+                   wait_s=wait_s, round_wait_s=wait_s / max(rounds, 1), n_async=dec.config.layout.budget,
+                   branch_positions=dec.config.branch_positions, branch_fanout=dec.config.branch_fanout)
+    if pool is not None:
+        metrics.update(_timeline(marks, timeline, dec.shared))
+    return {"metrics": metrics, "draft_s": metrics.get("draft_s"), "verify_s": metrics.get("verify_s")}
+
+
+def _timeline(marks: list[dict], timeline: list, shared: bool) -> dict:
+    """Fill ``timeline`` (one dict per round) and return per-round means of the parts."""
+    views = jax.device_get([m["view"] for m in marks])
+    totals = dict(verify_s=0.0, packed_s=0.0, sync_s=0.0, gap_s=0.0, gap_max_s=0.0)
+    prev_select = float("-inf")
+    sync_rounds = 0
+    for k, (m, v) in enumerate(zip(marks, views)):
+        tv, tp, ts = m["verify"].result(), m["packed"].result(), m["select"].result()
+        start = max(m["dispatch"], prev_select)  # the verify needs the previous hand-off
+        packed_start = max(m["dispatched"], prev_select, tv if shared else float("-inf"))
+        sync = bool(v[:, V_MISS].any())
+        sync_s = ts - max(tv, tp) if sync else 0.0
+        gap = max(0.0, marks[k + 1]["dispatch"] - ts) if k + 1 < len(marks) else 0.0
+        totals["verify_s"] += tv - start
+        totals["packed_s"] += tp - packed_start
+        totals["sync_s"] += sync_s
+        totals["gap_s"] += gap
+        totals["gap_max_s"] = max(totals["gap_max_s"], gap)
+        sync_rounds += sync
+        prev_select = ts
+        timeline.append(dict(
+            verify_dispatch=m["dispatch"], verify_ready=tv, packed_dispatch=m["dispatch"],
+            packed_dispatched=m["dispatched"], packed_ready=tp, select_ready=ts, sync_s=sync_s,
+            gap_s=gap, sync_draft=sync, hit=v[:, V_HIT].astype(bool).tolist(),
+            active=(v[:, 0] == 0).tolist(), accepted=v[:, V_ACCEPTED].tolist(),
+            draft_len=v[:, V_DRAFT_LEN].tolist(), verify_devices=m["verify_devices"],
+            packed_devices=m["packed_devices"]))
+    n = max(len(marks), 1)
+    out = {f"round_{k}": v / n for k, v in totals.items() if k != "gap_max_s"}
+    out.update(round_gap_max_s=totals["gap_max_s"], sync_s=totals["sync_s"],
+               packed_s=totals["packed_s"], verify_s=totals["verify_s"],
+               draft_s=totals["packed_s"] + totals["sync_s"],
+               sync_draft_s=totals["sync_s"] / sync_rounds if sync_rounds else 0.0)
+    return out
+
