@@ -21,6 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
+from d3d_jax.bench import simulate
+
 DEFAULT_OUT = "runs/bench_async"
 
 
@@ -59,6 +61,7 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--drafter-devices", type=int, default=0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=DEFAULT_OUT)
+    simulate.add_arguments(p)  # instead of the replay: the real drafter, simulated acceptance
     return p
 
 
@@ -103,6 +106,9 @@ def run(args) -> dict:
     devices = (None, None) if args.target_devices == 0 and args.drafter_devices == 0 else (
         args.target_devices, args.drafter_devices)
     t_devs, d_devs = resolve_slices(*devices)  # fail now on bad slices, before building models
+    sim = simulate.from_args(args)
+    if sim is not None:
+        sim.check_block(B, asynchronous=True)
     err = error_rate_for_tau(args.tau, B)
     target = _model(args.target, args.dtype, args.seed)
     drafter_model = _model(args.drafter, args.dtype, args.seed + 1)
@@ -116,9 +122,10 @@ def run(args) -> dict:
     cache_len = -(-(args.prompt_len + args.max_new + 2 * B) // 16) * 16
     common = dict(max_cache_len=cache_len, batch_size=args.batch_size, block_size=B)
     warm_new = min(args.max_new, 2 * B + 1)
-    print(f"bench async: target={args.target} drafter={args.drafter} B={B} τ≈{args.tau} "
-          f"(replay error rate {err:.4f}) hit rate {args.hit_rate}; target devices "
-          f"{[d.id for d in t_devs]}, drafter devices {[d.id for d in d_devs]}", flush=True)
+    acceptance = (simulate.header(sim) if sim else f"replay drafter: τ≈{args.tau} (error rate "
+                  f"{err:.4f}), hit rate {args.hit_rate}")
+    print(f"bench async: target={args.target} drafter={args.drafter} B={B}; {acceptance}; target "
+          f"devices {[d.id for d in t_devs]}, drafter devices {[d.id for d in d_devs]}", flush=True)
 
     def timed(mode, drafter=None, warm=None, **kw):
         generate(target, prompts, mode=mode, drafter=warm or drafter, max_new_tokens=warm_new,
@@ -134,16 +141,20 @@ def run(args) -> dict:
     refs = [o.token_ids for o in plain_outs]
 
     def replay(hit_rate):
+        if sim is not None:  # the real drafter; acceptance and hits come from the simulation
+            return drafter_model
         return CostedReplayDrafter(refs, vocab, drafter_model, error_rate=err, hit_rate=hit_rate,
                                    seed=args.seed, mask_token_id=mask)
 
-    _, sync = timed("sync", replay(args.hit_rate))
+    sim_kw = {} if sim is None else {"acceptance_override": sim, "mask_token_id": mask}
+    _, sync = timed("sync", replay(args.hit_rate), **sim_kw)
     dev_kw = {} if devices == (None, None) else dict(target_devices=args.target_devices,
                                                      drafter_devices=args.drafter_devices)
 
     def run_async(lay):
-        return timed("async", replay(args.hit_rate), warm=replay(0.0), verbose=False,
-                     branch_positions=lay.positions, branch_fanout=lay.fanout, **dev_kw)[1]
+        # timeline=[]: the per-round parts (verify, packed, sync draft), measured off the main thread
+        return timed("async", replay(args.hit_rate), warm=replay(0.0), verbose=False, timeline=[],
+                     branch_positions=lay.positions, branch_fanout=lay.fanout, **dev_kw, **sim_kw)[1]
 
     main = run_async(main_layout)
     rows = []
@@ -151,16 +162,16 @@ def run(args) -> dict:
                                                        f"F={main_layout.fanout}", main)):
         rows.append(dict(mode=name, tokens_per_s=s["tokens_per_s"], tau=s["tau"],
                          hit_rate=s.get("hit_rate"), speedup=s["tokens_per_s"] / plain["tokens_per_s"]))
-    print(f"\n{'mode':<18}{'tokens/s':>10}{'tau':>7}{'hit rate':>10}{'speedup':>9}")
+    print(f"\nacceptance: {acceptance}\n{'mode':<18}{'tokens/s':>10}{'tau':>7}{'hit rate':>10}{'speedup':>9}")
     for r in rows:
         hr = "" if r["hit_rate"] is None else f"{r['hit_rate']:.3f}"
         print(f"{r['mode']:<18}{r['tokens_per_s']:>10.1f}{r['tau']:>7.2f}{hr:>10}{r['speedup']:>9.2f}")
     print("async per-round means (s): " + ", ".join(
-        f"{k[6:]}={main[k]:.4f}" for k in ("round_verify_s", "round_packed_s", "round_sync_s",
-                                           "round_wait_s", "round_host_s"))
-          + f"; one sync draft {main['sync_draft_s']:.4f}; sync drafts {main['sync_drafts']} of "
-          f"{main['async_rounds']} rounds; N_async={main['n_async']}; per batch: setup (prefills, "
-          f"first block) {main['setup_s']:.4f} s, round loop {main['loop_s']:.4f} s", flush=True)
+        f"{k[6:]}={main.get(k, float('nan')):.4f}" for k in (
+            "round_verify_s", "round_packed_s", "round_sync_s", "round_wait_s", "round_host_s"))
+          + f"; one sync draft {main.get('sync_draft_s', float('nan')):.4f}; sync drafts "
+          f"{main['sync_drafts']} of {main['async_rounds']} rounds; N_async={main['n_async']}; "
+          f"round loop {main['loop_s']:.4f} s per batch", flush=True)
     sweep = []
     try:
         from tqdm import tqdm
@@ -182,13 +193,15 @@ def run(args) -> dict:
               f"{r['round_packed_s']:>10.4f}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    result = dict(args=vars(args), replay_error_rate=err, plain=plain, sync=sync, async_main=main,
+    result = dict(args=vars(args), simulated_acceptance=simulate.record(sim),
+                  replay_error_rate=None if sim else err, plain=plain, sync=sync, async_main=main,
                   table=rows, sweep=sweep,
                   devices=dict(target=[d.id for d in t_devs], drafter=[d.id for d in d_devs],
                                platform=t_devs[0].platform))
     (out / "bench_async.json").write_text(json.dumps(result, indent=2, default=str))
     png = plot_sweep(sweep, out / "bench_async.png", title=f"{args.target} + {args.drafter}, "
-                     f"B={B}, τ≈{args.tau}, hit rate {args.hit_rate}")
+                     f"B={B}; " + (f"simulated τ {sim.tau:g}, hit rate {sim.hit_rate:g}" if sim else
+                                   f"replay τ≈{args.tau}, hit rate {args.hit_rate}"))
     print(f"\nwrote {out / 'bench_async.json'} and {png}")
     return result
 

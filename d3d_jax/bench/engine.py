@@ -120,7 +120,7 @@ def run(args) -> dict:
     sim = simulate.from_args(args, hits=False)  # bad flags fail here, before any work
     if sim is not None:
         sim.check_block(args.block_size)
-    sim_kw = {} if sim is None else {"acceptance_rule": simulate.SimulatedRule(sim)}
+    sim_kw = {} if sim is None else {"acceptance_override": sim}
     clock = args.clock
     if clock == "auto":
         clock = "cpu" if jax.default_backend() == "cpu" else "wall"

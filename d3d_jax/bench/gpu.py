@@ -198,48 +198,44 @@ def _fixed_inputs(cfg, shape, seed):
 
 def draft_seconds(drafter, ctx: int, cache_len: int, block: int, iters: int, repeats: int,
                   uncached: tuple[int, ...]) -> list[float]:
-    """One sync draft (``ModelDraftSpec.propose``) from an anchor at ``ctx``, per count of
+    """One sync draft (``ModelDrafter.propose``) from an anchor at ``ctx``, per count of
     committed tokens not yet in the drafter cache (it picks the narrow or wide variant)."""
     from d3d_jax.decoding.drafting import ModelDrafter
-    from d3d_jax.decoding.verify import SamplingParams
-    from d3d_jax.model import kv_cache as kvc
+    from d3d_jax.decoding.verify import GREEDY, SamplingParams
 
     d = ModelDrafter(drafter)
     seq, anchor = _fixed_inputs(drafter.config, (1, cache_len), 1), jnp.full((1,), ctx, jnp.int32)
-    keys = jax.random.key(0)[None]
+    keys, sampling = jax.random.key(0)[None], SamplingParams.stack([GREEDY])
 
     def body(params, i, carry):
         cache, acc = carry
-        out, new = d.spec.propose(params, cache, (seq + i) % d.spec.mask_token_id, anchor, keys,
-                                  SamplingParams(), block, False)
+        out, new = d.propose(params, cache, (seq + i) % d.mask_token_id, anchor, keys, sampling,
+                             block, False)
         return new.with_lengths(cache.lengths), acc + jnp.sum(out.drafts)
 
     timed = _loop_timer(body, d.params, iters)
-    cache = kvc.init_cache(drafter.config, 1, cache_len)
+    cache = d.init_state(1, cache_len)
     return [timed((cache.with_lengths(jnp.full((1,), ctx - u, jnp.int32)), jnp.int32(0)), repeats)
             for u in uncached]
 
 
 def packed_seconds(drafter, ctx: int, cache_len: int, layout, iters: int, repeats: int) -> float:
     """One packed branch forward (``N_async`` tokens) over a cache of ``ctx`` tokens."""
-    from flax import nnx
+    from d3d_jax.decoding.drafting import ModelDrafter
 
-    from d3d_jax.decoding import branches as br
-    from d3d_jax.model import kv_cache as kvc
-
-    graphdef, params = nnx.split(drafter)
-    cfg, b = drafter.config, layout.block_size
-    block, alts = _fixed_inputs(cfg, (1, b), 2), _fixed_inputs(cfg, (1, b, layout.fanout), 3)
+    d = ModelDrafter(drafter)
+    b = layout.block_size
+    block, alts = _fixed_inputs(d.config, (1, b), 2), _fixed_inputs(d.config, (1, b, layout.fanout), 3)
     anchor, dl = jnp.full((1,), ctx, jnp.int32), jnp.full((1,), b - 1, jnp.int32)
 
     def body(params, i, carry):
         cache, acc = carry
-        out, cache = br.packed_forward(nnx.merge(graphdef, params), cache, (block + i) % cfg.mask_token_id,
-                                       alts, anchor, dl, layout, cfg.mask_token_id)
+        out, cache = d.branch_pack(params, cache, (block + i) % d.mask_token_id, alts, anchor, dl,
+                                   layout)
         return cache.with_lengths(anchor), acc + jnp.sum(out.tokens)
 
-    cache = kvc.init_cache(cfg, 1, cache_len).with_lengths(anchor)
-    return _loop_timer(body, params, iters)((cache, jnp.int32(0)), repeats)
+    cache = d.init_state(1, cache_len).with_lengths(anchor)
+    return _loop_timer(body, d.params, iters)((cache, jnp.int32(0)), repeats)
 
 
 def verify_seconds(target, ctx: int, cache_len: int, block: int, iters: int, repeats: int) -> float:
@@ -275,7 +271,7 @@ def run_modes(target, drafter, prompt, args, sim, cache_len: int) -> dict:
     """Plain, sync and async (one shared device) decoding of one prompt, ``args.max_new`` tokens.
     Speedups: end to end (prefill included) and decode phase (τ · plain ms/token ÷ round ms)."""
     common = dict(cache_len=cache_len, block=args.block_size)
-    kw = {"acceptance_rule": simulate.SimulatedRule(sim)} if sim is not None else {}
+    kw = {"acceptance_override": sim} if sim is not None else {}
     modes = {"plain": {}, "sync": dict(mode="sync", drafter=drafter, **kw)}
     if not args.skip_async:
         modes["async"] = dict(mode="async", drafter=drafter, verbose=False, **kw,
@@ -366,7 +362,7 @@ def measure_target(tspec: ModelSpec, dspec: ModelSpec, st: Setup, table: tuple =
         if st.sim is not None and st.budget.allow("verify cost comparison"):
             res["verify_cost"] = simulate.verify_cost_comparison(
                 target, drafter, st.sim, block_size=a.block_size, prompt_len=a.prompt_len,
-                repeats=max(a.repeats, 10))
+                repeats=max(a.repeats, 20))
     del target, drafter
     gc.collect()
     return res

@@ -38,7 +38,7 @@ def target_rows(t: dict) -> list[tuple[str, str]]:
         ("packed forward, ms (device) (÷ verify)", f"{_f(pa['packed'], '.3f')} ({_f(ratios['packed_over_verify'])})"),
         ("one sync draft, ms: sync loop / async miss (miss ÷ verify)",
          f"{_f(pa['draft'], '.3f')} / {_f(pa['draft_miss'], '.3f')} ({_f(ratios['draft_miss_over_verify'])})"),
-        ("host CPU per async round, ms (thread_time, includes spin-waits)", _f(pa["host"], ".3f")),
+        ("host CPU per async round, ms (main-thread thread_time)", _f(pa["host"], ".3f")),
         ("projected sync round, ms → speedup",
          f"{_f(pr['sync_round_ms'], '.3f')} → {_f(pr['sync_speedup'], '.2f', '×')}"),
         ("projected one-device async round, ms → speedup",

@@ -17,8 +17,9 @@ The result is tied to the real one (``where(real < 0, real, simulated)``, never 
 cannot drop the real computation: the verify costs what it costs without the override
 (:func:`verify_cost_comparison` shows it from the compiled cost analysis).
 
-It is reachable only through ``infer/bench.py gpu|engine|async --simulate-tau/--simulate-hit-rate``;
-the decoder accepts an override only when it carries ``benchmark_only = True``.
+It is reachable only through ``infer/bench.py gpu|engine|async --simulate-tau/--simulate-hit-rate``,
+which pass it as the decoder's ``acceptance_override`` (``DecoderConfig``, or the
+``acceptance_override=`` option of ``engine.generate``); it carries ``benchmark_only = True``.
 """
 
 from __future__ import annotations
@@ -117,19 +118,6 @@ class SimulatedAcceptance:
         return sim_hit, jnp.where(sim_hit, sim_branch, branch).astype(jnp.int32)
 
 
-@dataclasses.dataclass(frozen=True)
-class SimulatedRule:
-    """An ``engine.generate(acceptance_rule=...)`` rule: the real rule, then ``override.accept``."""
-
-    override: SimulatedAcceptance
-    sample_drafts: bool = False
-
-    def __call__(self, logits, drafts, draft_probs, anchor_pos, row_keys, sampling):
-        accepted, next_token = V.default_rule(self.sample_drafts)(logits, drafts, draft_probs,
-                                                                  anchor_pos, row_keys, sampling)
-        return self.override.accept(accepted, next_token, anchor_pos, row_keys, logits.shape[1])
-
-
 # --------------------------------------------------------------------------------------
 # Benchmark flags
 # --------------------------------------------------------------------------------------
@@ -187,41 +175,47 @@ def cost_summary(compiled) -> dict:
             "bytes_accessed": float(ca.get("bytes accessed", float("nan")))}
 
 
-def _median_ms(fn, repeats: int) -> float:
-    times = []
+def _interleaved_median_ms(fns: dict, repeats: int) -> dict:
+    """Median ms of each blocking callable, timed in alternation (load drifts hit all alike)."""
+    times = {k: [] for k in fns}
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - t0)
-    return 1e3 * float(np.median(times))
+        for k, fn in fns.items():
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn())
+            times[k].append(time.perf_counter() - t0)
+    return {k: 1e3 * float(np.median(v)) for k, v in times.items()}
 
 
 def verify_cost_comparison(target, drafter, sim: SimulatedAcceptance, *, block_size: int = 16,
                            prompt_len: int = 64, cache_len: int | None = None,
                            repeats: int = 5) -> dict:
-    """Compile the engine's verify step with the real rule and with the simulated one (same
-    shapes, a real draft from ``drafter``); compare cost analysis and median time."""
+    """Compile the decoder's verify (target forward over a block, the rule, the override) with
+    and without ``sim``, on the same state and a real draft from ``drafter``; compare the
+    compiled cost analysis and the median time (the two timed in alternation)."""
     from flax import nnx
 
-    from d3d_jax.decoding import engine as E
+    from d3d_jax.decoding.decoder import DecoderConfig, Request, SpecDecoder
 
-    cfg = target.config
+    vocab = target.config.vocab_size
     cache_len = cache_len or -(-(prompt_len + 2 * block_size) // 16) * 16
-    d = E._as_drafter(drafter, cfg.vocab_size, None)
-    graphdef, params = nnx.split(target)
-    prompt = np.random.default_rng(0).integers(0, cfg.vocab_size - 1, (1, prompt_len)).astype(np.int32)
-    lens, rows = np.full((1,), prompt_len, np.int32), np.zeros((1,), np.int32)
-    out = {}
-    for name, rule in (("real", None), ("simulated", SimulatedRule(sim))):
-        static = E.DecodeStatic(target_graphdef=graphdef, drafter_spec=d.spec, sampling=V.SamplingParams(),
-                                width=block_size, cache_len=cache_len, rule=rule)
-        batch = E.PreparedBatch(static, params, d.params, d.init_state(prompt, lens, rows, cache_len),
-                                jnp.asarray(prompt), jnp.asarray(lens), rows, 0, max_new_tokens=8)
-        state = E.prefill_step(static, *batch.args())
-        draft, state = E.draft_step(static, d.params, state)
-        compiled = E.verify_step.lower(static, params, state, draft).compile()
-        out[name] = dict(cost_summary(compiled),
-                         ms=_median_ms(lambda: compiled(params, state, draft), repeats))
+    prompt = np.random.default_rng(0).integers(0, vocab - 1, prompt_len).tolist()
+    t_params = nnx.state(target)
+    out, calls = {}, {}
+    for name, override in (("real", None), ("simulated", sim)):
+        dec = SpecDecoder(target, drafter, DecoderConfig(
+            mode="sync", num_slots=1, max_cache_len=cache_len, block_size=block_size,
+            acceptance_override=override))
+        core, prefix = dec.core, dec.prefill(Request(prompt, max_new_tokens=block_size))
+        state = jax.jit(core.insert)(jax.jit(core.init_state, static_argnums=0)(1), prefix.target,
+                                     prefix.drafter, jnp.zeros((1,), jnp.int32))
+        draft, state = jax.jit(core.draft)(dec.drafter.params, state)
+        verify = jax.jit(lambda tp, st, d: core.verify(tp, st, d.drafts, d.drafts, d.probs))
+        compiled = verify.lower(t_params, state, draft).compile()
+        out[name] = cost_summary(compiled)
+        calls[name] = lambda c=compiled, st=state, d=draft: c(t_params, st, d)
+        calls[name]()  # warm-up
+    for name, ms in _interleaved_median_ms(calls, repeats).items():
+        out[name]["ms"] = ms
     out["flops_ratio"] = out["simulated"]["flops"] / out["real"]["flops"]
     out["bytes_ratio"] = out["simulated"]["bytes_accessed"] / out["real"]["bytes_accessed"]
     out["time_ratio"] = out["simulated"]["ms"] / out["real"]["ms"]
