@@ -96,3 +96,12 @@ def test_verify_cost_is_unchanged_by_the_simulation(result):
     assert abs(vc["flops_ratio"] - 1) < 1e-3 and abs(vc["bytes_ratio"] - 1) < 1e-3
     assert _positive(vc["real"]["ms"]) and _positive(vc["simulated"]["ms"])
     assert "flops ×1.0000" in result[2]
+
+
+def test_greedy_identity_with_real_acceptance_holds_in_f32(result):
+    ident = result[1]["targets"][0]["identity"]
+    # the CPU fallback is f32: every mode reproduces plain exactly (the engine's guarantee)
+    assert ident["prompts"] == 2
+    assert ident["sync"]["same_as_plain"] == 2 and ident["async"]["same_as_plain"] == 2
+    assert ident["sync"]["tau"] > 8 and ident["async"]["tau"] > 8  # the replay is accepted
+    assert "sync 2/2 prompts" in result[2] and "async 2/2 prompts" in result[2]

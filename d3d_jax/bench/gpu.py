@@ -35,8 +35,11 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from d3d_jax.bench import gpu_report, simulate
+from d3d_jax.bench.parts import (draft_seconds, fixed_inputs, median_s, packed_seconds,
+                                  verify_seconds)
 
 DEFAULT_OUT = "runs/bench_gpu"
 # vendor datasheet HBM bandwidth (bytes/s), by device_kind substring; a lead, not a measurement
@@ -56,6 +59,7 @@ class Plan:
     table_drafters: tuple[ModelSpec, ...]  # drafter-size table, for the first target
     max_new: int
     bandwidth_mib: int
+    identity_prompts: int  # prompts of the greedy-identity check (first target)
 
 
 _MASK = ("mask_token_id=151669",)
@@ -64,13 +68,13 @@ GPU_PLAN = Plan(
              (ModelSpec("Qwen3-1.7B", "qwen3-1.7b"), ModelSpec("1.7B", "d3d-drafter-1.7b"))),
     table_drafters=(ModelSpec("1.7B", "d3d-drafter-1.7b"), ModelSpec("4B", "qwen3-4b", _MASK),
                     ModelSpec("8B, 31 layers", "d3d-drafter-8b", ("num_layers=31",))),
-    max_new=128, bandwidth_mib=2048)
+    max_new=128, bandwidth_mib=2048, identity_prompts=20)
 _TINY_MASK = ("mask_token_id=4095",)
 CPU_PLAN = Plan(
     targets=((ModelSpec("tiny", "tiny"), ModelSpec("tiny-drafter", "tiny-drafter", _TINY_MASK)),),
     table_drafters=(ModelSpec("tiny-drafter", "tiny-drafter", _TINY_MASK),
                     ModelSpec("tiny, 3 layers", "tiny", ("num_layers=3",) + _TINY_MASK)),
-    max_new=32, bandwidth_mib=64)
+    max_new=32, bandwidth_mib=64, identity_prompts=2)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -86,6 +90,9 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--budget-s", type=float, default=420.0,
                    help="skip (and record) later sections once this much wall time is spent")
     p.add_argument("--skip-async", action="store_true", help="no measured async run")
+    p.add_argument("--identity-prompts", type=int, default=None,
+                   help="prompts of the greedy check: sync/async output == plain, real acceptance "
+                        "(default 20 gpu, 2 cpu; 0 skips)")
     p.add_argument("--compile-cache", default=None,
                    help="persistent XLA cache on an accelerator (default OUT/xla_cache: a rerun "
                         "skips compiling; timings never include compilation either way); 'off'")
@@ -98,25 +105,11 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
 # --------------------------------------------------------------------------------------
 # Timing and memory helpers
 # --------------------------------------------------------------------------------------
-def median_s(fn, repeats: int, warmup: int = 1) -> float:
-    """Median seconds of ``fn()`` (which must block) after ``warmup`` untimed calls."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times))
-
-
 def copy_bandwidth(mib: int, repeats: int) -> float:
     """Bytes/s of an elementwise pass over ``mib`` MiB (read + write counted), once per run."""
     x = jnp.ones((mib * 2 ** 20 // 4,), jnp.float32)
     f = jax.jit(lambda a: a + 1.0)
-    t = median_s(lambda: jax.block_until_ready(f(x)), max(repeats, 5), warmup=2)
-    del x
-    return 2 * mib * 2 ** 20 / t
+    return 2 * mib * 2 ** 20 / median_s(lambda: jax.block_until_ready(f(x)), max(repeats, 5), warmup=2)
 
 
 def nominal_bandwidth(device) -> float | None:
@@ -164,8 +157,6 @@ def model_config(spec: ModelSpec):
 
 def param_bytes(spec: ModelSpec) -> int:
     """Parameter bytes of a model from its shapes alone (nothing allocated)."""
-    from flax import nnx
-
     from d3d_jax.model.qwen3 import abstract_model
 
     return tree_bytes(nnx.state(abstract_model(model_config(spec))))
@@ -175,74 +166,8 @@ def build(spec: ModelSpec, seed: int):
     from d3d_jax.model.qwen3 import init_model
 
     model = init_model(model_config(spec), seed)
-    jax.block_until_ready(jax.tree.leaves(model))
+    jax.block_until_ready(jax.tree.leaves(nnx.state(model)))
     return model
-
-
-# --------------------------------------------------------------------------------------
-# On-device part timings (one fori_loop per part: no dispatch, no host)
-# --------------------------------------------------------------------------------------
-def _loop_timer(body, params, iters: int):
-    """``carry -> seconds per iteration`` of ``body(params, i, carry) -> carry`` run ``iters``
-    times in one ``fori_loop`` (``body`` makes its work depend on ``i``: nothing is hoisted).
-    Compiled once; the first call per carry is an untimed warm-up."""
-    run = jax.jit(lambda p, c: jax.lax.fori_loop(0, iters, lambda i, c: body(p, i, c), c))
-    return lambda carry, repeats: median_s(
-        lambda: jax.block_until_ready(run(params, carry)), repeats) / iters
-
-
-def _fixed_inputs(cfg, shape, seed):
-    hi = cfg.mask_token_id if cfg.mask_token_id is not None else cfg.vocab_size
-    return jnp.asarray(np.random.default_rng(seed).integers(0, hi, shape), jnp.int32)
-
-
-def draft_seconds(drafter, ctx: int, cache_len: int, block: int, iters: int, repeats: int,
-                  uncached: tuple[int, ...]) -> list[float]:
-    """One sync draft (``ModelDrafter.propose``) from an anchor at ``ctx``, per count of
-    committed tokens not yet in the drafter cache (it picks the narrow or wide variant)."""
-    from d3d_jax.decoding.drafting import ModelDrafter
-    from d3d_jax.decoding.verify import GREEDY, SamplingParams
-
-    d = ModelDrafter(drafter)
-    seq, anchor = _fixed_inputs(drafter.config, (1, cache_len), 1), jnp.full((1,), ctx, jnp.int32)
-    keys, sampling = jax.random.key(0)[None], SamplingParams.stack([GREEDY])
-
-    def body(params, i, carry):
-        cache, acc = carry
-        out, new = d.propose(params, cache, (seq + i) % d.mask_token_id, anchor, keys, sampling,
-                             block, False)
-        return new.with_lengths(cache.lengths), acc + jnp.sum(out.drafts)
-
-    timed = _loop_timer(body, d.params, iters)
-    cache = d.init_state(1, cache_len)
-    return [timed((cache.with_lengths(jnp.full((1,), ctx - u, jnp.int32)), jnp.int32(0)), repeats)
-            for u in uncached]
-
-
-def packed_seconds(drafter, ctx: int, cache_len: int, layout, iters: int, repeats: int) -> float:
-    """One packed branch forward (``N_async`` tokens) over a cache of ``ctx`` tokens."""
-    from d3d_jax.decoding.drafting import ModelDrafter
-
-    d = ModelDrafter(drafter)
-    b = layout.block_size
-    block, alts = _fixed_inputs(d.config, (1, b), 2), _fixed_inputs(d.config, (1, b, layout.fanout), 3)
-    anchor, dl = jnp.full((1,), ctx, jnp.int32), jnp.full((1,), b - 1, jnp.int32)
-
-    def body(params, i, carry):
-        cache, acc = carry
-        out, cache = d.branch_pack(params, cache, (block + i) % d.mask_token_id, alts, anchor, dl,
-                                   layout)
-        return cache.with_lengths(anchor), acc + jnp.sum(out.tokens)
-
-    cache = d.init_state(1, cache_len).with_lengths(anchor)
-    return _loop_timer(body, d.params, iters)((cache, jnp.int32(0)), repeats)
-
-
-def verify_seconds(target, ctx: int, cache_len: int, block: int, iters: int, repeats: int) -> float:
-    """One B-token target forward over ``ctx`` cached tokens (``bench engine``'s timer)."""
-    from d3d_jax.bench.engine import target_step_fn
-
-    return median_s(target_step_fn(target, block, ctx, cache_len, iters), repeats, warmup=0) / iters
 
 
 # --------------------------------------------------------------------------------------
@@ -329,16 +254,17 @@ class Setup:
     budget: Budget
     bandwidth: float  # measured bytes/s
     nominal: float | None
+    identity_prompts: int = 0
 
 
-def measure_target(tspec: ModelSpec, dspec: ModelSpec, st: Setup, table: tuple = ()) -> dict:
-    """Every measure of one target shape; the first target also gets the drafter-size table
-    (``table``: the drafters besides ``dspec``) and the verify cost comparison."""
+def measure_target(tspec: ModelSpec, dspec: ModelSpec, st: Setup, table: tuple = ()):
+    """Every core measure of one target shape, plus the drafter-size table for ``table`` (the
+    drafters besides ``dspec``).  Returns ``(result, target)``: the caller frees the target."""
     a = st.args
     target, drafter = build(tspec, a.seed), build(dspec, a.seed + 1)
-    wbytes = tree_bytes(_params(target))
-    cache_len = -(-(a.prompt_len + a.max_new + 2 * a.block_size) // 16) * 16
-    prompt = _fixed_inputs(drafter.config, (a.prompt_len,), a.seed).tolist()
+    wbytes = tree_bytes(nnx.state(target))
+    cache_len = cache_length(a)
+    prompt = fixed_inputs(drafter.config, (a.prompt_len,), a.seed).tolist()
     ctx = a.prompt_len + a.max_new // 2  # a representative context: halfway through the output
     res = {"label": tspec.label, "config": tspec.config, "drafter": dspec.label, "weights_bytes": wbytes,
            "cache_len": cache_len, "context_for_parts": ctx}
@@ -350,6 +276,8 @@ def measure_target(tspec: ModelSpec, dspec: ModelSpec, st: Setup, table: tuple =
     for k in list(res["roofline"]):
         res["roofline"][k.replace("ms_per_token", "ratio")] = res["roofline"][k] / plain_ms
     parts = measure_parts(target, drafter, ctx, cache_len, st.layout, a)
+    del drafter
+    gc.collect()
     parts["host"] = res.get("async", {}).get("host_ms", float("nan"))
     res["parts_ms"] = parts
     res["parts_ratios"] = {"packed_over_verify": parts["packed"] / parts["verify"],
@@ -359,19 +287,46 @@ def measure_target(tspec: ModelSpec, dspec: ModelSpec, st: Setup, table: tuple =
     if table:
         res["drafter_table"] = [_row(dspec, parts, tau, plain_ms, hit)] + drafter_rows(
             target, table, parts, tau, plain_ms, hit, ctx, cache_len, st)
-        if st.sim is not None and st.budget.allow("verify cost comparison"):
-            res["verify_cost"] = simulate.verify_cost_comparison(
-                target, drafter, st.sim, block_size=a.block_size, prompt_len=a.prompt_len,
-                repeats=max(a.repeats, 20))
-    del target, drafter
-    gc.collect()
-    return res
+    return res, target
 
 
-def _params(model):
-    from flax import nnx
+def cache_length(args) -> int:
+    return -(-(args.prompt_len + args.max_new + 2 * args.block_size) // 16) * 16
 
-    return nnx.state(model)
+
+def measure_extras(res: dict, target, st: Setup) -> None:
+    """The first target's checks, last (each skipped if the budget is spent): greedy identity
+    with real acceptance, and the verify's cost with and without the simulation."""
+    a = st.args
+    if st.identity_prompts and st.budget.allow("greedy identity", est_s=60.0):
+        res["identity"] = identity_counts(target, st.identity_prompts, a, cache_length(a))
+    if st.sim is not None and st.budget.allow("verify cost comparison"):
+        res["verify_cost"] = simulate.verify_cost_comparison(
+            target, st.sim, block_size=a.block_size, context=a.prompt_len + a.max_new // 2,
+            cache_len=cache_length(a), repeats=max(a.repeats, 20))
+
+
+def identity_counts(target, n: int, args, cache_len: int) -> dict:
+    """How many of ``n`` prompts decode to plain's exact greedy tokens in sync and async mode,
+    with REAL acceptance: a replay drafter proposes plain's own output, so every round accepts
+    long runs and any rounding difference between a 1-token and a B-token forward shows."""
+    from d3d_jax.decoding.async_replay import AsyncReplayDrafter
+    from d3d_jax.decoding.engine import generate, summarize_outputs
+
+    vocab = target.config.vocab_size
+    rng = np.random.default_rng(args.seed + 7)
+    prompts = [rng.integers(0, vocab, args.prompt_len).tolist() for _ in range(n)]
+    common = dict(max_new_tokens=args.max_new, max_cache_len=cache_len, block_size=args.block_size,
+                  batch_size=1)
+    plain = [o.token_ids for o in generate(target, prompts, **common)]
+    drafter = AsyncReplayDrafter(plain, vocab, hit_rate=0.7, seed=args.seed)
+    out = {"prompts": n, "acceptance": "real (replay of plain's output)"}
+    for mode, kw in (("sync", {}), ("async", dict(verbose=False, branch_positions=args.branch_positions,
+                                                  branch_fanout=args.branch_fanout))):
+        outs = generate(target, prompts, mode=mode, drafter=drafter, **common, **kw)
+        out[mode] = {"same_as_plain": sum(o.token_ids == p for o, p in zip(outs, plain)),
+                     "tau": summarize_outputs(outs)["tau"]}
+    return out
 
 
 def _hit_rate(st: Setup, res: dict) -> float:
@@ -436,24 +391,32 @@ def run(args: argparse.Namespace) -> dict:
     args.max_new = args.max_new or plan.max_new
     budget = Budget(args.budget_s)
     st = Setup(args, sim, layout, budget, copy_bandwidth(plan.bandwidth_mib, args.repeats),
-               nominal_bandwidth(jax.devices()[0]))
+               nominal_bandwidth(jax.devices()[0]),
+               plan.identity_prompts if args.identity_prompts is None else args.identity_prompts)
     result = {"environment": _environment(), "simulated_acceptance": simulate.record(sim),
               "settings": {k: v for k, v in vars(args).items() if k != "func"},
               "shapes": "tiny CPU fallback" if plan is CPU_PLAN else "Qwen3 shapes",
               "copy_bandwidth_GBps": st.bandwidth / 1e9,
               "nominal_bandwidth_GBps": st.nominal / 1e9 if st.nominal else None, "targets": []}
     print(f"bench gpu: {result['environment']}\n{simulate.header(sim)}", flush=True)
-    last_s = 0.0
+    last_s, first = 0.0, None
     for i, (tspec, dspec) in enumerate(plan.targets):
         need = param_bytes(tspec) + param_bytes(dspec)
         if not budget.allow(f"target {tspec.label}", est_s=last_s, need_bytes=need):
             continue
         t0 = time.perf_counter()
         table = tuple(s for s in plan.table_drafters if s != dspec) if i == 0 else ()
-        result["targets"].append(measure_target(tspec, dspec, st, table=table))
-        jax.clear_caches()  # executables of a freed shape are never used again
+        res, target = measure_target(tspec, dspec, st, table=table)
+        result["targets"].append(res)
+        if i == 0:  # kept for the extras, which come last: every target's core measures first
+            first = (res, target)
+        del target
+        gc.collect()
         last_s = (time.perf_counter() - t0) * 0.5  # later targets are smaller, without the table
         print(f"  {tspec.label}: done at {budget.elapsed():.0f} s", flush=True)
+    if first is not None:
+        measure_extras(*first, st)
+        del first
     result["skipped"] = budget.skipped
     result["elapsed_s"] = budget.elapsed()
     return result

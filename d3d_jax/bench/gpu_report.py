@@ -75,6 +75,11 @@ def format_markdown(result: dict) -> str:
     rows = [target_rows(t) for t in ts]
     for i, (name, _) in enumerate(rows[0] if rows else []):
         lines.append(f"| {name} | " + " | ".join(r[i][1] for r in rows) + " |")
+    ident = ts[0].get("identity") if ts else None
+    if ident:
+        lines += ["", f"Greedy output equal to plain, token for token, {ts[0]['label']} ({ident['acceptance']}): "
+                      + ", ".join(f"{m} {ident[m]['same_as_plain']}/{ident['prompts']} prompts "
+                                  f"(τ {ident[m]['tau']:.2f})" for m in ("sync", "async"))]
     if ts and ts[0].get("drafter_table"):
         lines += drafter_table(ts[0])
     vc = ts[0].get("verify_cost") if ts else None

@@ -186,33 +186,35 @@ def _interleaved_median_ms(fns: dict, repeats: int) -> dict:
     return {k: 1e3 * float(np.median(v)) for k, v in times.items()}
 
 
-def verify_cost_comparison(target, drafter, sim: SimulatedAcceptance, *, block_size: int = 16,
-                           prompt_len: int = 64, cache_len: int | None = None,
+def verify_cost_comparison(target, sim: SimulatedAcceptance, *, block_size: int = 16,
+                           context: int = 64, cache_len: int | None = None,
                            repeats: int = 5) -> dict:
-    """Compile the decoder's verify (target forward over a block, the rule, the override) with
-    and without ``sim``, on the same state and a real draft from ``drafter``; compare the
-    compiled cost analysis and the median time (the two timed in alternation)."""
+    """Compile the decode core's verify (target forward over a block after ``context`` cached
+    tokens, the rule, the override) with and without ``sim`` on one state; compare the compiled
+    cost analysis and the median time (the two timed in alternation)."""
+    import dataclasses as dc
+
     from flax import nnx
 
-    from d3d_jax.decoding.decoder import DecoderConfig, Request, SpecDecoder
+    from d3d_jax.decoding.core import DecodeCore
 
-    vocab = target.config.vocab_size
-    cache_len = cache_len or -(-(prompt_len + 2 * block_size) // 16) * 16
-    prompt = np.random.default_rng(0).integers(0, vocab - 1, prompt_len).tolist()
-    t_params = nnx.state(target)
-    out, calls = {}, {}
+    graphdef, t_params = nnx.split(target)
+    cache_len = cache_len or -(-(context + 2 * block_size) // 16) * 16
+    drafts = jnp.asarray(np.random.default_rng(0).integers(0, target.config.vocab_size,
+                                                           (1, block_size - 1)), jnp.int32)
+    out, calls, state = {}, {}, None
     for name, override in (("real", None), ("simulated", sim)):
-        dec = SpecDecoder(target, drafter, DecoderConfig(
-            mode="sync", num_slots=1, max_cache_len=cache_len, block_size=block_size,
-            acceptance_override=override))
-        core, prefix = dec.core, dec.prefill(Request(prompt, max_new_tokens=block_size))
-        state = jax.jit(core.insert)(jax.jit(core.init_state, static_argnums=0)(1), prefix.target,
-                                     prefix.drafter, jnp.zeros((1,), jnp.int32))
-        draft, state = jax.jit(core.draft)(dec.drafter.params, state)
-        verify = jax.jit(lambda tp, st, d: core.verify(tp, st, d.drafts, d.drafts, d.probs))
-        compiled = verify.lower(t_params, state, draft).compile()
+        core = DecodeCore(graphdef, target.config, None, width=block_size, cache_len=cache_len,
+                          override=override)
+        if state is None:  # one active row whose anchor sits after `context` cached tokens
+            state = jax.jit(core.init_state, static_argnums=0)(1)
+            ctx = jnp.full((1,), context, jnp.int32)
+            state = dc.replace(state, done=jnp.zeros((1,), bool), anchor_pos=ctx,
+                               target_cache=state.target_cache.with_lengths(ctx))
+        verify = jax.jit(lambda tp, st, d, core=core: core.verify(tp, st, d, d, None))
+        compiled = verify.lower(t_params, state, drafts).compile()
         out[name] = cost_summary(compiled)
-        calls[name] = lambda c=compiled, st=state, d=draft: c(t_params, st, d)
+        calls[name] = lambda c=compiled: c(t_params, state, drafts)
         calls[name]()  # warm-up
     for name, ms in _interleaved_median_ms(calls, repeats).items():
         out[name]["ms"] = ms
