@@ -2,6 +2,7 @@
 forms, reproducibility, the real verify's cost kept (compiled cost analysis), refusal outside
 the benchmark."""
 import argparse
+import dataclasses
 import math
 import subprocess
 import sys
@@ -190,3 +191,26 @@ def test_bench_engine_records_the_simulation_in_json_and_table():
     table = bench.format_table(res)
     assert "SIMULATED acceptance (match-expected): tau 4" in table
     assert "n/a (simulated acceptance)" in table
+
+
+def test_the_decoder_config_takes_the_simulation():
+    from d3d_jax.decoding.decoder import DecoderConfig
+
+    for mode in ("sync", "async"):
+        DecoderConfig(mode=mode, acceptance_override=S.SimulatedAcceptance(7.9, 0.7)).validate()
+
+
+@pytest.mark.xfail(strict=True, reason="branch core: DecoderConfig.validate does not yet check the "
+                                       "benchmark_only marker (decoding/ is core's); drop this mark "
+                                       "when it does")
+def test_the_decoder_config_refuses_an_override_without_the_benchmark_marker():
+    from d3d_jax.config import ConfigError
+    from d3d_jax.decoding.decoder import DecoderConfig
+
+    @dataclasses.dataclass(frozen=True)
+    class Unmarked:  # a working override, but not declared benchmark-only
+        def accept(self, accepted, next_token, anchor_pos, row_keys, width):
+            return accepted, next_token
+
+    with pytest.raises(ConfigError, match="benchmark"):
+        DecoderConfig(mode="sync", acceptance_override=Unmarked()).validate()

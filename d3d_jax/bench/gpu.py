@@ -320,7 +320,7 @@ def identity_counts(target, n: int, args, cache_len: int) -> dict:
                   batch_size=1)
     plain = [o.token_ids for o in generate(target, prompts, **common)]
     drafter = AsyncReplayDrafter(plain, vocab, hit_rate=0.7, seed=args.seed)
-    out = {"prompts": n, "acceptance": "real (replay of plain's output)"}
+    out = {"prompts": n, "acceptance": "real acceptance, a replay of plain's output"}
     for mode, kw in (("sync", {}), ("async", dict(verbose=False, branch_positions=args.branch_positions,
                                                   branch_fanout=args.branch_fanout))):
         outs = generate(target, prompts, mode=mode, drafter=drafter, **common, **kw)
