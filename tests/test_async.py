@@ -223,3 +223,91 @@ def test_generate_cli_async_flags(setup, tmp_path, capsys):
                          str(BLOCK + 1)])
     with pytest.raises(SystemExit, match="needs --mode async"):
         cli.main(base + ["--mode", "plain", "--branch-fanout", "2"])
+
+
+# --------------------------------------------------------------------------------------
+# All-accept hits with a real model drafter (constructed weights, exactly predictable)
+# --------------------------------------------------------------------------------------
+V16, B4 = 16, 4
+
+
+VOTE = 1.0 + np.arange(V16) / 64.0  # token t's weight in the drafter's vote (no exact ties)
+
+
+def _majority_models():
+    """A target that repeats its input token, and a 1-layer drafter whose every MASK slot predicts
+    the token of largest weighted count among those it can see.
+
+    Target: attention and MLP write nothing, so the logits are the one-hot input embedding.
+    Drafter: q = k = 0 gives uniform attention over the visible tokens; v (the vote weights) and
+    o are diagonal on one-hot embeddings (MASK embeds to 0), so a MASK slot holds the weighted
+    counts.  After a prompt ``[a]*k + [x]`` the target emits x forever; the drafter proposes a
+    until x outweighs a, then whole blocks: all-accept hits follow."""
+    cfg = ModelConfig(vocab_size=V16, hidden_size=V16, intermediate_size=8, num_layers=1,
+                      num_heads=1, num_kv_heads=1, head_dim=V16, tie_word_embeddings=False,
+                      mask_token_id=V16 - 1)
+    eye = np.eye(V16, dtype=np.float32)
+    target, drafter = init_model(cfg, 0), init_model(cfg, 1)
+    for m in (target, drafter):
+        m.embed_tokens.embedding[...] = eye
+        m.lm_head.kernel[...] = eye
+        m.layers[0].mlp.down_proj.kernel[...] = 0.0
+    target.layers[0].self_attn.o_proj.kernel[...] = 0.0
+    attn = drafter.layers[0].self_attn
+    attn.q_proj.kernel[...] = 0.0
+    attn.k_proj.kernel[...] = 0.0
+    attn.v_proj.kernel[...] = (eye * VOTE)[:, None, :]
+    attn.o_proj.kernel[...] = eye[None]
+    drafter.embed_tokens.embedding[...] = eye * (np.arange(V16) < V16 - 1)[:, None]
+    return target, drafter
+
+
+def _expected_rounds(prompt: list[int], n_new: int, asynchronous: bool):
+    """(accepted, draft_len) per round for a prompt [a]*k + [x].  The block verified in round j
+    (from 1) was drafted seeing k a's and j x's (sync: j-1 committed + the anchor; async: the
+    correction branch of round j-1 sees the same), so drafts turn to x in the first round with
+    j·w_x > k·w_a; before, each round rejects at the first draft.  Async: after the first
+    all-accept hit every block is shortened to B-2 real drafts."""
+    a, x, k = prompt[0], prompt[-1], len(prompt) - 1
+    turn = int(k * VOTE[a] / VOTE[x]) + 1  # the first round whose drafts are x
+    rounds, tokens = [], 0
+    while tokens < n_new:
+        j = len(rounds) + 1
+        if j < turn:
+            rounds.append((0, B4 - 1))
+        elif j == turn or not asynchronous:
+            rounds.append((B4 - 1, B4 - 1))
+        else:
+            rounds.append((B4 - 2, B4 - 2))
+        tokens += rounds[-1][0] + 1
+    return rounds
+
+
+def test_all_accept_hits_with_a_model_drafter():
+    target, drafter = _majority_models()
+    ks = [1, 2, 3, 5]
+    prompts = [[9] * k + [2] if i % 2 == 0 else [12] * k + [5] for i, k in enumerate(ks)]
+    n_new = 24
+    kw = dict(max_new_tokens=n_new, block_size=B4, batch_size=len(prompts))
+    plain = [o.token_ids for o in generate(target, prompts, **kw)]
+    assert plain == [[p[-1]] * n_new for p in prompts]
+    sync = generate(target, prompts, mode="sync", drafter=drafter, **kw)
+    tl = []
+    asy = generate(target, prompts, mode="async", drafter=drafter, branch_positions=B4,
+                   branch_fanout=2, timeline=tl, verbose=False, **kw)
+    assert [o.token_ids for o in sync] == [o.token_ids for o in asy] == plain
+    for row, (prompt, s_out, a_out) in enumerate(zip(prompts, sync, asy)):
+        for out, asynchronous in ((s_out, False), (a_out, True)):
+            rounds = _expected_rounds(prompt, n_new, asynchronous)
+            hist = np.bincount([a for a, _ in rounds], minlength=B4).tolist()
+            assert out.metrics["accept_hist"] == hist, (row, asynchronous)
+        assert s_out.metrics["accept_hist"][B4 - 1] > 0  # the sync drafter accepts full blocks
+        # async, round by round: accepted, real drafts of the verified block, and hits
+        rounds = _expected_rounds(prompt, n_new, True)
+        assert rounds[0][0] == 0 and (B4 - 1, B4 - 1) in rounds  # rejections, then a full block
+        running = [r for i, r in enumerate(tl) if i == 0 or tl[i - 1]["active"][row]]
+        assert [(r["accepted"][row], r["draft_len"][row]) for r in running] == rounds
+        judged = [r for r in running if r["active"][row]]  # rounds after which the row goes on
+        assert all(r["hit"][row] for r in judged)  # incl. every all-accept round
+        assert a_out.metrics["hits"] == len(rounds) - 1 and a_out.metrics["misses"] == 0
+    assert sum(r["sync_draft"] for r in tl) == 0

@@ -122,6 +122,40 @@ def test_every_branch_equals_its_own_sync_draft(model, c, f):
     np.testing.assert_array_equal(np.asarray(new_cache.lengths), s)  # the caller commits
 
 
+@pytest.mark.parametrize("c,f", [(4, 2), (B, 1), (1, 3), (B, 3)])
+def test_n_async_counted_from_what_the_packed_forward_is_fed(model, c, f, monkeypatch):
+    """N_async counted from the metadata the drafter model actually receives (valid tokens per
+    row), not from ``layout.budget``: the closed form B·((C-1)·F + 2), one less for a shortened
+    block (its padded last slot is fed but not valid), and only the shared prefix is kept."""
+    from d3d_jax.model.qwen3 import Qwen3
+
+    fed = []
+    real_call = Qwen3.__call__
+
+    def recording(self, tokens, meta=None, cache=None, keep=None, **kw):
+        fed.append((np.asarray(tokens).shape, np.asarray(meta.valid).sum(axis=1),
+                    np.asarray(keep).sum(axis=1)))
+        return real_call(self, tokens, meta, cache=cache, keep=keep, **kw)
+
+    layout = br.BranchLayout(B, c, f)
+    rng = np.random.default_rng(c * 10 + f)
+    cache, s = _committed_cache(model, [list(rng.integers(0, MASK, 5)), list(rng.integers(0, MASK, 9))])
+    block = rng.integers(0, MASK, (2, B)).astype(np.int32)
+    draft_len = np.array([B - 1, B - 2], np.int32)
+    alts = np.asarray(br.slot_alternatives(jnp.asarray(rng.normal(size=(2, B, CFG.vocab_size))),
+                                           jnp.asarray(block), f))
+    monkeypatch.setattr(Qwen3, "__call__", recording)
+    ModelDrafter(model, MASK).branch_pack(  # eager: the metadata are concrete arrays
+        nnx.state(model), cache, jnp.asarray(block), jnp.asarray(alts), jnp.asarray(s),
+        jnp.asarray(draft_len), layout)
+    assert len(fed) == 1  # one forward for the whole pack
+    shape, valid, kept = fed[0]
+    closed_form = B * ((c - 1) * f + 2)
+    assert shape == (2, closed_form) and layout.budget == closed_form
+    assert valid.tolist() == [closed_form, closed_form - 1]
+    assert kept.tolist() == (draft_len + 1).tolist()
+
+
 def _brute_match(alts, draft_len, guess, a, corr, c, f):
     if a == draft_len and corr == guess:
         return True, (c - 1) * f

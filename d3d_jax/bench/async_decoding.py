@@ -79,8 +79,8 @@ def _summary(outs) -> dict:
     s = M.summarize([o.metrics for o in outs])
     m0 = outs[0].metrics
     for k in ("hit_rate_batch", "sync_drafts", "async_rounds", "n_async", "round_verify_s",
-              "round_packed_s", "round_sync_s", "round_wait_s", "round_host_s", "sync_draft_s",
-              "setup_s", "loop_s"):
+              "round_packed_s", "round_sync_s", "round_wait_s", "round_host_s", "round_gap_s",
+              "round_gap_max_s", "sync_draft_s", "loop_s"):
         if k in m0:
             s[k] = m0[k] if k == "n_async" else (
                 float(np.mean([o.metrics[k] for o in outs])) if k.startswith("round") else m0[k])
@@ -91,95 +91,103 @@ def _summary(outs) -> dict:
     return s
 
 
-def run(args) -> dict:
-    from d3d_jax.decoding.async_replay import CostedReplayDrafter
-    from d3d_jax.decoding.placement import resolve_slices
-    from d3d_jax.decoding.branches import BranchLayout
-    from d3d_jax.decoding.engine import generate
+class _Bench:
+    """Models, prompts and the generate calls of one benchmark run (compiled once per shape)."""
 
-    B = args.block_size
-    layouts = [BranchLayout(B, c, f) for c in map(int, args.sweep_c.split(","))
-               for f in map(int, args.sweep_f.split(","))]
-    main_layout = BranchLayout(B, args.branch_positions, args.branch_fanout)
-    for lay in [main_layout] + layouts:
-        lay.validate(prefix="bench")
-    devices = (None, None) if args.target_devices == 0 and args.drafter_devices == 0 else (
-        args.target_devices, args.drafter_devices)
-    t_devs, d_devs = resolve_slices(*devices)  # fail now on bad slices, before building models
-    sim = simulate.from_args(args)
-    if sim is not None:
-        sim.check_block(B, asynchronous=True)
-    err = error_rate_for_tau(args.tau, B)
-    target = _model(args.target, args.dtype, args.seed)
-    drafter_model = _model(args.drafter, args.dtype, args.seed + 1)
-    if target.config.vocab_size != drafter_model.config.vocab_size:
-        raise ValueError("target and drafter configs must share vocab_size")
-    vocab = target.config.vocab_size
-    mask = drafter_model.config.mask_token_id
-    mask = vocab - 1 if mask is None else mask
-    rng = np.random.default_rng(args.seed)
-    prompts = [rng.integers(0, mask, args.prompt_len).tolist() for _ in range(args.prompts)]
-    cache_len = -(-(args.prompt_len + args.max_new + 2 * B) // 16) * 16
-    common = dict(max_cache_len=cache_len, batch_size=args.batch_size, block_size=B)
-    warm_new = min(args.max_new, 2 * B + 1)
-    acceptance = (simulate.header(sim) if sim else f"replay drafter: τ≈{args.tau} (error rate "
-                  f"{err:.4f}), hit rate {args.hit_rate}")
-    print(f"bench async: target={args.target} drafter={args.drafter} B={B}; {acceptance}; target "
-          f"devices {[d.id for d in t_devs]}, drafter devices {[d.id for d in d_devs]}", flush=True)
+    def __init__(self, args):
+        from d3d_jax.decoding.placement import resolve_slices
 
-    def timed(mode, drafter=None, warm=None, **kw):
-        generate(target, prompts, mode=mode, drafter=warm or drafter, max_new_tokens=warm_new,
-                 **common, **kw)
+        self.args, B = args, args.block_size
+        self.devices = (None, None) if args.target_devices == 0 and args.drafter_devices == 0 else (
+            args.target_devices, args.drafter_devices)
+        # fail now on bad slices and simulation flags, before building models
+        self.t_devs, self.d_devs = resolve_slices(*self.devices)
+        self.sim = simulate.from_args(args)
+        if self.sim is not None:
+            self.sim.check_block(B, asynchronous=True)
+        self.err = error_rate_for_tau(args.tau, B)
+        self.target = _model(args.target, args.dtype, args.seed)
+        self.drafter_model = _model(args.drafter, args.dtype, args.seed + 1)
+        if self.target.config.vocab_size != self.drafter_model.config.vocab_size:
+            raise ValueError("target and drafter configs must share vocab_size")
+        self.vocab = self.target.config.vocab_size
+        mask = self.drafter_model.config.mask_token_id
+        self.mask = self.vocab - 1 if mask is None else mask
+        rng = np.random.default_rng(args.seed)
+        self.prompts = [rng.integers(0, self.mask, args.prompt_len).tolist() for _ in range(args.prompts)]
+        cache_len = -(-(args.prompt_len + args.max_new + 2 * B) // 16) * 16
+        self.common = dict(max_cache_len=cache_len, batch_size=args.batch_size, block_size=B)
+        self.refs = None
+
+    def timed(self, mode, drafter=None, warm=None, warm_up=True, **kw):
+        from d3d_jax.decoding.engine import generate
+
+        a = self.args
+        if mode != "plain" and self.sim is not None:
+            kw = dict(kw, acceptance_override=self.sim, mask_token_id=self.mask)
+        if warm_up:
+            generate(self.target, self.prompts, mode=mode, drafter=warm or drafter,
+                     max_new_tokens=min(a.max_new, 2 * a.block_size + 1), **self.common, **kw)
         t0 = time.perf_counter()
-        outs = generate(target, prompts, mode=mode, drafter=drafter, max_new_tokens=args.max_new,
-                        **common, **kw)
+        outs = generate(self.target, self.prompts, mode=mode, drafter=drafter,
+                        max_new_tokens=a.max_new, **self.common, **kw)
         s = _summary(outs)
         s["call_s"] = time.perf_counter() - t0
-        return outs, s
+        if mode == "plain":
+            self.refs = [o.token_ids for o in outs]
+        return s
 
-    plain_outs, plain = timed("plain")
-    refs = [o.token_ids for o in plain_outs]
+    def replay(self, hit_rate):
+        from d3d_jax.decoding.async_replay import CostedReplayDrafter
 
-    def replay(hit_rate):
-        if sim is not None:  # the real drafter; acceptance and hits come from the simulation
-            return drafter_model
-        return CostedReplayDrafter(refs, vocab, drafter_model, error_rate=err, hit_rate=hit_rate,
-                                   seed=args.seed, mask_token_id=mask)
+        if self.sim is not None:  # the real drafter; acceptance and hits come from the simulation
+            return self.drafter_model
+        return CostedReplayDrafter(self.refs, self.vocab, self.drafter_model, error_rate=self.err,
+                                   hit_rate=hit_rate, seed=self.args.seed, mask_token_id=self.mask)
 
-    sim_kw = {} if sim is None else {"acceptance_override": sim, "mask_token_id": mask}
-    _, sync = timed("sync", replay(args.hit_rate), **sim_kw)
-    dev_kw = {} if devices == (None, None) else dict(target_devices=args.target_devices,
-                                                     drafter_devices=args.drafter_devices)
+    def run_async(self, lay, profile=True, warm_up=True):
+        """``profile``: a timeline (ready times from helper threads) for the per-round parts; a
+        lean run (no timeline) measures tokens/s and the main thread's CPU per round as used."""
+        dev_kw = {} if self.devices == (None, None) else dict(
+            target_devices=self.args.target_devices, drafter_devices=self.args.drafter_devices)
+        return self.timed("async", self.replay(self.args.hit_rate), warm=self.replay(0.0),
+                          warm_up=warm_up, verbose=False, timeline=[] if profile else None,
+                          branch_positions=lay.positions, branch_fanout=lay.fanout, **dev_kw)
 
-    def run_async(lay):
-        # timeline=[]: the per-round parts (verify, packed, sync draft), measured off the main thread
-        return timed("async", replay(args.hit_rate), warm=replay(0.0), verbose=False, timeline=[],
-                     branch_positions=lay.positions, branch_fanout=lay.fanout, **dev_kw, **sim_kw)[1]
 
-    main = run_async(main_layout)
-    rows = []
-    for name, s in (("plain", plain), ("sync", sync), (f"async C={main_layout.positions} "
-                                                       f"F={main_layout.fanout}", main)):
-        rows.append(dict(mode=name, tokens_per_s=s["tokens_per_s"], tau=s["tau"],
-                         hit_rate=s.get("hit_rate"), speedup=s["tokens_per_s"] / plain["tokens_per_s"]))
+def _acceptance(args, bench) -> str:
+    if bench.sim is not None:
+        return simulate.header(bench.sim)
+    return f"replay drafter: τ≈{args.tau} (error rate {bench.err:.4f}), hit rate {args.hit_rate}"
+
+
+def _print_main(rows: list[dict], main: dict, acceptance: str) -> None:
     print(f"\nacceptance: {acceptance}\n{'mode':<18}{'tokens/s':>10}{'tau':>7}{'hit rate':>10}{'speedup':>9}")
     for r in rows:
         hr = "" if r["hit_rate"] is None else f"{r['hit_rate']:.3f}"
         print(f"{r['mode']:<18}{r['tokens_per_s']:>10.1f}{r['tau']:>7.2f}{hr:>10}{r['speedup']:>9.2f}")
     print("async per-round means (s): " + ", ".join(
-        f"{k[6:]}={main.get(k, float('nan')):.4f}" for k in (
-            "round_verify_s", "round_packed_s", "round_sync_s", "round_wait_s", "round_host_s"))
-          + f"; one sync draft {main.get('sync_draft_s', float('nan')):.4f}; sync drafts "
-          f"{main['sync_drafts']} of {main['async_rounds']} rounds; N_async={main['n_async']}; "
-          f"round loop {main['loop_s']:.4f} s per batch", flush=True)
-    sweep = []
+        f"{k[6:]}={main[k]:.4f}" for k in ("round_verify_s", "round_packed_s", "round_sync_s",
+                                           "round_wait_s"))
+          + f"; one sync draft {main['sync_draft_s']:.4f}; sync drafts {main['sync_drafts']} of "
+          f"{main['async_rounds']} rounds; N_async={main['n_async']}; round loop per batch "
+          f"{main['loop_s']:.4f} s", flush=True)
+    print(f"async host: main-thread CPU per round (thread_time) {1e3 * main['round_host_s']:.3f} ms "
+          f"({1e3 * main['round_host_profiled_s']:.3f} ms with the timeline); idle gap between "
+          f"rounds (next verify dispatched after the previous round was ready) mean "
+          f"{1e3 * main['round_gap_s']:.3f} ms, max {1e3 * main['round_gap_max_s']:.3f} ms",
+          flush=True)
+
+
+def _sweep(bench: _Bench, layouts, plain: dict, sync: dict) -> list[dict]:
     try:
         from tqdm import tqdm
         it = tqdm(layouts, desc="C×F sweep")
     except ImportError:  # pragma: no cover
         it = layouts
+    sweep = []
     for lay in it:
-        s = run_async(lay)
+        s = bench.run_async(lay)
         sweep.append(dict(C=lay.positions, F=lay.fanout, budget=lay.budget,
                           tokens_per_s=s["tokens_per_s"], tau=s["tau"], hit_rate=s.get("hit_rate"),
                           speedup=s["tokens_per_s"] / plain["tokens_per_s"],
@@ -191,17 +199,45 @@ def run(args) -> dict:
         print(f"{r['C']:>3}{r['F']:>3}{r['budget']:>8}{r['tokens_per_s']:>9.1f}{r['speedup']:>9.2f}"
               f"{r['hit_rate'] if r['hit_rate'] is not None else float('nan'):>10.3f}"
               f"{r['round_packed_s']:>10.4f}")
+    return sweep
+
+
+def run(args) -> dict:
+    from d3d_jax.decoding.branches import BranchLayout
+
+    B = args.block_size
+    layouts = [BranchLayout(B, c, f) for c in map(int, args.sweep_c.split(","))
+               for f in map(int, args.sweep_f.split(","))]
+    main_layout = BranchLayout(B, args.branch_positions, args.branch_fanout)
+    for lay in [main_layout] + layouts:
+        lay.validate(prefix="bench")
+    bench = _Bench(args)
+    acceptance = _acceptance(args, bench)
+    print(f"bench async: target={args.target} drafter={args.drafter} B={B}; {acceptance}; target "
+          f"devices {[d.id for d in bench.t_devs]}, drafter devices {[d.id for d in bench.d_devs]}",
+          flush=True)
+    plain = bench.timed("plain")
+    sync = bench.timed("sync", bench.replay(args.hit_rate))
+    main = bench.run_async(main_layout, profile=False)
+    parts = bench.run_async(main_layout, warm_up=False)
+    main.update({k: v for k, v in parts.items() if k.startswith("round_") and k != "round_host_s"},
+                sync_draft_s=parts["sync_draft_s"], round_host_profiled_s=parts["round_host_s"])
+    rows = [dict(mode=name, tokens_per_s=s["tokens_per_s"], tau=s["tau"], hit_rate=s.get("hit_rate"),
+                 speedup=s["tokens_per_s"] / plain["tokens_per_s"])
+            for name, s in (("plain", plain), ("sync", sync),
+                            (f"async C={main_layout.positions} F={main_layout.fanout}", main))]
+    _print_main(rows, main, acceptance)
+    sweep = _sweep(bench, layouts, plain, sync)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    result = dict(args=vars(args), simulated_acceptance=simulate.record(sim),
-                  replay_error_rate=None if sim else err, plain=plain, sync=sync, async_main=main,
-                  table=rows, sweep=sweep,
-                  devices=dict(target=[d.id for d in t_devs], drafter=[d.id for d in d_devs],
-                               platform=t_devs[0].platform))
+    result = dict(args=vars(args), simulated_acceptance=simulate.record(bench.sim),
+                  replay_error_rate=None if bench.sim else bench.err, plain=plain, sync=sync,
+                  async_main=main, table=rows, sweep=sweep,
+                  devices=dict(target=[d.id for d in bench.t_devs], drafter=[d.id for d in bench.d_devs],
+                               platform=bench.t_devs[0].platform))
     (out / "bench_async.json").write_text(json.dumps(result, indent=2, default=str))
-    png = plot_sweep(sweep, out / "bench_async.png", title=f"{args.target} + {args.drafter}, "
-                     f"B={B}; " + (f"simulated τ {sim.tau:g}, hit rate {sim.hit_rate:g}" if sim else
-                                   f"replay τ≈{args.tau}, hit rate {args.hit_rate}"))
+    png = plot_sweep(sweep, out / "bench_async.png",
+                     title=f"{args.target} + {args.drafter}, B={B}; {acceptance[:60]}")
     print(f"\nwrote {out / 'bench_async.json'} and {png}")
     return result
 

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from d3d_jax.decoding import branches as br
-from d3d_jax.decoding.core import DecodeCore, DecodeState, RowInput, row_keys
+from d3d_jax.decoding.core import DecodeCore, DecodeState, RowInput, key_data
 from d3d_jax.decoding.verify import GREEDY
 
 # Columns of the decision (target -> drafter) and of the per-round view (drafter -> host).
@@ -44,10 +44,14 @@ class AsyncDraftState:
     alts: jax.Array  # [b, B, F] per-slot alternatives of that block (slot 0 unused)
     draft_len: jax.Array  # [b] real drafts in the block (B-2 after an all-accept hit)
     anchor: jax.Array  # [b] position of the block's anchor
-    row_keys: jax.Array  # [b]
+    key_data: jax.Array  # [b, ...] raw PRNG key data (as DecodeState's)
     hits: jax.Array  # [b] rounds whose outcome a branch anticipated
     misses: jax.Array  # [b] rounds that needed a synchronous draft
     sync_drafts: jax.Array  # [] rounds in which the synchronous draft ran
+
+    @property
+    def row_keys(self) -> jax.Array:
+        return jax.random.wrap_key_data(self.key_data)
 
 
 def handoff(block: jax.Array, draft_len: jax.Array) -> jax.Array:
@@ -79,7 +83,7 @@ class AsyncCore:
             self.drafter.init_state(b, self.core.cache_len),
             jnp.zeros((b, lay.block_size), jnp.int32),
             jnp.full((b, lay.block_size, lay.fanout), br.NO_TOKEN, jnp.int32),
-            jnp.full((b,), lay.block_size - 1, jnp.int32), zeros, row_keys(zeros, zeros), zeros,
+            jnp.full((b,), lay.block_size - 1, jnp.int32), zeros, key_data(zeros, zeros), zeros,
             zeros, jnp.int32(0))
 
     def sync_block(self, params, dstate, anchor_tok, anchor_pos, keys):
@@ -97,9 +101,10 @@ class AsyncCore:
         """Prefilled drafter rows with their first block (a synchronous draft)."""
         plen = rows.prompt_len - 1
         dstate = self.drafter.prefill(params, rows.drafter_data, rows.prompt, plen)
-        keys = row_keys(rows.seed, rows.index)
+        keys = key_data(rows.seed, rows.index)
         anchor_tok = jnp.take_along_axis(rows.prompt, plen[:, None], axis=1)[:, 0]
-        block, alts, dl = self.sync_block(params, dstate, anchor_tok, plen, keys)
+        block, alts, dl = self.sync_block(params, dstate, anchor_tok, plen,
+                                          jax.random.wrap_key_data(keys))
         zeros = jnp.zeros_like(plen)
         return AsyncDraftState(dstate, block, alts, dl, plen, keys, zeros, zeros, jnp.int32(0))
 
@@ -109,7 +114,7 @@ class AsyncCore:
         side = AsyncDraftState(
             self.drafter.insert(side.dstate, rows.dstate, slots), put(side.block, rows.block),
             put(side.alts, rows.alts), put(side.draft_len, rows.draft_len),
-            put(side.anchor, rows.anchor), put(side.row_keys, rows.row_keys),
+            put(side.anchor, rows.anchor), put(side.key_data, rows.key_data),
             put(side.hits, rows.hits), put(side.misses, rows.misses), side.sync_drafts)
         return side, handoff(side.block, side.draft_len)
 
@@ -149,7 +154,7 @@ class AsyncCore:
         block, alts, dl, count = jax.lax.cond(jnp.any(miss), redraft, lambda ops: ops,
                                               (block, alts, dl, side.sync_drafts))
         view = jnp.stack([done, hit & active, miss, accepted, side.draft_len], axis=1)
-        side = AsyncDraftState(dstate, block, alts, dl, new_anchor, side.row_keys,
+        side = AsyncDraftState(dstate, block, alts, dl, new_anchor, side.key_data,
                                side.hits + (hit & active), side.misses + miss, count)
         return side, handoff(block, dl), view.astype(jnp.int32)
 

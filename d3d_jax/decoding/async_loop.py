@@ -2,9 +2,11 @@
 
 Round k+1's verify and branch pack are dispatched right behind round k's: everything a round
 needs (the hand-off block, the decision, the drafter state) stays on the devices.  The host reads
-one small array every :data:`STOP_CHECK_EVERY` rounds — the done flags of the round *before* the
-one it just dispatched, so the device queue is never empty while it waits — and stops once every
-row is done (at most a few no-op rounds late; a done row commits nothing).
+one small array (the round's decision: done flags and anchors) every :data:`STOP_CHECK_EVERY`
+rounds — always of the round *before* the one it just dispatched, so the device queue is never
+empty while it waits — and stops once every row is done.  Reads come sooner only when the
+progress measured so far says every row may be done sooner, so few no-op rounds (a done row
+commits nothing) follow the last row's end.
 
 With ``timeline`` (a list) the loop also records, per round, when each dispatch returned and (from
 helper threads, off the main thread) when its result was ready, plus per-row hit/miss flags read
@@ -17,8 +19,9 @@ import concurrent.futures as cf
 import time
 
 import jax
+import numpy as np
 
-from d3d_jax.decoding.async_core import D_DONE, V_ACCEPTED, V_DRAFT_LEN, V_HIT, V_MISS
+from d3d_jax.decoding.async_core import D_ANCHOR, D_DONE, V_ACCEPTED, V_DRAFT_LEN, V_HIT, V_MISS
 
 STOP_CHECK_EVERY = 4  # rounds between two reads of the done flags
 
@@ -28,10 +31,38 @@ def _ready_at(x) -> float:
     return time.perf_counter()
 
 
+class _StopCheck:
+    """Which round's decision to read next: :data:`STOP_CHECK_EVERY` rounds on, or sooner when
+    every running row may have finished sooner at the pace (tokens per round) it has kept."""
+
+    def __init__(self, dec):
+        n = dec.config.num_slots
+        self.running = np.asarray(dec._running())
+        self.first_anchor = np.zeros(n, np.int64)  # anchor at insert: prompt length - 1
+        self.max_new, self.n_out = np.zeros(n, np.int64), np.zeros(n, np.int64)
+        for s in self.running:
+            info = dec._slots[s]
+            self.first_anchor[s] = len(info.request.prompt) - 1
+            self.max_new[s], self.n_out[s] = info.request.max_new_tokens, info.n_out
+        self.round = -1
+
+    def next(self, r: int, decision: np.ndarray) -> int | None:
+        """After reading round ``r``'s decision: None once every row is done."""
+        rows = self.running[decision[self.running, D_DONE] == 0]
+        if rows.size == 0:
+            return None
+        n_out = decision[rows, D_ANCHOR] - self.first_anchor[rows]
+        pace = np.maximum((n_out - self.n_out[rows]) / (r - self.round), 1.0)
+        rounds_left = int(np.ceil((self.max_new[rows] - n_out) / pace).max())
+        self.round, self.n_out[rows] = r, n_out
+        return r + min(max(rounds_left, 1), STOP_CHECK_EVERY)
+
+
 def run_rounds(dec, max_rounds: int, timeline: list | None = None) -> dict:
     """Dispatch async rounds of ``dec`` until every row is done; returns the batch's metrics."""
     pool = cf.ThreadPoolExecutor(max_workers=3) if timeline is not None else None
     marks: list[dict] = []
+    stop, read_round, reads = _StopCheck(dec), 0, 0
     pending, rounds, wait_s = None, 0, 0.0
     t0, host0 = time.perf_counter(), time.thread_time()
     try:
@@ -46,14 +77,14 @@ def run_rounds(dec, max_rounds: int, timeline: list | None = None) -> dict:
                                   select=pool.submit(_ready_at, view),
                                   verify_devices=decision.devices(),
                                   packed_devices=drafts.tokens.devices()))
-            if pending is not None:  # the previous check's round: the queue holds this one
+            if pending is not None:  # the previous round's: the queue holds this one
                 tw = time.perf_counter()
-                done = jax.device_get(pending)[:, D_DONE]
+                read_round = stop.next(r - 1, jax.device_get(pending))
                 wait_s += time.perf_counter() - tw
-                pending = None
-                if done.all():
+                pending, reads = None, reads + 1
+                if read_round is None:
                     break
-            if r % STOP_CHECK_EVERY == 0:
+            if r == read_round:
                 pending = decision
                 decision.copy_to_host_async()
     finally:
@@ -62,7 +93,8 @@ def run_rounds(dec, max_rounds: int, timeline: list | None = None) -> dict:
         loop_s = time.perf_counter() - t0
         if pool is not None:
             pool.shutdown(wait=True)
-    metrics = dict(async_rounds=rounds, round_host_s=host_s / max(rounds, 1), loop_s=loop_s,
+    metrics = dict(async_rounds=rounds, done_reads=reads, round_host_s=host_s / max(rounds, 1),
+                   loop_s=loop_s,
                    wait_s=wait_s, round_wait_s=wait_s / max(rounds, 1), n_async=dec.config.layout.budget,
                    branch_positions=dec.config.branch_positions, branch_fanout=dec.config.branch_fanout)
     if pool is not None:

@@ -52,12 +52,16 @@ class DecodeState:
     n_out: jax.Array  # [b] generated tokens so far
     done: jax.Array  # [b] bool: finished or free (commits nothing)
     finish: jax.Array  # [b] RUNNING / FINISH_*
-    row_keys: jax.Array  # [b] typed PRNG keys fold_in(key(seed), index)
+    key_data: jax.Array  # [b, ...] raw PRNG key data of fold_in(key(seed), index)
     accept_hist: jax.Array  # [b, W] rounds per acceptance length 1..W
     max_new: jax.Array  # [b] max new tokens
     stop_ids: jax.Array  # [b, K] EOS and stop ids, -1 padded
     stop_is_eos: jax.Array  # [b, K] bool: finish reason "eos" (else "stop")
     sampling: SamplingParams  # per-row arrays [b]
+
+    @property
+    def row_keys(self) -> jax.Array:
+        return jax.random.wrap_key_data(self.key_data)
 
 
 @jax.tree_util.register_dataclass
@@ -85,7 +89,7 @@ class TargetRows:
     seq: jax.Array  # [n, S]
     prompt_len: jax.Array
     max_new: jax.Array
-    row_keys: jax.Array
+    key_data: jax.Array
     stop_ids: jax.Array
     stop_is_eos: jax.Array
     sampling: SamplingParams
@@ -102,10 +106,12 @@ class RoundResult:
     accepted: jax.Array  # [b] drafts accepted (0 for inactive rows)
 
 
-def row_keys(seed: jax.Array, index: jax.Array) -> jax.Array:
-    """Per-request keys: randomness depends on (seed, index, position), never on the slot."""
-    return jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(
+def key_data(seed: jax.Array, index: jax.Array) -> jax.Array:
+    """Per-request keys: randomness depends on (seed, index, position), never on the slot.
+    Raw key data: typed key arrays would send every jitted call down JAX's slow Python path."""
+    keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(
         seed.astype(jnp.int32), index.astype(jnp.uint32))
+    return jax.random.key_data(keys)
 
 
 def _insert(full: jax.Array, rows: jax.Array, slots: jax.Array) -> jax.Array:
@@ -147,7 +153,7 @@ class DecodeCore:
             target_cache=kvc.init_cache(self.target_config, b, s),
             drafter_state=None if self.drafter is None else self.drafter.init_state(b, s),
             seq=jnp.zeros((b, s), jnp.int32), anchor_pos=zeros, prompt_len=zeros, n_out=zeros,
-            done=jnp.ones((b,), bool), finish=zeros, row_keys=row_keys(zeros, zeros),
+            done=jnp.ones((b,), bool), finish=zeros, key_data=key_data(zeros, zeros),
             accept_hist=jnp.zeros((b, self.width), jnp.int32), max_new=zeros,
             stop_ids=jnp.full((b, MAX_STOP_IDS), -1, jnp.int32),
             stop_is_eos=jnp.zeros((b, MAX_STOP_IDS), bool),
@@ -166,7 +172,7 @@ class DecodeCore:
         seq = jnp.zeros((n, self.cache_len), jnp.int32).at[:, :p].set(
             jnp.where(pos < rows.prompt_len[:, None], rows.prompt, 0))
         return TargetRows(cache.with_lengths(cached_len), seq, rows.prompt_len, rows.max_new,
-                          row_keys(rows.seed, rows.index), rows.stop_ids, rows.stop_is_eos,
+                          key_data(rows.seed, rows.index), rows.stop_ids, rows.stop_is_eos,
                           rows.sampling)
 
     def prefill_drafter(self, drafter_params, rows: RowInput):
@@ -188,7 +194,7 @@ class DecodeCore:
             anchor_pos=put(state.anchor_pos, rows.prompt_len - 1),
             prompt_len=put(state.prompt_len, rows.prompt_len), n_out=put(state.n_out, zeros),
             done=put(state.done, jnp.zeros((n,), bool)), finish=put(state.finish, zeros),
-            row_keys=put(state.row_keys, rows.row_keys),
+            key_data=put(state.key_data, rows.key_data),
             accept_hist=put(state.accept_hist, jnp.zeros((n, self.width), jnp.int32)),
             max_new=put(state.max_new, rows.max_new), stop_ids=put(state.stop_ids, rows.stop_ids),
             stop_is_eos=put(state.stop_is_eos, rows.stop_is_eos),

@@ -155,14 +155,8 @@ def generate(target, prompts: Sequence[Sequence[int]], *, mode: str = "plain", d
     the cache length is fixed for the call, so one compile serves every batch.
     """
     vocab = target.config.vocab_size
-    if not isinstance(sampling, SamplingParams):
-        raise ValueError("sampling must be a SamplingParams")
-    sampling.validate()
-    if int(max_new_tokens) < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    prompts = _validate_prompts(prompts, vocab)
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {'|'.join(MODES)}, got {mode!r}")
+    prompts = _validate_call(prompts, vocab, mode, sampling, max_new_tokens, eos_token_ids,
+                             stop_token_ids)
     fields, run = _mode_config(mode, mode_options, int(block_size))
     if mode == "plain":
         if drafter is not None:
@@ -173,30 +167,17 @@ def generate(target, prompts: Sequence[Sequence[int]], *, mode: str = "plain", d
         if int(block_size) < 2:
             raise ValueError(f"block_size must be >= 2, got {block_size}")
         drafter = as_drafter(drafter, vocab, mask_token_id)
-    _check_ids(vocab, eos_token_ids, stop_token_ids)
     n = len(prompts)
-    if row_seeds is not None:
-        if mode == "async":
-            raise ValueError(f"row_seeds is supported by modes plain and sync, not {mode!r}")
-        row_seeds = [int(s) for s in row_seeds]
-        if len(row_seeds) != n or not all(0 <= s < 2 ** 31 for s in row_seeds):
-            raise ValueError(f"row_seeds must hold one int in [0, 2**31) per prompt ({n} prompts)")
+    index = _row_indices(mode, row_seeds, n)
     bsz = n if batch_size is None else int(batch_size)
     if bsz < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    longest = max(len(p) for p in prompts)
-    cache_len = _cache_len(longest, int(max_new_tokens), int(block_size), max_cache_len)
-    pad_len = _round_up(longest, 8)
-    if prompt_pad_len is not None:
-        if not longest <= int(prompt_pad_len) <= cache_len:
-            raise ValueError(f"prompt_pad_len {prompt_pad_len} must be in [longest prompt {longest}, "
-                             f"cache length {cache_len}]")
-        pad_len = int(prompt_pad_len)
+    cache_len, pad_len = _shapes(prompts, int(max_new_tokens), int(block_size), max_cache_len,
+                                 prompt_pad_len)
     cfg = DecoderConfig(mode=mode, num_slots=bsz, max_cache_len=cache_len, block_size=int(block_size),
                         **fields)
-    requests = [Request(p, int(max_new_tokens), sampling, tuple(stop_token_ids), int(seed),
-                        i if row_seeds is None else row_seeds[i], tuple(eos_token_ids))
-                for i, p in enumerate(prompts)]
+    requests = [Request(p, int(max_new_tokens), sampling, tuple(stop_token_ids), int(seed), index[i],
+                        tuple(eos_token_ids)) for i, p in enumerate(prompts)]
     key, dec = _take_decoder(target, drafter, cfg)
     try:
         if mode == "async" and run["verbose"] and cfg.layout not in _DESCRIBED:
@@ -208,6 +189,44 @@ def generate(target, prompts: Sequence[Sequence[int]], *, mode: str = "plain", d
     finally:
         _return_decoder(key, dec)
     return outputs
+
+
+def _validate_call(prompts, vocab: int, mode: str, sampling, max_new_tokens, eos_token_ids,
+                   stop_token_ids) -> list[list[int]]:
+    if not isinstance(sampling, SamplingParams):
+        raise ValueError("sampling must be a SamplingParams")
+    sampling.validate()
+    if int(max_new_tokens) < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    prompts = _validate_prompts(prompts, vocab)
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {'|'.join(MODES)}, got {mode!r}")
+    _check_ids(vocab, eos_token_ids, stop_token_ids)
+    return prompts
+
+
+def _row_indices(mode: str, row_seeds, n: int) -> list[int]:
+    """Each prompt's key index: its position, or ``row_seeds[i]``."""
+    if row_seeds is None:
+        return list(range(n))
+    if mode == "async":
+        raise ValueError(f"row_seeds is supported by modes plain and sync, not {mode!r}")
+    row_seeds = [int(s) for s in row_seeds]
+    if len(row_seeds) != n or not all(0 <= s < 2 ** 31 for s in row_seeds):
+        raise ValueError(f"row_seeds must hold one int in [0, 2**31) per prompt ({n} prompts)")
+    return row_seeds
+
+
+def _shapes(prompts, max_new: int, block: int, max_cache_len, prompt_pad_len) -> tuple[int, int]:
+    """``(cache length, prompt pad length)`` of the call: fixed for every batch."""
+    longest = max(len(p) for p in prompts)
+    cache_len = _cache_len(longest, max_new, block, max_cache_len)
+    if prompt_pad_len is None:
+        return cache_len, _round_up(longest, 8)
+    if not longest <= int(prompt_pad_len) <= cache_len:
+        raise ValueError(f"prompt_pad_len {prompt_pad_len} must be in [longest prompt {longest}, "
+                         f"cache length {cache_len}]")
+    return cache_len, int(prompt_pad_len)
 
 
 def _run_batch(dec: SpecDecoder, requests: list[Request], batch_index: int, pad_len: int,
