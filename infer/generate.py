@@ -29,6 +29,10 @@ from d3d_jax.errors import DataError, RecordError, UsageError  # noqa: E402
 from d3d_jax.training import records  # noqa: E402
 
 
+BENCHMARK_ONLY_FLAGS = ("--simulate-tau", "--simulate-hit-rate", "--simulate-seed")
+BENCHMARK_ONLY_OPTIONS = ("acceptance_rule", "acceptance_override")
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", required=True, help="HF directory or d3d_jax parameter checkpoint")
@@ -68,7 +72,20 @@ def parse_args(argv=None):
     p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                    help="extra mode option passed to engine.generate (repeatable)")
     p.add_argument("--json", action="store_true", help="one JSON object per prompt")
-    return p.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    # simulated acceptance fakes τ and hit rate: it exists for benchmarks and nowhere else
+    def refuse(name):
+        p.error(f"{name} is benchmark-only (simulated acceptance): use infer/bench.py "
+                f"gpu|engine|async --simulate-tau/--simulate-hit-rate")
+
+    for a in argv:  # before parsing, which would only say "unrecognized arguments"
+        if a.split("=", 1)[0] in BENCHMARK_ONLY_FLAGS:
+            refuse(a.split("=", 1)[0])
+    args = p.parse_args(argv)
+    for o in args.option:
+        if o.split("=", 1)[0].strip() in BENCHMARK_ONLY_OPTIONS:
+            refuse(f"--option {o.split('=', 1)[0].strip()}")
+    return args
 
 
 def _ids(text: str, what: str) -> list[int]:

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
+from d3d_jax.bench import simulate
+
 DEFAULT_OUT = "runs/bench_async"
 
 
@@ -59,6 +61,7 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--drafter-devices", type=int, default=0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=DEFAULT_OUT)
+    simulate.add_arguments(p)  # instead of the replay: the real drafter, simulated acceptance
     return p
 
 
@@ -97,8 +100,11 @@ class _Bench:
         self.args, B = args, args.block_size
         self.devices = (None, None) if args.target_devices == 0 and args.drafter_devices == 0 else (
             args.target_devices, args.drafter_devices)
-        # fail now on bad slices, before building models
+        # fail now on bad slices and simulation flags, before building models
         self.t_devs, self.d_devs = resolve_slices(*self.devices)
+        self.sim = simulate.from_args(args)
+        if self.sim is not None:
+            self.sim.check_block(B, asynchronous=True)
         self.err = error_rate_for_tau(args.tau, B)
         self.target = _model(args.target, args.dtype, args.seed)
         self.drafter_model = _model(args.drafter, args.dtype, args.seed + 1)
@@ -117,6 +123,8 @@ class _Bench:
         from d3d_jax.decoding.engine import generate
 
         a = self.args
+        if mode != "plain" and self.sim is not None:
+            kw = dict(kw, acceptance_override=self.sim, mask_token_id=self.mask)
         if warm_up:
             generate(self.target, self.prompts, mode=mode, drafter=warm or drafter,
                      max_new_tokens=min(a.max_new, 2 * a.block_size + 1), **self.common, **kw)
@@ -132,6 +140,8 @@ class _Bench:
     def replay(self, hit_rate):
         from d3d_jax.decoding.async_replay import CostedReplayDrafter
 
+        if self.sim is not None:  # the real drafter; acceptance and hits come from the simulation
+            return self.drafter_model
         return CostedReplayDrafter(self.refs, self.vocab, self.drafter_model, error_rate=self.err,
                                    hit_rate=hit_rate, seed=self.args.seed, mask_token_id=self.mask)
 
@@ -145,8 +155,14 @@ class _Bench:
                           branch_positions=lay.positions, branch_fanout=lay.fanout, **dev_kw)
 
 
-def _print_main(rows: list[dict], main: dict) -> None:
-    print(f"\n{'mode':<18}{'tokens/s':>10}{'tau':>7}{'hit rate':>10}{'speedup':>9}")
+def _acceptance(args, bench) -> str:
+    if bench.sim is not None:
+        return simulate.header(bench.sim)
+    return f"replay drafter: τ≈{args.tau} (error rate {bench.err:.4f}), hit rate {args.hit_rate}"
+
+
+def _print_main(rows: list[dict], main: dict, acceptance: str) -> None:
+    print(f"\nacceptance: {acceptance}\n{'mode':<18}{'tokens/s':>10}{'tau':>7}{'hit rate':>10}{'speedup':>9}")
     for r in rows:
         hr = "" if r["hit_rate"] is None else f"{r['hit_rate']:.3f}"
         print(f"{r['mode']:<18}{r['tokens_per_s']:>10.1f}{r['tau']:>7.2f}{hr:>10}{r['speedup']:>9.2f}")
@@ -196,9 +212,10 @@ def run(args) -> dict:
     for lay in [main_layout] + layouts:
         lay.validate(prefix="bench")
     bench = _Bench(args)
-    print(f"bench async: target={args.target} drafter={args.drafter} B={B} τ≈{args.tau} "
-          f"(replay error rate {bench.err:.4f}) hit rate {args.hit_rate}; target devices "
-          f"{[d.id for d in bench.t_devs]}, drafter devices {[d.id for d in bench.d_devs]}", flush=True)
+    acceptance = _acceptance(args, bench)
+    print(f"bench async: target={args.target} drafter={args.drafter} B={B}; {acceptance}; target "
+          f"devices {[d.id for d in bench.t_devs]}, drafter devices {[d.id for d in bench.d_devs]}",
+          flush=True)
     plain = bench.timed("plain")
     sync = bench.timed("sync", bench.replay(args.hit_rate))
     main = bench.run_async(main_layout, profile=False)
@@ -209,17 +226,18 @@ def run(args) -> dict:
                  speedup=s["tokens_per_s"] / plain["tokens_per_s"])
             for name, s in (("plain", plain), ("sync", sync),
                             (f"async C={main_layout.positions} F={main_layout.fanout}", main))]
-    _print_main(rows, main)
+    _print_main(rows, main, acceptance)
     sweep = _sweep(bench, layouts, plain, sync)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    result = dict(args=vars(args), replay_error_rate=bench.err, plain=plain, sync=sync,
+    result = dict(args=vars(args), simulated_acceptance=simulate.record(bench.sim),
+                  replay_error_rate=None if bench.sim else bench.err, plain=plain, sync=sync,
                   async_main=main, table=rows, sweep=sweep,
                   devices=dict(target=[d.id for d in bench.t_devs], drafter=[d.id for d in bench.d_devs],
                                platform=bench.t_devs[0].platform))
     (out / "bench_async.json").write_text(json.dumps(result, indent=2, default=str))
-    png = plot_sweep(sweep, out / "bench_async.png", title=f"{args.target} + {args.drafter}, "
-                     f"B={B}, τ≈{args.tau}, hit rate {args.hit_rate}")
+    png = plot_sweep(sweep, out / "bench_async.png",
+                     title=f"{args.target} + {args.drafter}, B={B}; {acceptance[:60]}")
     print(f"\nwrote {out / 'bench_async.json'} and {png}")
     return result
 
