@@ -301,8 +301,9 @@ class SpecDecoder:
         """:meth:`prefill_batch` and :meth:`insert` in one dispatch per side (no prefix is kept)."""
         rows = self._rows_for(requests, pad_len, num_rows)
         slots, index = self._claim(slot, len(requests), rows.prompt.shape[0])
-        self._state = self._admit(self._t_leaves, self._d_leaves, self._state, self._t_put(rows),
-                                  index)
+        # async: the drafter's leaves live on its own slice, and the target side never needs them
+        d_leaves = self._d_leaves if self.config.mode == "sync" else None
+        self._state = self._admit(self._t_leaves, d_leaves, self._state, self._t_put(rows), index)
         if self.async_core is not None:
             self._side, self._hand = self._admit_drafter(self._d_leaves, self._side,
                                                          self._d_put(rows), index)
