@@ -85,7 +85,7 @@ def test_replay_drafter_error_rate_and_keying():
         st = rd.prefill(None, rd.request_data([Request([0] * plen, index=int(r)) for r in rows], 64),
                         None, None)
         out, _ = jax.jit(rd.propose, static_argnums=(5, 6, 7))(
-            None, st, None, jnp.asarray(anchors[rows], jnp.int32), keys[: len(rows)],
+            rd.params, st, None, jnp.asarray(anchors[rows], jnp.int32), keys[: len(rows)],
             V.SamplingParams(), BLOCK, False)
         return np.asarray(out.drafts)
 

@@ -35,7 +35,7 @@ class AsyncReplayDrafter(ReplayDrafter):
         super().__init__(continuations, vocab_size, error_rate, seed)
         if not 0.0 <= hit_rate <= 1.0:
             raise ValueError(f"AsyncReplayDrafter hit_rate must be in [0, 1], got {hit_rate}")
-        # a traced parameter, not part of the signature: one compile serves every hit rate
+        # traced, not part of the signature: one compile serves every hit rate
         self.params = {"hit_rate": jnp.float32(hit_rate)}
 
 

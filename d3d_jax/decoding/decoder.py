@@ -93,6 +93,7 @@ class SpecDecoder:
         self.load(target, drafter)
         self._slots: list[_Slot | None] = [None] * cfg.num_slots
         self._state = self._side = self._hand = None
+        self._stale = False
 
     # ------------------------------------------------------------ set-up
     def _slices(self, cfg: DecoderConfig) -> None:
@@ -115,6 +116,8 @@ class SpecDecoder:
         self._prefill_target = jax.jit(self._prefill_target_fn)
         self._prefill_drafter = jax.jit(self._prefill_drafter_fn)
         self._insert = jax.jit(self.core.insert, donate_argnums=0)
+        self._admit = jax.jit(self._admit_fn, donate_argnums=2)
+        self._admit_run = jax.jit(self._admit_run_fn, donate_argnums=2)
         self._free = jax.jit(self.core.free, donate_argnums=0)
         self._round = jax.jit(self._round_fn, donate_argnums=2)
         self._loop = jax.jit(self._loop_fn, donate_argnums=2)
@@ -122,13 +125,18 @@ class SpecDecoder:
         self._verify_commit = jax.jit(self._verify_commit_fn, donate_argnums=1)
         if self.async_core is not None:
             self._insert_drafter = jax.jit(self.async_core.insert, donate_argnums=0)
+            self._admit_drafter = jax.jit(self._admit_drafter_fn, donate_argnums=1)
             self._target_step = jax.jit(self._target_step_fn, donate_argnums=1)
             self._packed = jax.jit(self._packed_fn, donate_argnums=1)
             self._select = jax.jit(self._select_fn, donate_argnums=1)
 
     def load(self, target, drafter=None) -> None:
         """(Re)bind weights: same structure as at construction (no recompile)."""
-        t_leaves, t_tree = jax.tree.flatten(self._t_place(nnx.state(target)))
+        self.load_params(nnx.state(target), drafter)
+
+    def load_params(self, target_params, drafter=None) -> None:
+        """:meth:`load` from the target's parameters (``nnx.state``) instead of the module."""
+        t_leaves, t_tree = jax.tree.flatten(self._t_place(target_params))
         if self._t_tree is not None and t_tree != self._t_tree:
             raise ConfigError("target: its structure differs from the one this decoder was built for")
         self._t_leaves, self._t_tree = t_leaves, t_tree
@@ -152,6 +160,7 @@ class SpecDecoder:
         self._t_leaves = self._d_leaves = None
         self._state = self._side = self._hand = None
         self._slots = [None] * self.config.num_slots
+        self._stale = False
 
     # ------------------------------------------------------------ traced bodies
     def _tp(self, leaves):
@@ -167,6 +176,18 @@ class SpecDecoder:
         if self.async_core is not None:
             return self.async_core.prefill_drafter(self._dp(d_leaves), rows)
         return self.core.prefill_drafter(self._dp(d_leaves), rows)
+
+    def _admit_fn(self, t_leaves, d_leaves, state, rows: RowInput, slots):
+        target = self._prefill_target_fn(t_leaves, rows)
+        drafter = self._prefill_drafter_fn(d_leaves, rows) if self.config.mode == "sync" else None
+        return self.core.insert(state, target, drafter, slots)
+
+    def _admit_run_fn(self, t_leaves, d_leaves, state, rows: RowInput, slots):
+        state = self._admit_fn(t_leaves, d_leaves, state, rows, slots)
+        return self._loop_fn(t_leaves, d_leaves, state)
+
+    def _admit_drafter_fn(self, d_leaves, side, rows: RowInput, slots):
+        return self.async_core.insert(side, self._prefill_drafter_fn(d_leaves, rows), slots)
 
     def _round_fn(self, t_leaves, d_leaves, state):
         return self.core.round(self._tp(t_leaves), self._dp(d_leaves), state)
@@ -222,18 +243,21 @@ class SpecDecoder:
                       num_rows: int | None = None) -> Prefix:
         """Prefill of several requests at once, prompts padded to ``pad_len`` (default: a power-
         of-two bucket) and to ``num_rows`` rows (dummies), so shapes repeat across calls."""
+        rows = self._rows_for(requests, pad_len, num_rows)
+        target = self._prefill_target(self._t_leaves, self._t_put(rows))
+        drafter = None
+        if self.drafter is not None:
+            drafter = self._prefill_drafter(self._d_leaves, self._d_put(rows))
+        return Prefix(list(requests), target, drafter)
+
+    def _rows_for(self, requests: Sequence[Request], pad_len, num_rows) -> RowInput:
         if not requests:
             raise RequestError("no requests to prefill")
         for req in requests:
             self.validate_request(req)
         longest = max(len(r.prompt) for r in requests)
         pad_len = _bucket(longest, self.config.max_cache_len) if pad_len is None else int(pad_len)
-        rows = self._row_input(requests, pad_len, num_rows or len(requests))
-        target = self._prefill_target(self._t_leaves, self._t_put(rows))
-        drafter = None
-        if self.drafter is not None:
-            drafter = self._prefill_drafter(self._d_leaves, self._d_put(rows))
-        return Prefix(list(requests), target, drafter)
+        return self._row_input(requests, pad_len, num_rows or len(requests))
 
     def _ensure_state(self) -> None:
         if self._state is None:
@@ -247,20 +271,24 @@ class SpecDecoder:
             raise SlotError(f"slot {slot} is out of range [0, {self.config.num_slots})")
         return int(slot)
 
-    def insert(self, prefix: Prefix, slot) -> None:
-        """Put prefilled requests into free slots (one slot per request); joins between rounds."""
+    def _claim(self, slot, n: int, rows: int) -> tuple[list[int], np.ndarray]:
+        """Check ``n`` distinct free slots; the row -> slot index for ``rows`` rows (dummy rows go
+        to an out-of-range slot: dropped)."""
         slots = [self._slot_index(s) for s in (slot if isinstance(slot, Sequence) else [slot])]
-        if len(slots) != len(prefix.requests) or len(set(slots)) != len(slots):
-            raise SlotError(f"{len(prefix.requests)} prefilled requests need as many distinct "
-                            f"slots, got {slots}")
+        if len(slots) != n or len(set(slots)) != len(slots):
+            raise SlotError(f"{n} requests need as many distinct slots, got {slots}")
         busy = [s for s in slots if self._slots[s] is not None]
         if busy:
             raise SlotError(f"slot {busy[0]} is busy with an active request: free it first "
                             f"(free slots: {self.free_slots()})")
-        rows = prefix.target.seq.shape[0]  # dummy rows go to an out-of-range slot: dropped
         index = np.full((rows,), self.config.num_slots, np.int32)
         index[: len(slots)] = slots
         self._ensure_state()
+        return slots, index
+
+    def insert(self, prefix: Prefix, slot) -> None:
+        """Put prefilled requests into free slots (one slot per request); joins between rounds."""
+        slots, index = self._claim(slot, len(prefix.requests), prefix.target.seq.shape[0])
         drafter_rows = prefix.drafter if self.config.mode == "sync" else None
         self._state = self._insert(self._state, prefix.target, drafter_rows, index)
         if self.async_core is not None:
@@ -268,15 +296,31 @@ class SpecDecoder:
         for s, req in zip(slots, prefix.requests):
             self._slots[s] = _Slot(req)
 
+    def insert_requests(self, requests: Sequence[Request], slot, pad_len: int | None = None,
+                        num_rows: int | None = None) -> None:
+        """:meth:`prefill_batch` and :meth:`insert` in one dispatch per side (no prefix is kept)."""
+        rows = self._rows_for(requests, pad_len, num_rows)
+        slots, index = self._claim(slot, len(requests), rows.prompt.shape[0])
+        # async: the drafter's leaves live on its own slice, and the target side never needs them
+        d_leaves = self._d_leaves if self.config.mode == "sync" else None
+        self._state = self._admit(self._t_leaves, d_leaves, self._state, self._t_put(rows), index)
+        if self.async_core is not None:
+            self._side, self._hand = self._admit_drafter(self._d_leaves, self._side,
+                                                         self._d_put(rows), index)
+        for s, req in zip(slots, requests):
+            self._slots[s] = _Slot(req)
+
     def free(self, slot) -> None:
         """The slot's request leaves (finished or cancelled); freeing a free slot does nothing.
         ``slot`` may be a sequence of slots (one dispatch)."""
         slots = [self._slot_index(s) for s in (slot if isinstance(slot, Sequence) else [slot])]
         slots = [s for s in slots if self._slots[s] is not None]
-        if not slots:
-            return
+        running = [s for s in slots if self._slots[s].finish_reason is None]
         for s in slots:
             self._slots[s] = None
+        if not running:  # a finished row is already done on the device
+            return
+        slots = running
         index = np.full((self.config.num_slots,), self.config.num_slots, np.int32)  # one shape
         index[: len(slots)] = slots
         self._state = self._free(self._state, index)
@@ -288,6 +332,8 @@ class SpecDecoder:
         return [s for s, info in enumerate(self._slots) if info is None]
 
     def _running(self) -> list[int]:
+        if self._stale:
+            self._refresh()
         return [s for s, info in enumerate(self._slots) if info is not None and info.finish_reason is None]
 
     # ------------------------------------------------------------ rounds
@@ -343,8 +389,26 @@ class SpecDecoder:
                 timings = run_rounds(self, bound, timeline)
             else:
                 self._state = self._loop(self._t_leaves, self._d_leaves, self._state)
-        self._refresh()
+        self._stale = True  # which slots finished: read when next needed (results() reads it)
         return timings
+
+    def run_requests(self, requests: Sequence[Request], slot, pad_len: int | None = None,
+                     num_rows: int | None = None) -> None:
+        """Plain/sync: prefill, insert and decode to the end in ONE dispatch (generate's batches:
+        one executable per prompt-length bucket, no host round trip in between)."""
+        if self.async_core is not None:
+            raise ConfigError("decoder.mode: run_requests serves plain and sync; async decodes "
+                              "with insert_requests + run_until_done")
+        rows = self._rows_for(requests, pad_len, num_rows)
+        slots, index = self._claim(slot, len(requests), rows.prompt.shape[0])
+        self._state = self._admit_run(self._t_leaves, self._d_leaves, self._state, rows, index)
+        for s, req in zip(slots, requests):
+            self._slots[s] = _Slot(req)
+        self._stale = True
+
+    def wait(self) -> None:
+        """Block until everything dispatched so far has run."""
+        jax.block_until_ready((self._state, self._side, self._hand))
 
     def run_timed(self) -> dict:
         """Plain/sync rounds driven from the host, timing drafting and verifying apart (slower:
@@ -373,11 +437,13 @@ class SpecDecoder:
         self._refresh()
         return {"draft_s": draft_s if self.drafter is not None else 0.0, "verify_s": verify_s}
 
-    def _refresh(self) -> None:
-        """Host view of which slots finished (one small read)."""
+    def _refresh(self, n_out=None, finish=None) -> None:
+        """Host view of which slots finished (one small read, unless given)."""
+        self._stale = False
         if self._state is None:
             return
-        n_out, finish = jax.device_get((self._state.n_out, self._state.finish))
+        if n_out is None:
+            n_out, finish = jax.device_get((self._state.n_out, self._state.finish))
         for s in self._running():
             self._slots[s].n_out = int(n_out[s])
             self._slots[s].finish_reason = FINISH_REASONS.get(int(finish[s]))
@@ -390,6 +456,8 @@ class SpecDecoder:
         side_rows = (side.hits, side.misses, side.sync_drafts) if side is not None else None
         seq, plen, n_out, finish, hist, side_h = jax.device_get(
             (st.seq, st.prompt_len, st.n_out, st.finish, st.accept_hist, side_rows))
+        if self._stale:
+            self._refresh(n_out, finish)
         out = []
         for s in slots:
             r = dict(token_ids=[int(t) for t in seq[s, plen[s]: plen[s] + n_out[s]]],

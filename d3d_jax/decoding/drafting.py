@@ -220,7 +220,8 @@ class ReplayDrafter:
         self.vocab_size = int(vocab_size)
         self.error_rate = float(error_rate)
         self.seed = int(seed)
-        self.params: Any = None
+        # the branch alternatives' hit rate is a traced parameter (0 here: they never hit)
+        self.params: Any = {"hit_rate": jnp.float32(0.0)}
 
     @property
     def signature(self):
@@ -278,7 +279,7 @@ class ReplayDrafter:
         vocab = self.vocab_size
         tok = self._reference(state, positions)
         keys = self._keys(state, positions, SALT_HIT)
-        h = params["hit_rate"] if isinstance(params, dict) else jnp.float32(0.0)  # no rate: never
+        h = params["hit_rate"]
         u = V.uniform_keyed(keys)
         ratio = jnp.log(u) / jnp.log1p(-jnp.clip(h, 1e-7, 1 - 1e-7))  # geometric rank by inversion
         rank = jnp.where(h >= 1.0, 0, jnp.where(

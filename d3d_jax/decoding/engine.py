@@ -49,12 +49,13 @@ _DECODERS_KEPT = 8
 
 
 def _take_decoder(target, drafter, cfg: DecoderConfig):
-    key = (nnx.graphdef(target), None if drafter is None else drafter.signature, cfg)
+    graphdef, params = nnx.split(target)  # one walk of the module graph per call
+    key = (graphdef, None if drafter is None else drafter.signature, cfg)
     dec = _DECODERS.pop(key, None)
     if dec is None:
         dec = SpecDecoder(target, drafter, cfg)
     else:
-        dec.load(target, drafter)
+        dec.load_params(params, drafter)
     return key, dec
 
 
@@ -234,13 +235,15 @@ def _run_batch(dec: SpecDecoder, requests: list[Request], batch_index: int, pad_
     slots = list(range(len(requests)))
     with CompileClock() as clock:
         t0, c0 = time.perf_counter(), time.process_time()
-        dec.insert(dec.prefill_batch(requests, pad_len, num_rows=dec.config.num_slots), slots)
-        if mode == "async":
-            timings = dec.run_until_done(timeline=run["timeline"])
-        elif run["loop"] == "host":
-            timings = dec.run_timed()
+        rows = dec.config.num_slots  # every batch the same shape: one compile
+        timings = {}
+        if mode != "async" and run["loop"] == "device":
+            dec.run_requests(requests, slots, pad_len, num_rows=rows)
+            dec.wait()
         else:
-            timings = dec.run_until_done()
+            dec.insert_requests(requests, slots, pad_len, num_rows=rows)
+            timings = (dec.run_timed() if mode != "async" else
+                       dec.run_until_done(timeline=run["timeline"]))
         wall = time.perf_counter() - t0 - clock.seconds
         cpu = time.process_time() - c0 - clock.seconds
     results = dec.results(slots)
