@@ -254,6 +254,8 @@ def test_request_errors_name_the_problem(setup):
 class FullBlocks:
     """Every round accepts every draft, and (async) every outcome hits the all-accept branch."""
 
+    benchmark_only = True
+
     def accept(self, accepted, next_token, anchor_pos, row_keys, width):
         return jnp.full_like(accepted, width - 1), next_token
 
@@ -264,6 +266,8 @@ class FullBlocks:
 @dataclasses.dataclass(frozen=True)
 class Unchanged:
     """Hands back what the real rule and the real branch match decided."""
+
+    benchmark_only = True
 
     def accept(self, accepted, next_token, anchor_pos, row_keys, width):
         return accepted, next_token

@@ -195,9 +195,6 @@ def test_the_decoder_config_takes_the_simulation():
         DecoderConfig(mode=mode, acceptance_override=S.SimulatedAcceptance(7.9, 0.7)).validate()
 
 
-@pytest.mark.xfail(strict=True, reason="branch core: DecoderConfig.validate does not yet check the "
-                                       "benchmark_only marker (decoding/ is core's); drop this mark "
-                                       "when it does")
 def test_the_decoder_config_refuses_an_override_without_the_benchmark_marker():
     from d3d_jax.config import ConfigError
     from d3d_jax.decoding.decoder import DecoderConfig

@@ -93,6 +93,11 @@ class DecoderConfig:
         o = self.acceptance_override
         if o is None:
             return
+        # Simulated acceptance changes outputs: it exists for benchmarks only, which declare it.
+        if getattr(o, "benchmark_only", False) is not True:
+            raise ConfigError(f"decoder.acceptance_override: {type(o).__name__} is not marked "
+                              f"benchmark_only; simulated acceptance is for benchmarks only "
+                              f"(infer/bench.py --simulate-tau, d3d_jax.bench.simulate)")
         needed = ("accept", "hit") if self.mode == "async" else ("accept",)
         missing = [m for m in needed if not callable(getattr(o, m, None))]
         if missing:
