@@ -191,8 +191,14 @@ def test_bench_engine_records_the_simulation_in_json_and_table():
 def test_the_decoder_config_takes_the_simulation():
     from d3d_jax.decoding.decoder import DecoderConfig
 
+    from d3d_jax.config import ConfigError
+
     for mode in ("sync", "async"):
-        DecoderConfig(mode=mode, acceptance_override=S.SimulatedAcceptance(7.9, 0.7)).validate()
+        cfg = DecoderConfig(mode=mode, acceptance_override=S.SimulatedAcceptance(7.9, 0.7))
+        cfg.validate()  # marked benchmark_only: taken
+        assert cfg.acceptance_override.benchmark_only is True
+    with pytest.raises(ConfigError, match="plain decoding"):  # nothing to accept without drafts
+        DecoderConfig(mode="plain", acceptance_override=S.SimulatedAcceptance(7.9, 0.7)).validate()
 
 
 def test_the_decoder_config_refuses_an_override_without_the_benchmark_marker():
