@@ -222,9 +222,9 @@ async def _generate(svc: Service, http: Request, kind: str):
     """Parse, tokenize and validate, then queue; stream or collect the result."""
     body = await _read_json(http, svc.limits.max_body_bytes)
     if kind == "chat":
-        from d3d_jax.training.chat_prompts import _content_text
+        from d3d_jax.training.chat_prompts import content_text
 
-        parsed = P.parse_chat(body, svc.model_name, _content_text)
+        parsed = P.parse_chat(body, svc.model_name, content_text)
     else:
         parsed = P.parse_completion(body, svc.model_name)
     ids = await run_in_threadpool(svc.encode, parsed)

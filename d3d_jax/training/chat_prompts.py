@@ -43,7 +43,7 @@ class Prompt:
     line: int  # 1-based line number in the prompt file
 
 
-def _content_text(content: Any, where: str) -> str:
+def content_text(content: Any, where: str) -> str:
     """A message's text: a string, or OpenAI-style parts ``[{"type": "text", "text": ...}]``."""
     if isinstance(content, str):
         return content
@@ -61,7 +61,7 @@ def _turn_list(turns: Any, key: str, role_key: str, text_key: str) -> list[tuple
     for i, t in enumerate(turns):
         if not isinstance(t, dict) or role_key not in t or text_key not in t:
             raise MalformedPrompt(f"{key}[{i}] must be an object with '{role_key}' and '{text_key}'")
-        out.append((t[role_key], _content_text(t[text_key], f"{key}[{i}]")))
+        out.append((t[role_key], content_text(t[text_key], f"{key}[{i}]")))
     return out
 
 
