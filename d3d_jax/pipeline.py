@@ -123,6 +123,7 @@ class Pipeline:
         if c.prune_drafter:
             name = f"{c.prune_drafter}_pruned"
             self._stage("6-prune", (self.drafter_dir(name) / "result.json").exists(), self.prune)
+            self.unship_prune_source()
         if evaluate:
             from d3d_jax import pipeline_eval
 
@@ -154,12 +155,21 @@ class Pipeline:
         return path
 
     def _model_config(self, mc: C.ModelConfig, **extra) -> C.ModelConfig:
-        ids = self.special_ids()
+        ids = self.special_ids()  # trained in float32 whatever the stored dtype of an init model
         return dataclasses.replace(mc, vocab_size=len(self.tokenizer()), eos_token_id=ids["eos"],
-                                   pad_token_id=ids["pad"], bos_token_id=None, **extra)
+                                   pad_token_id=ids["pad"], bos_token_id=None, param_dtype="float32",
+                                   dtype="float32", **extra)
+
+    @staticmethod
+    def load(path: Path):
+        """A shipped model for decoding or training: stored in bfloat16 or float32, run in float32
+        (on a CPU, float32 matmuls are the fast ones, and the benchmark compares like with like)."""
+        from d3d_jax.io.checkpoint import load_model
+
+        return load_model(str(path), dtype="float32")
 
     def _train(self, name: str, model_cfg: C.ModelConfig, data: C.DataConfig, objective: C.ObjectiveConfig,
-               optim: C.OptimConfig, steps: int, init_from: str = "", seed: int = 0):
+               optim: C.OptimConfig, steps: int, init_from: str = "", seed: int = 0, eval_every: int = 0):
         from d3d_jax.training import loop
 
         run_dir = self.work / "runs" / name
@@ -167,7 +177,7 @@ class Pipeline:
             model=model_cfg, mesh=C.MeshConfig(data=1, fsdp=1, tensor=1), data=data, objective=objective,
             optim=optim, num_devices=1,
             train=C.TrainConfig(steps=steps, init_from=init_from, seed=seed, out_dir=str(run_dir),
-                                log_every=25, eval_every=0, checkpoint_every=0, keep_checkpoints=1,
+                                log_every=25, eval_every=eval_every, checkpoint_every=0, keep_checkpoints=1,
                                 async_checkpointing=False, resume=True, export_params=False,
                                 export_hf=True, progress_bar=True, aot_compile=False))
         cfg.validate()
@@ -186,24 +196,30 @@ class Pipeline:
                                      C.ObjectiveConfig(kind="lm"), optim, stage.steps, seed=stage.seed)
         dest = self.model_dir(name)
         shutil.copytree(hf_dir, dest, dirs_exist_ok=True)
+        if name == "target":
+            self.store_compact(dest)  # shipped in bfloat16, run in float32 (Pipeline.load)
+            self.ship_tokenizer(dest)
         _write_json({"steps": stage.steps, "final_loss": losses[-1] if losses else None,
                      "loss_every_25": losses[::25]}, dest / "pretrain_log.json")
 
     # ---- (4) regeneration ---------------------------------------------------------------------
     def regenerate(self) -> None:
-        from d3d_jax.io.checkpoint import load_model
         from d3d_jax.training import regenerate as regen
 
         c = self.cfg
         pairs = demo.continuation_pairs("prompts", passage_chars=c.passage_chars, seed=c.seed,
                                         max_pairs=c.regen_prompts)
+        if len(pairs) < c.regen_prompts:  # top up from the pretraining split (never the eval split)
+            pairs += demo.continuation_pairs("pretrain", passage_chars=c.passage_chars, seed=c.seed,
+                                             max_pairs=c.regen_prompts - len(pairs),
+                                             max_chars=c.pretrain_chars)
         prompts_path = self.out / "data" / "regen_prompts.jsonl"
         prompts_path.parent.mkdir(parents=True, exist_ok=True)
         with open(prompts_path, "w") as f:
             for i, p in enumerate(pairs):
                 f.write(json.dumps({"id": f"{p['source']}-{i}",
                                     "messages": [{"role": "user", "content": p["prompt"]}]}) + "\n")
-        target = load_model(str(self.model_dir("target")))
+        target = self.load(self.model_dir("target"))
         settings = (regen.GenerationSettings.greedy(c.regen_max_new_tokens, c.seed) if c.regen_greedy
                     else regen.GenerationSettings(max_new_tokens=c.regen_max_new_tokens, seed=c.seed))
         summary = regen.regenerate(target, self.tokenizer(), prompts_path, self.regen_path, settings=settings,
@@ -243,27 +259,56 @@ class Pipeline:
         objective = C.ObjectiveConfig(kind="d3d", gamma=c.drafter_gamma, ar_weight=v.ar_weight)
         steps = v.steps or c.drafter_steps
         hf_dir, losses = self._train(f"drafter_{v.name}", mc, self.drafter_data(), objective, optim, steps,
-                                     init_from=str(init_dir) if init_dir else "", seed=c.seed)
+                                     init_from=str(init_dir) if init_dir else "", seed=c.seed,
+                                     eval_every=max(25, steps // 12))  # the dev-loss curve
         dest = self.drafter_dir(v.name)
         shutil.copytree(hf_dir, dest, dirs_exist_ok=True)
-        from d3d_jax.io.checkpoint import load_model
-
-        tau = self.offline_tau(load_model(str(dest)))
-        if v.name not in c.eval_drafters and v.name != c.prune_drafter:
+        if v.name != c.prune_drafter:  # pruning trains on from the float32 weights
             self.store_compact(dest)
+        tau = self.offline_tau(self.load(dest))  # of the weights as shipped
         _write_json({"variant": dataclasses.asdict(v), "steps": steps, "init_from": str(init_dir or "random"),
                      "final_loss": losses[-1] if losses else None, "offline_tau_dev": tau},
                     dest / "result.json")
         _log(f"drafter {v.name}: offline τ on dev = {tau['tau']:.3f}")
 
+    def weights_dir(self, name: str) -> Path | None:
+        """Where drafter ``name``'s weights are: shipped under out_dir, or kept under the work dir
+        (:meth:`unship_prune_source`), or None (a fresh clone has only the shipped ones)."""
+        for d in (self.drafter_dir(name), self.work / "drafters" / name):
+            if (d / "model.safetensors").exists():
+                return d
+        return None
+
+    def unship_prune_source(self) -> None:
+        """The drafter pruning started from is as large as the target: once its pruned version
+        exists, its weights move to the work dir (its config and result stay in out_dir)."""
+        c = self.cfg
+        src = self.drafter_dir(c.prune_drafter)
+        if c.prune_drafter in c.eval_drafters or not (src / "model.safetensors").exists():
+            return
+        keep = self.work / "drafters" / c.prune_drafter
+        keep.mkdir(parents=True, exist_ok=True)
+        shutil.move(str(src / "model.safetensors"), str(keep / "model.safetensors"))
+        for f in src.iterdir():
+            if f.is_file():
+                shutil.copy2(f, keep / f.name)
+        _log(f"{c.prune_drafter}: weights moved to {keep} (not shipped; its pruned version is)")
+
+    def ship_tokenizer(self, model_dir: Path) -> None:
+        """The tokenizer beside the weights, so every command takes the model dir alone."""
+        for f in self.tokenizer_dir.iterdir():
+            if f.is_file():
+                shutil.copy2(f, model_dir / f.name)
+
     @staticmethod
     def store_compact(hf_dir: Path) -> None:
-        """Re-save an ablation drafter in bfloat16 (half the shipped size; evaluated in float32)."""
+        """Re-save a model in bfloat16 (half the shipped size; every stage runs it in float32)."""
         from d3d_jax.io.checkpoint import load_model
         from d3d_jax.io.hf import save_qwen3
 
         model = load_model(str(hf_dir))
-        extra = {k: getattr(model.config, k) for k in ("mask_token_id", "block_size")}
+        extra = {k: getattr(model.config, k) for k in ("mask_token_id", "block_size")
+                 if getattr(model.config, k) is not None}
         save_qwen3(model, hf_dir, dtype="bfloat16", extra_config=extra)
 
     def dev_batches(self, **data_changes) -> list[dict]:

@@ -7,6 +7,8 @@ import shutil
 import time
 from pathlib import Path
 
+import numpy as np
+
 from d3d_jax import demo
 from d3d_jax.evaluation import benchmarks as B
 from d3d_jax.evaluation import plots
@@ -16,7 +18,6 @@ def prune(p) -> None:
     """Acceptance-guided progressive layer pruning (spec §3) of ``cfg.prune_drafter``, through the
     pruning module's run (offline τ on the dev split, distillation recovery in the training loop)."""
     from d3d_jax import config as C
-    from d3d_jax.io.checkpoint import load_model
     from d3d_jax.training import pruning
 
     c = p.cfg
@@ -39,10 +40,11 @@ def prune(p) -> None:
         raise RuntimeError(f"pruning exported no final model (report keys: {sorted(report)})")
     dest = p.drafter_dir(f"{c.prune_drafter}_pruned")
     shutil.copytree(Path(final) / "hf", dest, dirs_exist_ok=True)
+    p.store_compact(dest)  # shipped in bfloat16, run in float32 (Pipeline.load)
     for f in ("pruning_report.json", "tau_vs_depth.png"):
         if (work / f).exists():
             shutil.copy(work / f, dest / f)
-    before, after = load_model(str(src)), load_model(str(dest))
+    before, after = p.load(src), p.load(dest)
     (dest / "result.json").write_text(json.dumps(
         {"pruned_from": c.prune_drafter, "layers": after.config.num_layers,
          "layers_before": before.config.num_layers, "offline_tau_dev": p.offline_tau(after),
@@ -73,12 +75,10 @@ def _suites(p) -> dict[str, list[B.Sample]]:
 def benchmark(p) -> dict:
     import jax
 
-    from d3d_jax.io.checkpoint import load_model
-
     c, tok = p.cfg, p.tokenizer()
     eval_dir = p.eval_dir
     t_start = time.time()
-    target = load_model(str(p.model_dir("target")))
+    target = p.load(p.model_dir("target"))
     suites = _suites(p)
     has_async = _async_available()
     modes = ("plain", "sync", "async") if has_async else ("plain", "sync")
@@ -95,7 +95,7 @@ def benchmark(p) -> dict:
                     "async_available": has_async, "settings": vars(settings) | {}, "drafters": {}}
     plain_runs = None
     for dname in c.eval_drafters:
-        drafter = load_model(str(p.drafter_dir(dname)), dtype="float32")
+        drafter = p.load(p.drafter_dir(dname))
         res, raw = B.evaluate(target, drafter, tok, suites, settings, **kw)
         report["drafters"][dname] = {"layers": drafter.config.num_layers, "results": res}
         if plain_runs is None:
@@ -110,8 +110,8 @@ def benchmark(p) -> dict:
         if v.name in report["drafters"]:
             row["online"] = {s: {k: report["drafters"][v.name]["results"][s]["sync"].get(k)
                                  for k in ("tau", "speedup", "equals_plain")} for s in suites}
-        elif (p.drafter_dir(v.name) / "config.json").exists():
-            drafter = load_model(str(p.drafter_dir(v.name)), dtype="float32")
+        elif p.weights_dir(v.name) is not None:
+            drafter = p.load(p.weights_dir(v.name))
             s_set = B.dataclasses.replace(settings, modes=("sync",))
             _, raw_ab = B.evaluate(target, drafter, tok, suites, s_set, **kw)
             row["online"] = {}
@@ -141,7 +141,7 @@ def benchmark(p) -> dict:
     sweep = []
     if has_async and c.async_sweep:
         first = next(iter(suites))
-        drafter = load_model(str(p.drafter_dir(main)))
+        drafter = p.load(p.drafter_dir(main))
         sweep = B.budget_sweep(target, drafter, tok, suites[first], settings, list(c.async_sweep),
                                plain_runs[first], **kw)
     report["async_sweep"] = sweep
@@ -197,17 +197,21 @@ def _all_equal(report: dict) -> bool:
 
 
 def ablation_table(ablations: dict, suites: list[str]) -> str:
-    head = "| Drafter | init | λ | offline τ (dev) | " + " | ".join(f"{s} sync τ" for s in suites) + " |"
-    rows = [head, "|" + "---|" * (4 + len(suites))]
+    head = ("| Drafter | init | λ | offline τ (dev) | " + " | ".join(f"{s} sync τ" for s in suites)
+            + " | target fwd/token |")
+    rows = [head, "|" + "---|" * (5 + len(suites))]
     for name, a in ablations.items():
         if "variant" in a or "init" in a:
             off = a["offline_tau_dev"]
             off = off if isinstance(off, float) else off["tau"]
-            cells = [f"{(a.get('online', {}).get(s, {}) or {}).get('tau') or float('nan'):.2f}" for s in suites]
+            taus = [(a.get("online", {}).get(s, {}) or {}).get("tau") for s in suites]
+            cells = [f"{t:.2f}" if t else "not shipped" for t in taus]
+            known = [t for t in taus if t]
+            inv = f"{np.mean([1 / t for t in known]):.3f}" if known else "–"
             rows.append(f"| {name} | {a.get('init', '')} | {a.get('ar_weight', '')} | {off:.2f} | "
-                        + " | ".join(cells) + " |")
+                        + " | ".join(cells) + f" | {inv} |")
         else:  # pruned
             rows.append(f"| {name} | pruned {a['layers_before']}→{a['layers']} layers | | "
                         f"{a['offline_tau_dev']['tau']:.2f} (before {a['offline_tau_before']['tau']:.2f}) | "
-                        + " | ".join("" for _ in suites) + " |")
+                        + " | ".join("" for _ in suites) + " | |")
     return "**Ablations**\n" + "\n".join(rows)

@@ -44,19 +44,41 @@ def _limit_cpu_threads(n: int) -> None:
     os.environ["OMP_NUM_THREADS"] = str(n)
 
 
+def _cpu_devices(n: int) -> None:
+    """``n`` host (CPU) devices, so on a CPU-only machine target and drafter can take disjoint
+    devices (spec §5).  Must run before jax is imported; an explicit XLA_FLAGS count wins."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_force_host_platform_device_count" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
+
+
+# commands whose async rounds should see two devices on a CPU-only host unless told otherwise
+TWO_DEVICE_COMMANDS = ("eval",)
+
+
 def main(argv: list[str] | None = None):
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cpu-threads", type=int, default=None,
                         help="threads for XLA-CPU and torch (1 = steadier timings on a busy machine)")
+    parser.add_argument("--cpu-devices", type=int, default=None,
+                        help="host devices on a CPU backend (default: 2 for eval, so async target and "
+                             "drafter take disjoint devices; 1 elsewhere)")
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--cpu-threads", type=int, default=None)
+    pre.add_argument("--cpu-devices", type=int, default=None)
     early, _ = pre.parse_known_args(argv)
     if early.cpu_threads:
         _limit_cpu_threads(early.cpu_threads)
+    if early.cpu_devices is not None and early.cpu_devices < 1:
+        parser.error(f"--cpu-devices must be >= 1, got {early.cpu_devices}")
+    command = next((a for a in argv if a in COMMANDS), None)
+    cpu_devices = early.cpu_devices or (2 if command in TWO_DEVICE_COMMANDS else None)
+    if cpu_devices:
+        _cpu_devices(cpu_devices)
     sub = parser.add_subparsers(dest="command", required=True, metavar="{" + ",".join(COMMANDS) + "}")
     # build only the requested command's parser, so one command's imports never slow another
-    name = next((a for a in argv if a in COMMANDS), None)
+    name = command
     for cmd, (module, helptext) in COMMANDS.items():
         p = sub.add_parser(cmd, help=helptext)
         if cmd == name:

@@ -167,6 +167,18 @@ def test_verify_and_packed_forward_in_flight_together_on_two_devices():
                and r["packed_dispatched"] < r["verify_ready"] for r in tl]
     assert np.mean(overlap) >= 0.8, [(r["packed_dispatched"] - r["verify_dispatch"],
                                      r["verify_ready"] - r["verify_dispatch"]) for r in tl]
+    # each round's overlap is the intersection of its verify and packed-forward intervals
+    for r in tl:
+        assert 0.0 <= r["overlap_s"] <= r["packed_ready"] - r["packed_dispatch"] + 1e-9
+        assert r["overlap_s"] <= r["verify_ready"] - r["verify_dispatch"] + 1e-9
+    # ... and the run reports their share of the packed-forward time: > 0 on disjoint devices,
+    # exactly 0 when both share one (the packed forward then starts after the verify)
+    m = generate(target, prompts, timeline=[], **kw)[0].metrics
+    assert 0.0 < m["overlap_fraction"] <= 1.0 and m["overlap_s"] <= m["packed_s"]
+    assert m["verify_devices"] == [str(devs[0])] and m["packed_devices"] == [str(devs[1])]
+    shared = {**kw, "target_devices": [devs[0]], "drafter_devices": [devs[0]]}
+    generate(target, prompts, **shared)
+    assert generate(target, prompts, timeline=[], **shared)[0].metrics["overlap_fraction"] == 0.0
 
 
 @pytest.mark.parametrize("kw,err,msg", [

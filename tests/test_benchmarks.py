@@ -121,10 +121,29 @@ def test_summarize_matches_brute_force_and_detects_mismatch():
     assert res["sync"]["equals_plain"] and not res["async"]["equals_plain"]
     assert res["async"]["mismatched_outputs"] == 1 and res["async"]["hit_rate"] == pytest.approx(2 / 3)
     assert res["plain"]["tokens_per_s"] == pytest.approx(6 / 3.0)
+    # target forwards per output token: rounds / tokens (plain: one forward per token)
+    assert res["sync"]["target_forwards_per_token"] == pytest.approx(len(all_lens) / 6)
+    assert res["plain"]["target_forwards_per_token"] == 1.0
     table = B.table1({"humaneval": res, "gsm8k": res})
     lines = table.splitlines()
-    assert lines[0].count("speedup") == 3 and lines[2].startswith("| sync | 3.00× | ")
+    assert lines[0].count("speedup") == 3 and lines[0].endswith("| target fwd/token | drafter share | overlap |")
+    assert lines[2].startswith("| plain | 1.00× | ") and lines[3].startswith("| sync | 3.00× | ")
+    assert lines[3].endswith(f"| {len(all_lens) / 6:.3f} | – | – |")
     assert "| async | 1.50×" in table and "hf_assisted" not in table
+
+
+def test_async_parts_pool_the_timed_rounds():
+    """Overlap fraction = Σ overlap / Σ packed-forward time; drafter share = Σ (packed + sync
+    drafts) / Σ span, over the requests whose rounds were timed."""
+    ms = [{"packed_s": 2.0, "overlap_s": 1.5, "sync_s": 0.5, "span_s": 5.0, "verify_devices": ["a"],
+           "packed_devices": ["b"]},
+          {"packed_s": 2.0, "overlap_s": 0.5, "sync_s": 0.0, "span_s": 3.0},
+          {"accept_hist": [1]}]  # not timed: left out
+    got = B._async_parts(ms)
+    assert got["overlap_fraction"] == pytest.approx(2.0 / 4.0)
+    assert got["drafter_share"] == pytest.approx(4.5 / 8.0)
+    assert (got["verify_devices"], got["packed_devices"]) == (["a"], ["b"])
+    assert B._async_parts([{"accept_hist": [1]}]) == {}
 
 
 def test_select_by_length_takes_the_fullest_buckets():
@@ -186,6 +205,26 @@ def test_evaluate_with_engine_sync_equals_plain(tiny_pair):
     assert sum(r["sync"]["accept_histogram"]) == r["sync"]["rounds"]
     # τ is new tokens per round (the last round may be cut by max_new_tokens, never lengthened).
     assert r["sync"]["tau"] >= 36 / r["sync"]["rounds"] - 1e-9
+    # the drafter's share of a sync round, from the host-driven loop's two timed phases
+    share = r["sync"]["drafter_share"]
+    assert 0.0 < share < 1.0
+    d, v = r["sync"]["host_loop_draft_s"], r["sync"]["host_loop_verify_s"]
+    assert share == pytest.approx(d / (d + v)) and d > 0 and v > 0
+
+
+def test_eval_device_split_defaults_to_disjoint_halves():
+    from d3d_jax.errors import UsageError
+    from d3d_jax.evaluation.cli import device_split
+
+    assert device_split(None, None, 1) == (None, None)  # one device: both share it
+    assert device_split(None, None, 2) == (1, 1)
+    assert device_split(None, None, 8) == (4, 4)
+    assert device_split(None, None, 3) == (2, 1)
+    assert device_split(6, None, 8) == (6, 2) and device_split(None, 2, 8) == (6, 2)
+    assert device_split(1, 1, 8) == (1, 1)
+    for bad in ((1, 1, 1), (8, None, 8), (0, 1, 4), (3, 2, 4)):
+        with pytest.raises(UsageError, match="devices"):
+            device_split(*bad)
 
 
 def test_hf_assisted_generation_peer(tiny_pair):

@@ -18,6 +18,20 @@ def test_bad_pipeline_configs_name_the_key():
         load_config(PipelineConfig, [MINI], ["drafter_packed_length=16"])
 
 
+def test_quick_variant_shortens_every_stage_and_leaves_the_artifacts():
+    cfg = load_config(PipelineConfig, ["configs/pipelines/demo.yaml"], [])
+    quick = cfg.quick()
+    quick.validate()
+    assert quick.out_dir == "runs/quick/artifacts_demo"  # never the shipped out_dir
+    assert (quick.target.steps, quick.small.steps) == (cfg.target.steps // 8, cfg.small.steps // 8)
+    assert quick.target.model == cfg.target.model and quick.small.model == cfg.small.model
+    assert quick.drafter_steps == cfg.drafter_steps // 8 and quick.regen_prompts == cfg.regen_prompts // 10
+    for v, q in zip(cfg.drafters, quick.drafters):
+        assert (q.name, q.init, q.ar_weight) == (v.name, v.init, v.ar_weight)
+        assert q.steps is None if v.steps is None else q.steps == max(4, v.steps // 8)
+    assert quick.eval_samples < cfg.eval_samples and not quick.hf_peer
+
+
 @pytest.mark.slow
 def test_mini_pipeline_end_to_end(tmp_path, capsys):
     from d3d_jax.pipeline import Pipeline
@@ -48,9 +62,19 @@ def test_mini_pipeline_end_to_end(tmp_path, capsys):
         assert 1.0 <= res[suite]["sync"]["tau"] <= 4.0
         assert res[suite]["plain"]["new_tokens"] > 0
     assert report["all_outputs_equal_plain"]
+    # Every row carries 1/τ and the drafter's share of round time; async ran on two devices and
+    # reports the share of its packed forward that overlapped the verify.
+    sync, asy = res["shakespeare"]["sync"], res["shakespeare"]["async"]
+    assert sync["target_forwards_per_token"] == pytest.approx(sync["rounds"] / sync["new_tokens"])
+    assert 0.0 < sync["drafter_share"] < 1.0 and 0.0 < asy["drafter_share"]
+    assert 0.0 <= asy["overlap_fraction"] <= 1.0
+    assert asy["verify_devices"] != asy["packed_devices"]
+    # The target ships in bfloat16 with its tokenizer beside it (commands take the dir alone).
+    tcfg = json.loads((out / "models/target/config.json").read_text())
+    assert tcfg["torch_dtype"] == "bfloat16" and (out / "models/target/tokenizer.json").exists()
     assert report["ablations"]["small_l0"]["online"]["shakespeare"]["equals_plain"] is True
     printed = capsys.readouterr().out
-    assert "| sync |" in printed and "Ablations" in printed
+    assert "| sync |" in printed and "Ablations" in printed and "| overlap |" in printed
     # A rerun skips every build stage.
     capsys.readouterr()
     again = Pipeline(cfg, work_dir=str(tmp_path / "work"))

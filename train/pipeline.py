@@ -4,6 +4,7 @@ drafters (+ ablations) → pruning → benchmark (Table 1, plots, JSON).
 
     python train/pipeline.py --config configs/pipelines/demo.yaml [key=value ...]
     python train/pipeline.py --config configs/pipelines/demo.yaml --rebuild   # from nothing
+    python train/pipeline.py --config configs/pipelines/demo.yaml --rebuild --quick   # every stage, shortened
 
 Stages whose output exists under ``out_dir`` are skipped, so with the shipped checkpoints only
 the benchmark runs.  Exit status 3 if any sync/async output differs from plain greedy decoding.
@@ -28,6 +29,8 @@ def main(argv=None) -> int:
     ap.add_argument("--rebuild", action="store_true", help="delete out_dir and work dir, rebuild everything")
     ap.add_argument("--work-dir", default=None,
                     help="scratch: training checkpoints, corpus (default runs/pipeline/<out_dir>)")
+    ap.add_argument("--quick", action="store_true",
+                    help="every stage at ~1/8 of the steps, under runs/quick/ (with --rebuild: ~15 min for the demo)")
     ap.add_argument("--no-eval", action="store_true", help="build the artifacts, skip the benchmark")
     ap.add_argument("--update-artifacts", action="store_true",
                     help="also replace the shipped reference results in <out_dir>/eval (default: the "
@@ -39,6 +42,10 @@ def main(argv=None) -> int:
     from d3d_jax.pipeline import Pipeline
 
     cfg = load_config(PipelineConfig, [args.config], args.overrides)
+    if args.quick:
+        cfg = cfg.quick()
+        cfg.validate()
+        print(f"[pipeline] --quick: every stage shortened, artifacts under {cfg.out_dir}", flush=True)
     t0 = time.time()
     work_dir = args.work_dir or os.path.join("runs", "pipeline", cfg.out_dir.strip("/").replace("/", "_"))
     report = Pipeline(cfg, work_dir=work_dir, rebuild=args.rebuild,

@@ -91,6 +91,25 @@ class PipelineConfig:
     async_sweep: tuple[tuple[int, int], ...] = ()
     hf_peer: bool = True
 
+    def quick(self, factor: int = 8) -> "PipelineConfig":
+        """``train/pipeline.py --quick``: every stage at about 1/``factor`` of the steps, a tenth of
+        the regenerated prompts and half the benchmark, written under ``runs/quick/`` so the shipped
+        artifacts stay as they are (the demo: about 15 min on 2 CPU cores with ``--rebuild``)."""
+        def steps(n: int) -> int:
+            return max(4, n // factor)
+
+        return dataclasses.replace(
+            self, out_dir="runs/quick/" + self.out_dir.strip("/").replace("/", "_"),
+            target=dataclasses.replace(self.target, steps=steps(self.target.steps),
+                                       warmup_steps=min(self.target.warmup_steps, steps(self.target.steps) // 4)),
+            small=dataclasses.replace(self.small, steps=steps(self.small.steps),
+                                      warmup_steps=min(self.small.warmup_steps, steps(self.small.steps) // 4)),
+            regen_prompts=max(16, self.regen_prompts // 10), drafter_steps=steps(self.drafter_steps),
+            drafters=tuple(dataclasses.replace(d, steps=None if d.steps is None else steps(d.steps))
+                           for d in self.drafters),
+            prune_recover_steps=max(2, self.prune_recover_steps // 4),
+            eval_samples=max(2, self.eval_samples // 2), async_sweep=self.async_sweep[:2], hf_peer=False)
+
     def validate(self, prefix: str = "") -> None:
         p = f"{prefix}." if prefix else ""
         _require(self.vocab_size >= 300, f"{p}vocab_size", "must be >= 300")

@@ -105,13 +105,15 @@ def run_rounds(dec, max_rounds: int, timeline: list | None = None) -> dict:
 def _timeline(marks: list[dict], timeline: list, shared: bool) -> dict:
     """Fill ``timeline`` (one dict per round) and return per-round means of the parts."""
     views = jax.device_get([m["view"] for m in marks])
-    totals = dict(verify_s=0.0, packed_s=0.0, sync_s=0.0, gap_s=0.0, gap_max_s=0.0)
+    totals = dict(verify_s=0.0, packed_s=0.0, sync_s=0.0, gap_s=0.0, gap_max_s=0.0, overlap_s=0.0)
     prev_select = float("-inf")
     sync_rounds = 0
     for k, (m, v) in enumerate(zip(marks, views)):
         tv, tp, ts = m["verify"].result(), m["packed"].result(), m["select"].result()
         start = max(m["dispatch"], prev_select)  # the verify needs the previous hand-off
         packed_start = max(m["dispatched"], prev_select, tv if shared else float("-inf"))
+        # the packed forward's time while this round's verify was in flight (spec §5: hidden)
+        overlap = max(0.0, min(tv, tp) - max(start, packed_start))
         sync = bool(v[:, V_MISS].any())
         sync_s = ts - max(tv, tp) if sync else 0.0
         gap = max(0.0, marks[k + 1]["dispatch"] - ts) if k + 1 < len(marks) else 0.0
@@ -119,21 +121,26 @@ def _timeline(marks: list[dict], timeline: list, shared: bool) -> dict:
         totals["packed_s"] += tp - packed_start
         totals["sync_s"] += sync_s
         totals["gap_s"] += gap
+        totals["overlap_s"] += overlap
         totals["gap_max_s"] = max(totals["gap_max_s"], gap)
         sync_rounds += sync
         prev_select = ts
         timeline.append(dict(
             verify_dispatch=m["dispatch"], verify_ready=tv, packed_dispatch=m["dispatch"],
             packed_dispatched=m["dispatched"], packed_ready=tp, select_ready=ts, sync_s=sync_s,
-            gap_s=gap, sync_draft=sync, hit=v[:, V_HIT].astype(bool).tolist(),
+            gap_s=gap, overlap_s=overlap, sync_draft=sync, hit=v[:, V_HIT].astype(bool).tolist(),
             active=(v[:, 0] == 0).tolist(), accepted=v[:, V_ACCEPTED].tolist(),
             draft_len=v[:, V_DRAFT_LEN].tolist(), verify_devices=m["verify_devices"],
             packed_devices=m["packed_devices"]))
     n = max(len(marks), 1)
     out = {f"round_{k}": v / n for k, v in totals.items() if k != "gap_max_s"}
     out.update(round_gap_max_s=totals["gap_max_s"], sync_s=totals["sync_s"],
-               packed_s=totals["packed_s"], verify_s=totals["verify_s"],
+               packed_s=totals["packed_s"], verify_s=totals["verify_s"], overlap_s=totals["overlap_s"],
+               overlap_fraction=totals["overlap_s"] / totals["packed_s"] if totals["packed_s"] > 0 else 0.0,
+               span_s=(marks[-1]["select"].result() - marks[0]["dispatch"]) if marks else 0.0,
                draft_s=totals["packed_s"] + totals["sync_s"],
+               verify_devices=sorted(str(d) for d in marks[0]["verify_devices"]) if marks else [],
+               packed_devices=sorted(str(d) for d in marks[0]["packed_devices"]) if marks else [],
                sync_draft_s=totals["sync_s"] / sync_rounds if sync_rounds else 0.0)
     return out
 

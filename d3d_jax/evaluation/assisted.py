@@ -54,7 +54,7 @@ def hf_assisted_generation(target_dir: str, drafter_dir: str, prompts: Sequence[
         n_tok = sum(len(o) for o in outputs)
         r = {"new_tokens": n_tok, "seconds": seconds, "time_per_token_ms": 1e3 * seconds / max(n_tok, 1),
              "tokens_per_s": n_tok / max(seconds, 1e-9), "target_forwards": forwards,
-             "tau": n_tok / max(forwards, 1)}
+             "tau": n_tok / max(forwards, 1), "target_forwards_per_token": forwards / max(n_tok, 1)}
         if reference_outputs is not None:
             r["equals_engine_plain"] = [list(o) for o in reference_outputs] == outputs
             r["mismatched_outputs"] = sum(list(a) != b for a, b in zip(reference_outputs, outputs))

@@ -251,6 +251,10 @@ def summarize(runs: dict[str, ModeRun], block_size: int) -> dict:
             d["ms_per_round"] = 1e3 * run.seconds / rounds
             if plain is not None and plain.new_tokens:
                 d["round_cost_in_plain_steps"] = d["ms_per_round"] / (1e3 * plain.seconds / plain.new_tokens)
+        if plain is not None:  # the hardware-independent gain: target forwards per output token (1/τ)
+            d["target_forwards_per_token"] = (d["rounds"] if "rounds" in d else run.new_tokens) / max(
+                run.new_tokens, 1)
+        d.update(_async_parts(run.metrics))
         hits = [m for m in run.metrics if "hits" in m and "misses" in m]
         if hits:  # async: a round is judged a hit or a miss of the branch pack
             judged = sum(m["hits"] + m["misses"] for m in hits)
@@ -261,13 +265,33 @@ def summarize(runs: dict[str, ModeRun], block_size: int) -> dict:
     return res
 
 
-def table1(results: dict[str, dict[str, dict]], methods: Sequence[str] = ("sync", "async", "hf_assisted"),
+def _async_parts(metrics: Sequence[dict]) -> dict:
+    """Async rounds timed with a timeline (``EvalSettings.async_timeline``): the overlap fraction
+    (share of packed-forward time that ran while the verify was in flight) and the drafter's share
+    of round time (packed forward + synchronous drafts after misses, over the rounds' span)."""
+    timed = [m for m in metrics if m.get("span_s")]
+    if not timed:
+        return {}
+    packed = sum(m["packed_s"] for m in timed)
+    span = sum(m["span_s"] for m in timed)
+    return {"overlap_fraction": sum(m["overlap_s"] for m in timed) / packed if packed > 0 else 0.0,
+            "drafter_share": sum(m["packed_s"] + m["sync_s"] for m in timed) / span if span > 0 else 0.0,
+            "verify_devices": timed[0].get("verify_devices"), "packed_devices": timed[0].get("packed_devices")}
+
+
+def _cell(v, fmt: str) -> str:
+    return fmt.format(v) if v is not None else "–"
+
+
+def table1(results: dict[str, dict[str, dict]], methods: Sequence[str] = ("plain", "sync", "async", "hf_assisted"),
            title: str = "") -> str:
     """A markdown table shaped like the paper's Table 1: one row per method, per benchmark
-    ``speedup×`` and ``τ``, then the average."""
-    benches = list(results)
-    head = "| Method | " + " | ".join(f"{b} speedup | {b} τ" for b in benches) + " | Avg speedup | Avg τ |"
-    sep = "|" + "---|" * (2 * len(benches) + 3)
+    ``speedup×`` and ``τ``, then the averages, target forwards per token (1/τ: the gain no
+    hardware can change), the drafter's share of round time and (async) the overlap fraction."""
+    benches = [b for b in results if isinstance(results[b], dict)]
+    head = ("| Method | " + " | ".join(f"{b} speedup | {b} τ" for b in benches)
+            + " | Avg speedup | Avg τ | target fwd/token | drafter share | overlap |")
+    sep = "|" + "---|" * (2 * len(benches) + 6)
     rows = [head, sep]
     for m in methods:
         if not any(m in results[b] for b in benches):
@@ -283,7 +307,12 @@ def table1(results: dict[str, dict[str, dict]], methods: Sequence[str] = ("sync"
                 ta.append(t)
         avg_s = f"{np.mean(sp):.2f}×" if sp else "–"
         avg_t = f"{np.mean(ta):.2f}" if ta else "–"
-        rows.append(f"| {m} | " + " | ".join(cells) + f" | {avg_s} | {avg_t} |")
+        extra = []
+        for key, fmt in (("target_forwards_per_token", "{:.3f}"), ("drafter_share", "{:.0%}"),
+                         ("overlap_fraction", "{:.0%}")):
+            vals = [results[b][m][key] for b in benches if results[b].get(m, {}).get(key) is not None]
+            extra.append(_cell(float(np.mean(vals)) if vals else None, fmt))
+        rows.append(f"| {m} | " + " | ".join(cells) + f" | {avg_s} | {avg_t} | " + " | ".join(extra) + " |")
     return (f"{title}\n" if title else "") + "\n".join(rows)
 
 
@@ -323,6 +352,8 @@ class EvalSettings:
     modes: tuple[str, ...] = ("plain", "sync", "async")
     async_options: dict = dataclasses.field(default_factory=dict)
     concurrency: int = 1  # > 1: requests in flight in one long-lived decoder per mode
+    async_timeline: bool = True  # time async rounds' parts (overlap fraction, drafter share)
+    drafter_share_samples: int = 1  # sync: samples re-run with the host loop to split draft/verify
 
 
 def make_generate_fn(target, drafter, settings: EvalSettings, eos_token_ids: Sequence[int],
@@ -336,6 +367,8 @@ def make_generate_fn(target, drafter, settings: EvalSettings, eos_token_ids: Seq
 
     def fn(prompts, mode):
         opts = dict(settings.async_options if mode == "async" else {})
+        if mode == "async" and settings.async_timeline:
+            opts["timeline"] = []
         opts.update(extra_options or {})
         return engine.generate(
             target, prompts, mode=mode, drafter=None if mode == "plain" else drafter,
@@ -366,15 +399,41 @@ def evaluate(target, drafter, tokenizer, suites: dict[str, list[Sample]], settin
                 print(f"[eval] {name:12s} {mode:6s} FAILED: {errors[mode]}", flush=True)
                 continue
             if progress:
+                parts = _async_parts(runs[mode].metrics)
+                extra = (f", overlap {parts['overlap_fraction']:.0%} (target {parts['verify_devices']}, "
+                         f"drafter {parts['packed_devices']})" if parts else "")
                 print(f"[eval] {name:12s} {mode:6s} {runs[mode].new_tokens:6d} tokens "
                       f"{1e3 * runs[mode].seconds / max(runs[mode].new_tokens, 1):7.2f} ms/token "
-                      f"(wall incl. compile {time.perf_counter() - t0:.1f}s)", flush=True)
+                      f"(wall incl. compile {time.perf_counter() - t0:.1f}s){extra}", flush=True)
         results[name] = summarize(runs, settings.block_size)
+        if "sync" in runs and settings.drafter_share_samples and settings.concurrency == 1:
+            results[name]["sync"].update(sync_drafter_share(target, drafter, tokenizer, samples, settings,
+                                                            eos_token_ids, mask_token_id, encode_fn))
         for mode, err in errors.items():
             results[name][mode] = {"error": err}
         results[name]["num_samples"] = len(samples)
         raw[name] = runs
     return results, raw
+
+
+def sync_drafter_share(target, drafter, tokenizer, samples: Sequence[Sample], settings: EvalSettings,
+                       eos_token_ids, mask_token_id, encode_fn: Callable) -> dict:
+    """The drafter's share of a sync round: the first samples re-run with the host-driven loop,
+    which waits after drafting and after verifying (the timed runs use the fused on-device loop,
+    which has no such seams).  The first call warms up; compilation is never counted."""
+    gen = make_generate_fn(target, drafter, settings, eos_token_ids, mask_token_id,
+                           extra_options={"loop": "host"})
+    chosen = list(samples[: settings.drafter_share_samples])
+    draft = verify = 0.0
+    for k in range(2):
+        draft = verify = 0.0
+        for s in chosen:
+            out = gen([encode_fn(tokenizer, [{"role": "user", "content": s.turns[0]}])], "sync")[0]
+            draft += float(out.metrics.get("draft_s") or 0.0)
+            verify += float(out.metrics.get("verify_s") or 0.0)
+    total = draft + verify
+    return {"drafter_share": draft / total if total > 0 else None, "host_loop_draft_s": draft,
+            "host_loop_verify_s": verify}
 
 
 def budget_sweep(target, drafter, tokenizer, samples: Sequence[Sample], settings: EvalSettings,
@@ -391,6 +450,7 @@ def budget_sweep(target, drafter, tokenizer, samples: Sequence[Sample], settings
         summ = summarize({"plain": plain, "async": run}, settings.block_size)["async"]
         out.append({"C": c, "F": f, "budget": settings.block_size * ((c - 1) * f + 2),
                     "hit_rate": summ.get("hit_rate"), "tau": summ.get("tau"),
+                    "overlap_fraction": summ.get("overlap_fraction"), "drafter_share": summ.get("drafter_share"),
                     "speedup": plain_tpot / max(run.seconds / max(run.new_tokens, 1), 1e-12),
                     "equals_plain": summ.get("equals_plain")})
     return out

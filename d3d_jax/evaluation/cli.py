@@ -4,6 +4,9 @@
         --benchmarks humaneval gsm8k=/data/gsm8k/test.jsonl mtbench=/data/mt_bench/question.jsonl \\
         --samples 80 --max-new-tokens 2048 --out runs/eval
 
+On a CPU-only host ``infer/bench.py`` gives the process two host devices for this command
+(``--cpu-devices``), so async places target and drafter on disjoint devices by default.
+
 Writes ``results.json``, ``table.md`` and the plots under ``--out`` and prints the table.
 Exit status 3 when any sync/async output differs from plain greedy decoding.
 """
@@ -39,8 +42,34 @@ def add_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
     ap.add_argument("--hf-peer", action="store_true", help="also transformers assisted generation")
     ap.add_argument("--concurrency", type=int, default=1,
                     help="requests in flight in one long-lived decoder per mode (default 1: batch 1)")
+    ap.add_argument("--target-devices", type=int, default=None,
+                    help="async: devices for the target (default: half of them when there are two or "
+                         "more, so target and drafter run on disjoint devices; with one, both share it)")
+    ap.add_argument("--drafter-devices", type=int, default=None,
+                    help="async: devices for the drafter (default: the rest)")
     ap.add_argument("--out", default="runs/eval")
     return ap
+
+
+def device_split(target_devices: int | None, drafter_devices: int | None, available: int
+                 ) -> tuple[int | None, int | None]:
+    """Async device counts: as given, or by default disjoint halves whenever two devices exist
+    (None, None: one device, both share it).  Too many devices asked for is one UsageError."""
+    if target_devices is None and drafter_devices is None:
+        if available < 2:
+            return None, None
+        return available - available // 2, available // 2
+    if target_devices is None or drafter_devices is None:
+        given = target_devices if target_devices is not None else drafter_devices
+        if given < 1 or given >= available:
+            raise UsageError(f"--target-devices/--drafter-devices: {given} leaves no device for the "
+                             f"other side ({available} devices)")
+        rest = available - given
+        return (given, rest) if target_devices is not None else (rest, given)
+    if target_devices < 1 or drafter_devices < 1 or target_devices + drafter_devices > available:
+        raise UsageError(f"--target-devices {target_devices} + --drafter-devices {drafter_devices}: "
+                         f"need 1 or more each and at most {available} in all")
+    return target_devices, drafter_devices
 
 
 def check_limits(args, target, longest: int, block: int, modes: tuple[str, ...]) -> None:
@@ -89,9 +118,19 @@ def main(args) -> int:
                               max_cache_len=-(-(2 * longest + 2 * args.max_new_tokens + 4 * block) // 64) * 64,
                               async_options={"branch_positions": args.branch_positions or min(12, block),
                                              "branch_fanout": args.branch_fanout} if "async" in modes else {})
+    if "async" in modes:
+        import jax
+
+        td, dd = device_split(args.target_devices, args.drafter_devices, jax.device_count())
+        if td is not None:
+            settings.async_options.update(target_devices=td, drafter_devices=dd)
+        print(f"[eval] async: target on {td or 1} device(s), drafter on "
+              f"{dd if dd is not None else 'the same one'} ({jax.device_count()} {jax.default_backend()} "
+              f"devices)", flush=True)
     kw = dict(eos_token_ids=eos_ids, mask_token_id=mask_id, encode_fn=demo.chat_prompt_ids)
     results, raw = B.evaluate(target, drafter, tok, suites, settings, **kw)
-    report = {"target": args.target, "drafter": args.drafter, "results": results}
+    report = {"target": args.target, "drafter": args.drafter, "results": results,
+              "async_devices": {k: settings.async_options.get(k) for k in ("target_devices", "drafter_devices")}}
     if args.hf_peer:
         from d3d_jax.evaluation.assisted import hf_assisted_generation
 
