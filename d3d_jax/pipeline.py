@@ -116,7 +116,11 @@ class Pipeline:
                            for v in c.drafters)
         self._stage("3-pretrain-small", (self.model_dir("small") / "config.json").exists() or not small_needed,
                     lambda: self.pretrain("small", c.small))
-        self._stage("4-regenerate", self.regen_split("dev").exists(), self.regenerate)
+        # The training split is not shipped (6 MB): once every drafter exists only dev is needed.
+        drafters_done = all((self.drafter_dir(v.name) / "result.json").exists() for v in c.drafters) and (
+            not c.prune_drafter or (self.drafter_dir(f"{c.prune_drafter}_pruned") / "result.json").exists())
+        self._stage("4-regenerate", self.regen_split("dev").exists()
+                    and (self.regen_split("train").exists() or drafters_done), self.regenerate)
         for v in c.drafters:
             self._stage(f"5-drafter-{v.name}", (self.drafter_dir(v.name) / "result.json").exists(),
                         lambda v=v: self.train_drafter(v))
@@ -267,9 +271,31 @@ class Pipeline:
             self.store_compact(dest)
         tau = self.offline_tau(self.load(dest))  # of the weights as shipped
         _write_json({"variant": dataclasses.asdict(v), "steps": steps, "init_from": str(init_dir or "random"),
-                     "final_loss": losses[-1] if losses else None, "offline_tau_dev": tau},
-                    dest / "result.json")
+                     "final_loss": losses[-1] if losses else None, "offline_tau_dev": tau,
+                     "curve": self.loss_curve(f"drafter_{v.name}")}, dest / "result.json")
         _log(f"drafter {v.name}: offline τ on dev = {tau['tau']:.3f}")
+
+    def loss_curve(self, run_name: str) -> list[dict]:
+        """Per dev evaluation of a training run: step, dev loss, dev τ and the mean train loss
+        since the previous evaluation (from its ``metrics.jsonl``; a resumed run's newest line wins)."""
+        path = self.work / "runs" / run_name / "metrics.jsonl"
+        if not path.exists():
+            return []
+        train: dict[int, float] = {}
+        dev: dict[int, dict] = {}
+        for line in path.read_text().splitlines():
+            rec = json.loads(line)
+            if "eval/loss" in rec:
+                dev[rec["step"]] = rec
+            elif "loss" in rec:
+                train[rec["step"]] = rec["loss"]
+        curve, last = [], 0
+        for step in sorted(dev):
+            window = [x for k, x in train.items() if last < k <= step]
+            curve.append({"step": step, "train_loss": float(np.mean(window)) if window else None,
+                          "dev_loss": dev[step]["eval/loss"], "dev_tau": dev[step].get("eval/tau")})
+            last = step
+        return curve
 
     def weights_dir(self, name: str) -> Path | None:
         """Where drafter ``name``'s weights are: shipped under out_dir, or kept under the work dir

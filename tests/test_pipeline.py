@@ -81,3 +81,8 @@ def test_mini_pipeline_end_to_end(tmp_path, capsys):
     again.run(evaluate=False)
     assert again.timings == {}
     assert capsys.readouterr().out.count("output exists, skipped") == 7
+    # A fresh clone has no training split (not shipped): with every drafter built, nothing reruns.
+    (out / "data/regenerated_train.jsonl").unlink()
+    fresh = Pipeline(cfg, work_dir=str(tmp_path / "work"))
+    fresh.run(evaluate=False)
+    assert fresh.timings == {}

@@ -47,6 +47,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
                          "more, so target and drafter run on disjoint devices; with one, both share it)")
     ap.add_argument("--drafter-devices", type=int, default=None,
                     help="async: devices for the drafter (default: the rest)")
+    ap.add_argument("--dtype", default=None,
+                    help="parameter/compute dtype of both models (default: each checkpoint's; on a CPU, "
+                         "float32 is the fast one)")
     ap.add_argument("--out", default="runs/eval")
     return ap
 
@@ -98,9 +101,9 @@ def main(args) -> int:
     modes = tuple(m for m in args.modes.split(",") if m)
     if "plain" not in modes:
         raise UsageError("--modes must include plain (speedups and the equality check are against it)")
-    target = load_model(args.target)
+    target = load_model(args.target, dtype=args.dtype)
     tok, mask_id = load_tokenizer(args.tokenizer or args.target, target.config.vocab_size)
-    drafter = load_model(args.drafter)
+    drafter = load_model(args.drafter, dtype=args.dtype)
     mask_id = drafter.config.mask_token_id if drafter.config.mask_token_id is not None else mask_id
     block = args.block_size or drafter.config.block_size or 16
     eos_ids = eos_token_ids(target.config, tok)
