@@ -72,37 +72,37 @@ def _suites(p) -> dict[str, list[B.Sample]]:
     return suites
 
 
-def benchmark(p) -> dict:
+def _settings(p, has_async: bool) -> B.EvalSettings:
     import jax
 
-    c, tok = p.cfg, p.tokenizer()
-    eval_dir = p.eval_dir
-    t_start = time.time()
-    target = p.load(p.model_dir("target"))
-    suites = _suites(p)
-    has_async = _async_available()
-    modes = ("plain", "sync", "async") if has_async else ("plain", "sync")
-    settings = B.EvalSettings(max_new_tokens=c.eval_max_new_tokens, block_size=c.block_size,
-                              max_cache_len=384 + c.eval_max_new_tokens + 4 * c.block_size, modes=modes,
-                              async_options={"branch_positions": c.async_positions, "branch_fanout": c.async_fanout}
-                              if has_async else {})
+    c = p.cfg
+    b = c.eval_block
+    settings = B.EvalSettings(max_new_tokens=c.eval_max_new_tokens, block_size=b,
+                              max_cache_len=384 + c.eval_max_new_tokens + 4 * max(b, *c.eval_compare_blocks),
+                              modes=("plain", "sync", "async") if has_async else ("plain", "sync"),
+                              async_options={"branch_positions": min(c.async_positions, b),
+                                             "branch_fanout": c.async_fanout} if has_async else {})
     if has_async and jax.device_count() >= 2:  # spec §5: target and drafter on disjoint devices
         settings.async_options.update(target_devices=1, drafter_devices=1)
-    mask = p.special_ids()["mask"]
-    kw = dict(eos_token_ids=p.eos_ids(), mask_token_id=mask, encode_fn=demo.chat_prompt_ids)
-    report: dict = {"suites": {k: len(v) for k, v in suites.items()}, "modes": list(modes),
-                    "devices": [str(d) for d in jax.devices()],
-                    "async_available": has_async, "settings": vars(settings) | {}, "drafters": {}}
-    plain_runs = None
-    for dname in c.eval_drafters:
-        drafter = p.load(p.drafter_dir(dname))
-        res, raw = B.evaluate(target, drafter, tok, suites, settings, **kw)
-        report["drafters"][dname] = {"layers": drafter.config.num_layers, "results": res}
-        if plain_runs is None:
-            plain_runs = {s: raw[s]["plain"] for s in raw}
-    main = c.eval_drafters[0]
+    return settings
 
-    # Ablations: every other drafter in sync mode against the same plain outputs.
+
+def _sync_against(p, target, drafter, suites, settings, plain_runs, kw, block: int | None = None) -> dict:
+    """Per suite: ``drafter``'s sync summary against the shared plain runs (ablations, other B)."""
+    s_set = B.dataclasses.replace(settings, modes=("sync",), block_size=block or settings.block_size,
+                                  drafter_share_samples=0 if block is None else 1)
+    res, raw = B.evaluate(target, drafter, p.tokenizer(), suites, s_set, **kw)
+    out = {}
+    for s in suites:
+        out[s] = B.summarize({"plain": plain_runs[s], "sync": raw[s]["sync"]}, s_set.block_size)["sync"]
+        if "drafter_share" in res[s]["sync"]:
+            out[s]["drafter_share"] = res[s]["sync"]["drafter_share"]
+    return out
+
+
+def _ablations(p, target, suites, settings, report, plain_runs, kw) -> dict:
+    """Every other drafter in sync mode against the same plain outputs (weights permitting)."""
+    c = p.cfg
     ablations = {}
     for v in c.drafters:
         result = json.loads((p.drafter_dir(v.name) / "result.json").read_text())
@@ -111,57 +111,89 @@ def benchmark(p) -> dict:
             row["online"] = {s: {k: report["drafters"][v.name]["results"][s]["sync"].get(k)
                                  for k in ("tau", "speedup", "equals_plain")} for s in suites}
         elif p.weights_dir(v.name) is not None:
-            drafter = p.load(p.weights_dir(v.name))
-            s_set = B.dataclasses.replace(settings, modes=("sync",))
-            _, raw_ab = B.evaluate(target, drafter, tok, suites, s_set, **kw)
-            row["online"] = {}
-            for s in suites:
-                summ = B.summarize({"plain": plain_runs[s], "sync": raw_ab[s]["sync"]}, c.block_size)["sync"]
-                row["online"][s] = {k: summ.get(k) for k in ("tau", "speedup", "equals_plain")}
+            summ = _sync_against(p, target, p.load(p.weights_dir(v.name)), suites, settings, plain_runs, kw)
+            row["online"] = {s: {k: summ[s].get(k) for k in ("tau", "speedup", "equals_plain")} for s in suites}
         ablations[v.name] = row
     pr = p.drafter_dir(f"{c.prune_drafter}_pruned") / "result.json" if c.prune_drafter else None
     if pr is not None and pr.exists():
         ablations[f"{c.prune_drafter}_pruned"] = json.loads(pr.read_text())
-    report["ablations"] = ablations
+    return ablations
 
-    # Peer: transformers' assisted generation with the same target and drafter (AR assistant).
+
+def _hf_peer(p, suites, report, plain_runs) -> None:
+    """transformers' assisted generation with the same target and drafter (AR assistant)."""
+    from d3d_jax.evaluation.assisted import hf_assisted_generation
+
+    c, tok, main = p.cfg, p.tokenizer(), p.cfg.eval_drafters[0]
+    for s, samples in suites.items():
+        prompts = [demo.chat_prompt_ids(tok, [{"role": "user", "content": x.turns[0]}]) for x in samples]
+        peer = hf_assisted_generation(str(p.model_dir("target")), str(p.drafter_dir(main)), prompts,
+                                      max_new_tokens=c.eval_max_new_tokens, eos_token_ids=p.eos_ids(),
+                                      pad_token_id=p.special_ids()["pad"],
+                                      reference_outputs=plain_runs[s].outputs, num_threads=1)
+        report["drafters"][main]["results"][s]["hf_plain"] = peer["plain"]
+        report["drafters"][main]["results"][s]["hf_assisted"] = peer["hf_assisted"]
+
+
+def benchmark(p) -> dict:
+    """Stage (7): Table 1 per eval drafter (plus the main drafter's sync at the compared block
+    sizes), the ablations, the transformers peer and the async budget sweep; JSON, tables, plots."""
+    import jax
+
+    c, tok = p.cfg, p.tokenizer()
+    t_start = time.time()
+    target = p.load(p.model_dir("target"))
+    suites = _suites(p)
+    has_async = _async_available()
+    settings = _settings(p, has_async)
+    kw = dict(eos_token_ids=p.eos_ids(), mask_token_id=p.special_ids()["mask"], encode_fn=demo.chat_prompt_ids)
+    report: dict = {"suites": {k: len(v) for k, v in suites.items()}, "modes": list(settings.modes),
+                    "devices": [str(d) for d in jax.devices()], "block_size_trained": c.block_size,
+                    "async_available": has_async, "settings": vars(settings) | {}, "drafters": {}}
+    plain_runs = None
+    for dname in c.eval_drafters:
+        drafter = p.load(p.drafter_dir(dname))
+        res, raw = B.evaluate(target, drafter, tok, suites, settings, **kw)
+        report["drafters"][dname] = {"layers": drafter.config.num_layers, "results": res}
+        if plain_runs is None:
+            plain_runs = {s: raw[s]["plain"] for s in raw}
+            for b in c.eval_compare_blocks:  # the same drafter verifying another block size
+                other = _sync_against(p, target, drafter, suites, settings, plain_runs, kw, block=b)
+                for s in suites:
+                    res[s][f"sync_b{b}"] = other[s]
+    main = c.eval_drafters[0]
+    report["ablations"] = _ablations(p, target, suites, settings, report, plain_runs, kw)
     if c.hf_peer:
-        for s, samples in suites.items():
-            prompts = [demo.chat_prompt_ids(tok, [{"role": "user", "content": x.turns[0]}]) for x in samples]
-            from d3d_jax.evaluation.assisted import hf_assisted_generation
-
-            peer = hf_assisted_generation(str(p.model_dir("target")), str(p.drafter_dir(main)), prompts,
-                                          max_new_tokens=c.eval_max_new_tokens, eos_token_ids=p.eos_ids(),
-                                          pad_token_id=p.special_ids()["pad"],
-                                          reference_outputs=plain_runs[s].outputs, num_threads=1)
-            report["drafters"][main]["results"][s]["hf_plain"] = peer["plain"]
-            report["drafters"][main]["results"][s]["hf_assisted"] = peer["hf_assisted"]
-
-    # Async budget sweep on the first suite.
+        _hf_peer(p, suites, report, plain_runs)
     sweep = []
-    if has_async and c.async_sweep:
+    if has_async and c.async_sweep:  # on the first suite
         first = next(iter(suites))
-        drafter = p.load(p.drafter_dir(main))
-        sweep = B.budget_sweep(target, drafter, tok, suites[first], settings, list(c.async_sweep),
-                               plain_runs[first], **kw)
+        grid = [(min(cc, settings.block_size), f) for cc, f in c.async_sweep]
+        sweep = B.budget_sweep(target, p.load(p.drafter_dir(main)), tok, suites[first], settings,
+                               list(dict.fromkeys(grid)), plain_runs[first], **kw)
     report["async_sweep"] = sweep
     report["eval_seconds"] = time.time() - t_start
     report["all_outputs_equal_plain"] = _all_equal(report)
+    return _write_report(p, report, list(suites))
 
+
+def _write_report(p, report: dict, suites: list[str]) -> dict:
+    c, eval_dir = p.cfg, p.eval_dir
     B.write_json(report, eval_dir / "results.json")
-    tables = []
-    for dname, d in report["drafters"].items():
-        tables.append(B.table1(d["results"], title=f"**Drafter `{dname}` ({d['layers']} layers)**"))
-    tables.append(ablation_table(ablations, list(suites)))
+    methods = ("plain", "sync", *(f"sync_b{b}" for b in c.eval_compare_blocks), "async", "hf_assisted")
+    tables = [B.table1(d["results"], methods=methods,
+                       title=f"**Drafter `{name}` ({d['layers']} layers), B = {c.eval_block}**")
+              for name, d in report["drafters"].items()]
+    tables.append(ablation_table(report["ablations"], suites))
     text = "\n\n".join(tables)
     (eval_dir / "table.md").write_text(text + "\n")
-    res_main = report["drafters"][main]["results"]
+    res_main = report["drafters"][c.eval_drafters[0]]["results"]
     plots.acceptance_histogram(res_main, eval_dir / "acceptance_histogram.png")
     plots.tau_per_slot(res_main, eval_dir / "tau_per_slot.png")
-    if sweep:
-        plots.budget_sweep(sweep, eval_dir / "async_budget.png")
+    if report["async_sweep"]:
+        plots.budget_sweep(report["async_sweep"], eval_dir / "async_budget.png")
     plots.tau_bars([(k, v["offline_tau_dev"] if isinstance(v["offline_tau_dev"], float)
-                     else v["offline_tau_dev"]["tau"]) for k, v in ablations.items()],
+                     else v["offline_tau_dev"]["tau"]) for k, v in report["ablations"].items()],
                    eval_dir / "ablations_offline_tau.png", "Offline τ on the dev split per drafter")
     print(text, flush=True)
     print(f"all sync/async outputs equal plain greedy: {report['all_outputs_equal_plain']}", flush=True)
@@ -184,8 +216,9 @@ def _all_equal(report: dict) -> bool:
     ok = True
     for d in report["drafters"].values():
         for s, modes in d["results"].items():
-            for m in ("sync", "async"):
-                if m in modes and "error" not in modes[m] and not modes[m].get("equals_plain", False):
+            for m in modes:
+                if (m.startswith("sync") or m == "async") and "error" not in modes[m] \
+                        and not modes[m].get("equals_plain", False):
                     ok = False
     for r in report.get("async_sweep", []):
         ok = ok and bool(r.get("equals_plain"))

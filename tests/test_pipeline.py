@@ -65,6 +65,8 @@ def test_mini_pipeline_end_to_end(tmp_path, capsys):
     # Every row carries 1/τ and the drafter's share of round time; async ran on two devices and
     # reports the share of its packed forward that overlapped the verify.
     sync, asy = res["shakespeare"]["sync"], res["shakespeare"]["async"]
+    b3 = res["shakespeare"]["sync_b3"]  # the same drafter verifying 3-token blocks
+    assert b3["equals_plain"] is True and 1.0 <= b3["tau"] <= 3.0 and len(b3["accept_histogram"]) == 3
     assert sync["target_forwards_per_token"] == pytest.approx(sync["rounds"] / sync["new_tokens"])
     assert 0.0 < sync["drafter_share"] < 1.0 and 0.0 < asy["drafter_share"]
     assert 0.0 <= asy["overlap_fraction"] <= 1.0
@@ -74,7 +76,8 @@ def test_mini_pipeline_end_to_end(tmp_path, capsys):
     assert tcfg["torch_dtype"] == "bfloat16" and (out / "models/target/tokenizer.json").exists()
     assert report["ablations"]["small_l0"]["online"]["shakespeare"]["equals_plain"] is True
     printed = capsys.readouterr().out
-    assert "| sync |" in printed and "Ablations" in printed and "| overlap |" in printed
+    assert "| sync |" in printed and "| sync_b3 |" in printed and "Ablations" in printed
+    assert "| overlap |" in printed
     # A rerun skips every build stage.
     capsys.readouterr()
     again = Pipeline(cfg, work_dir=str(tmp_path / "work"))

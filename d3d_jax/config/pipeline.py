@@ -86,10 +86,19 @@ class PipelineConfig:
     eval_samples: int = 8
     eval_max_new_tokens: int = 128
     eval_drafters: tuple[str, ...] = ("small",)
+    # Block size of the benchmark's drafts and verify (None: block_size, as trained).  A drafter
+    # trained on B-blocks drafts a shorter block in one forward as well ([last, MASK × (b-1)]);
+    # where a verify costs compute per token (a CPU), a shorter one can pay more.
+    eval_block_size: int | None = None
+    eval_compare_blocks: tuple[int, ...] = ()  # the first drafter's sync rows at these too
     async_positions: int = 12
     async_fanout: int = 2
     async_sweep: tuple[tuple[int, int], ...] = ()
     hf_peer: bool = True
+
+    @property
+    def eval_block(self) -> int:
+        return self.block_size if self.eval_block_size is None else self.eval_block_size
 
     def quick(self, factor: int = 8) -> "PipelineConfig":
         """``train/pipeline.py --quick``: every stage at about 1/``factor`` of the steps, a tenth of
@@ -119,6 +128,9 @@ class PipelineConfig:
                   "eval_max_new_tokens", "passage_chars"):
             _require(getattr(self, k) >= 1, f"{p}{k}", "must be >= 1")
         _require(self.block_size >= 3, f"{p}block_size", "must be >= 3")
+        for b in (self.eval_block, *self.eval_compare_blocks):
+            _require(3 <= b <= self.block_size, f"{p}eval_block_size/eval_compare_blocks",
+                     f"{b} must be in [3, block_size={self.block_size}]")
         _require(self.drafter_packed_length > self.drafter_num_anchors * self.block_size + self.block_size,
                  f"{p}drafter_packed_length", "leaves no room for the clean stream")
         names = [d.name for d in self.drafters]
