@@ -30,7 +30,8 @@ def test_eval_puts_async_on_two_devices_and_reports_overlap(tmp_path):
     assert res["async_devices"] == {"target_devices": 1, "drafter_devices": 1}
     asy, sync = res["results"]["shakespeare"]["async"], res["results"]["shakespeare"]["sync"]
     assert asy["equals_plain"] and sync["equals_plain"]
-    assert asy["verify_devices"] == ["TFRT_CPU_0"] and asy["packed_devices"] == ["TFRT_CPU_1"]
+    assert len(asy["verify_devices"]) == len(asy["packed_devices"]) == 1
+    assert asy["verify_devices"] != asy["packed_devices"]
     assert 0.0 < asy["overlap_fraction"] <= 1.0 and 0.0 < asy["drafter_share"]
     assert 0.0 < sync["drafter_share"] < 1.0
     assert sync["target_forwards_per_token"] == pytest.approx(sync["rounds"] / sync["new_tokens"])
@@ -44,4 +45,4 @@ def test_eval_puts_async_on_two_devices_and_reports_overlap(tmp_path):
     assert "drafter on the same one (1 cpu devices)" in r1.stdout
     one = json.loads((tmp_path / "one/results.json").read_text())["results"]["shakespeare"]["async"]
     assert one["equals_plain"] and one["overlap_fraction"] == 0.0
-    assert one["verify_devices"] == one["packed_devices"] == ["TFRT_CPU_0"]
+    assert one["verify_devices"] == one["packed_devices"] and len(one["verify_devices"]) == 1
