@@ -118,7 +118,8 @@ def _timeline(marks: list[dict], timeline: list, shared: bool) -> dict:
         sync_s = ts - max(tv, tp) if sync else 0.0
         gap = max(0.0, marks[k + 1]["dispatch"] - ts) if k + 1 < len(marks) else 0.0
         totals["verify_s"] += tv - start
-        totals["packed_s"] += tp - packed_start
+        # (a small pack can be ready before its dispatch call returns: it then counts 0, not < 0)
+        totals["packed_s"] += max(0.0, tp - packed_start)
         totals["sync_s"] += sync_s
         totals["gap_s"] += gap
         totals["overlap_s"] += overlap
