@@ -27,6 +27,9 @@ ROOT = Path(__file__).resolve().parent.parent
 DEMO = ROOT / "artifacts" / "demo"
 TARGET, DRAFTER, TOKENIZER = DEMO / "models" / "target", DEMO / "drafters" / "small", DEMO / "tokenizer"
 N_NEW = 20
+# The demo models are stored in bfloat16; in float32 a row's greedy output does not depend on which
+# other rows share its batch (bfloat16 rounds 1- and many-row matmuls differently on a CPU).
+DTYPE = "float32"
 TEXTS = ["To be, or not to be, that is the question:", "def main():\n    ", "O Romeo, Romeo!",
          "import os\nimport sys\n\n", "Friends, Romans, countrymen, lend me your ears;", "class Stack:",
          "Now is the winter of our discontent", "for i in range(10):", "All the world's a stage,",
@@ -47,7 +50,7 @@ def reference():
     """infer/generate.py's greedy plain outputs (chat template, non-thinking) for TEXTS."""
     from d3d_jax.io.hf import load_tokenizer
 
-    argv = ["--target", str(TARGET), "--tokenizer", str(TOKENIZER), "--mode", "plain", "--chat",
+    argv = ["--target", str(TARGET), "--tokenizer", str(TOKENIZER), "--dtype", DTYPE, "--mode", "plain", "--chat",
             "--max-new-tokens", str(N_NEW), "--json"] + [a for t in TEXTS for a in ("--prompt", t)]
     outs = _load_cli("generate").main(argv)
     tok = load_tokenizer(TOKENIZER)[0]
@@ -58,7 +61,7 @@ def reference():
 def models():
     from d3d_jax.io.checkpoint import load_model
 
-    return load_model(str(TARGET)), load_model(str(DRAFTER))
+    return load_model(str(TARGET), dtype=DTYPE), load_model(str(DRAFTER), dtype=DTYPE)
 
 
 def _stream_chat(client, text: str) -> str:
@@ -161,7 +164,7 @@ def test_load_200_requests_with_cancellations(models, tmp_path):
         n = 100 if cancel else rng.randrange(1, max_new + 1)
         jobs.append((k, n, rng.randrange(1, 4) if cancel else None))
     env = dict(os.environ, D3D_API_KEY="load-test-key")
-    server = ServerProcess(["--target", str(TARGET), "--tokenizer", str(TOKENIZER), "--mode", "plain",
+    server = ServerProcess(["--target", str(TARGET), "--tokenizer", str(TOKENIZER), "--dtype", DTYPE, "--mode", "plain",
                             "--num-slots", "8", "--max-model-len", "192", "--served-model-name", "demo"],
                            timeout_s=300, env=env)
     try:
