@@ -87,10 +87,12 @@ def _settings(p, has_async: bool) -> B.EvalSettings:
     return settings
 
 
-def _sync_against(p, target, drafter, suites, settings, plain_runs, kw, block: int | None = None) -> dict:
-    """Per suite: ``drafter``'s sync summary against the shared plain runs (ablations, other B)."""
+def _sync_against(p, target, drafter, suites, settings, plain_runs, kw, block: int | None = None,
+                  drafter_share: bool = False) -> dict:
+    """Per suite: ``drafter``'s sync summary against the shared plain runs (ablations, other B),
+    with the drafter's share of round time when asked."""
     s_set = B.dataclasses.replace(settings, modes=("sync",), block_size=block or settings.block_size,
-                                  drafter_share_samples=0 if block is None else 1)
+                                  drafter_share_samples=int(drafter_share))
     res, raw = B.evaluate(target, drafter, p.tokenizer(), suites, s_set, **kw)
     out = {}
     for s in suites:
@@ -158,7 +160,8 @@ def benchmark(p) -> dict:
         if plain_runs is None:
             plain_runs = {s: raw[s]["plain"] for s in raw}
             for b in c.eval_compare_blocks:  # the same drafter verifying another block size
-                other = _sync_against(p, target, drafter, suites, settings, plain_runs, kw, block=b)
+                other = _sync_against(p, target, drafter, suites, settings, plain_runs, kw, block=b,
+                                      drafter_share=True)
                 for s in suites:
                     res[s][f"sync_b{b}"] = other[s]
     main = c.eval_drafters[0]

@@ -288,7 +288,7 @@ def table1(results: dict[str, dict[str, dict]], methods: Sequence[str] = ("plain
     """A markdown table shaped like the paper's Table 1: one row per method, per benchmark
     ``speedup×`` and ``τ``, then the averages, target forwards per token (1/τ: the gain no
     hardware can change), the drafter's share of round time and (async) the overlap fraction."""
-    benches = [b for b in results if isinstance(results[b], dict)]
+    benches = list(results)
     head = ("| Method | " + " | ".join(f"{b} speedup | {b} τ" for b in benches)
             + " | Avg speedup | Avg τ | target fwd/token | drafter share | overlap |")
     sep = "|" + "---|" * (2 * len(benches) + 6)
@@ -420,17 +420,17 @@ def sync_drafter_share(target, drafter, tokenizer, samples: Sequence[Sample], se
                        eos_token_ids, mask_token_id, encode_fn: Callable) -> dict:
     """The drafter's share of a sync round: the first samples re-run with the host-driven loop,
     which waits after drafting and after verifying (the timed runs use the fused on-device loop,
-    which has no such seams).  The first call warms up; compilation is never counted."""
+    which has no such seams).  One untimed call warms up; compilation is never counted."""
     gen = make_generate_fn(target, drafter, settings, eos_token_ids, mask_token_id,
                            extra_options={"loop": "host"})
-    chosen = list(samples[: settings.drafter_share_samples])
+    prompts = [encode_fn(tokenizer, [{"role": "user", "content": s.turns[0]}])
+               for s in samples[: settings.drafter_share_samples]]
+    gen(prompts[:1], "sync")  # warm-up
     draft = verify = 0.0
-    for k in range(2):
-        draft = verify = 0.0
-        for s in chosen:
-            out = gen([encode_fn(tokenizer, [{"role": "user", "content": s.turns[0]}])], "sync")[0]
-            draft += float(out.metrics.get("draft_s") or 0.0)
-            verify += float(out.metrics.get("verify_s") or 0.0)
+    for ids in prompts:
+        out = gen([ids], "sync")[0]
+        draft += float(out.metrics.get("draft_s") or 0.0)
+        verify += float(out.metrics.get("verify_s") or 0.0)
     total = draft + verify
     return {"drafter_share": draft / total if total > 0 else None, "host_loop_draft_s": draft,
             "host_loop_verify_s": verify}
