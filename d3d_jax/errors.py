@@ -43,3 +43,8 @@ class ModelFileError(D3DError, ValueError):
 
 class NonFiniteError(D3DError, RuntimeError):
     """A NaN / inf loss, gradient or weight: training stopped, or an export was refused."""
+
+
+class ResourceError(D3DError, RuntimeError):
+    """The machine refused an operation on a named path: a full disk, a read-only or looping
+    directory, a file where a directory belongs.  Nothing already written is lost."""

@@ -296,3 +296,64 @@ def test_settings_diff_compares_only_keys_both_sides_know():
     current = {"model": {"num_layers": 2, "new_field": 5}, "optim": {"name": "adamw"}, "data": {"seed": 0}}
     assert settings_diff(saved, current) == ["model.num_layers (checkpoint 1, config 2)"]
     assert settings_diff(current, current) == []
+
+
+# ---- identity (issue 21) -------------------------------------------------------------------
+def test_a_step_copied_over_the_newest_one_is_damage_not_that_step(corpus, template, tmp_path):
+    run_dir = _copy(template, tmp_path)
+    shutil.rmtree(run_dir / "checkpoints/4")
+    shutil.copytree(run_dir / "checkpoints/2", run_dir / "checkpoints/4")  # rm -rf ck/4; cp -a ck/2 ck/4
+    logs = []
+    tr = Trainer(_cfg(corpus, run_dir), log=logs.append)
+    warnings = [l for l in logs if "warning" in l]
+    assert tr.step == 2 and len(warnings) == 1, logs  # not "resumed from step 4"
+    assert "step 4: its manifest names step 2" in warnings[0] and "resuming from step 2" in warnings[0]
+    assert (run_dir / "checkpoints_damaged/4").is_dir()
+    got = [r["loss"] for r in tr.fit()]
+    tr.close()
+    np.testing.assert_allclose(got, template[1][2:], rtol=1e-6)  # steps 3-6 are steps 3-6, not 1-4 again
+
+
+def test_manifest_names_step_settings_hash_and_data_position(template):
+    from d3d_jax.io.manifest import read_manifest
+    from d3d_jax.training.checkpoints import identity_problem, settings_sha256
+
+    manifest, _ = read_manifest(template[0] / "checkpoints/4")
+    assert manifest["step"] == 4 and manifest["data_state"] == {"next_index": 4}
+    assert manifest["settings_sha256"] == settings_sha256(manifest["settings"])
+    assert identity_problem(4, manifest) is None
+    assert "data iterator stands at batch 3" in identity_problem(4, {**manifest, "data_state": {"next_index": 3}})
+    assert "do not match their hash" in identity_problem(4, {**manifest, "settings_sha256": "0" * 64})
+    legacy = {k: v for k, v in manifest.items() if k not in ("settings_sha256", "data_state")}
+    assert identity_problem(4, legacy) is None  # a manifest from before these fields still resumes
+
+
+def test_a_failed_async_save_stops_the_run_at_the_next_step_in_one_line(corpus, tmp_path, monkeypatch, capfd):
+    import errno
+
+    from d3d_jax.errors import ResourceError
+
+    real_manifest, real_step = TrainCheckpointer._write_step_manifest, Trainer.train_step
+
+    def full_disk_at_step_3(self, step_dir):
+        if self._pending[0] == 3:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_manifest(self, step_dir)
+
+    def step_4_takes_a_second(self, batch):  # long enough for the save thread to have failed
+        out = real_step(self, batch)
+        if self.step == 4:
+            time.sleep(1.0)
+        return out
+
+    monkeypatch.setattr(TrainCheckpointer, "_write_step_manifest", full_disk_at_step_3)
+    monkeypatch.setattr(Trainer, "train_step", step_4_takes_a_second)
+    tr = Trainer(_cfg(corpus, tmp_path / "run", "train.checkpoint_every=3"))
+    with pytest.raises(ResourceError) as e:
+        tr.fit()
+    tr.close()
+    msg = str(e.value)
+    _short_one_line(msg)
+    assert tr.step == 4, tr.step  # the step after the save, not at the next save (step 6)
+    assert msg.startswith(f"{tmp_path / 'run' / 'checkpoints'}/3: saving the checkpoint failed") and "Errno 28" in msg
+    assert "Traceback" not in capfd.readouterr().err  # Orbax's own tracebacks of it are not printed

@@ -10,9 +10,16 @@ and the run's *settings* (model shape, optimiser, data order; see :func:`run_set
   written and before Orbax's commit rename, so a committed step always carries its manifest and
   a step without one never finished.  Only the two files Orbax rewrites at commit are not hashed:
   ``commit_success.txt`` and ``_CHECKPOINT_METADATA`` (parsed and checked against the manifest).
+* Every manifest names its identity: the step, the hash of the run's settings and the data
+  iterator's position.  A step whose manifest names another step (``cp -a ck/20 ck/30``) or whose
+  iterator stands elsewhere than the step says is damaged like a truncated one.
 * A resume verifies the newest step, skips damaged ones with one warning line (moving them to
   ``checkpoints_damaged/``), and raises one :class:`CheckpointError` sentence when no step is
-  intact or the saved settings differ from this run's (naming every differing key).
+  intact or the saved settings differ from this run's (naming every differing key: a changed
+  setting is the user's intent, not damage, so nothing is moved for it).
+* A failed asynchronous save surfaces at the next :meth:`TrainCheckpointer.raise_if_failed`
+  (the loop calls it after every step) as one :class:`~d3d_jax.errors.ResourceError` line; Orbax's own
+  tracebacks of that failure are kept out of the log.
 * :class:`StopSignals` turns SIGTERM/SIGINT into a flag the loop reads between steps; with
   several processes it uses JAX's preemption sync point instead, so all hosts stop at one step.
 """
@@ -20,7 +27,9 @@ and the run's *settings* (model shape, optimiser, data order; see :func:`run_set
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
+import logging
 import os
 import shutil
 import signal
@@ -31,6 +40,7 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
+from d3d_jax.errors import ResourceError
 from d3d_jax.io.manifest import CheckpointError, read_manifest, verify_manifest, write_manifest
 
 STEP_METADATA = "_CHECKPOINT_METADATA"  # Orbax rewrites it at commit: parsed, not hashed
@@ -59,6 +69,29 @@ def run_settings(cfg: Any, model_config: Any) -> dict:
                 "data": dataclasses.asdict(cfg.data)}
     out = {name: {k: sec[k] for k in RESUME_KEYS[name] if k in sec} for name, sec in sections.items()}
     return json.loads(json.dumps(out))
+
+
+def settings_sha256(settings: dict | None) -> str | None:
+    """The config hash a manifest carries: sha256 of the settings' canonical JSON."""
+    if settings is None:
+        return None
+    return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()
+
+
+def identity_problem(step: int, manifest: dict) -> str | None:
+    """What makes ``manifest`` not step ``step``'s (``None`` if nothing).  Manifests written before
+    the identity fields existed lack the hash and the data position; those checks are skipped."""
+    named = manifest.get("step")
+    if named != step:
+        return f"its manifest names step {named} (a step directory copied or renamed)"
+    digest = manifest.get("settings_sha256")
+    if digest is not None and digest != settings_sha256(manifest.get("settings")):
+        return "its manifest's settings do not match their hash"
+    position = (manifest.get("data_state") or {}).get("next_index") if isinstance(
+        manifest.get("data_state"), dict) else None
+    if position is not None and position != step:  # one global batch per step
+        return f"its data iterator stands at batch {position}, not {step}"
+    return None
 
 
 def settings_diff(saved: dict, current: dict) -> list[str]:
@@ -111,13 +144,14 @@ class TrainCheckpointer:
         self.directory = Path(directory).resolve()
         self._ocp = ocp
         self._async = async_save
-        self._pending: tuple[int, dict | None] | None = None
+        self._pending: tuple[int, dict | None, Any] | None = None  # step, settings, data state
         self._options = ocp.CheckpointManagerOptions(
             max_to_keep=keep, enable_async_checkpointing=async_save, create=True,
             cleanup_tmp_directories=True,  # a save killed mid-write leaves <step>.orbax-checkpoint-tmp
             async_options=ocp.AsyncOptions(post_finalization_callback=self._manifest_in_save_thread)
             if async_save else None)
         self._manager = None
+        self._quiet = _SaveFailureFilter()
 
     @property
     def manager(self):
@@ -125,6 +159,7 @@ class TrainCheckpointer:
         # every step's metadata when it starts and logs errors for the damaged ones.
         if self._manager is None:
             self._manager = self._ocp.CheckpointManager(self.directory, options=self._options)
+            self._quiet.attach()
         return self._manager
 
     # ---- listing ----------------------------------------------------------------------------
@@ -153,11 +188,13 @@ class TrainCheckpointer:
         if config is not None:
             items["config"] = ocp.args.JsonSave(config)
         # The save thread reads _pending: the previous save must be done before it changes.
-        self.manager.wait_until_finished()
-        self._pending = (step, settings)
-        self.manager.save(step, args=ocp.args.Composite(**items), force=True)
+        self.wait()
+        self._pending = (step, settings, data_state)
+        with _naming_failure(self.directory, step):
+            self.manager.save(step, args=ocp.args.Composite(**items), force=True)
         if not self._async and jax.process_index() == 0:
-            self._write_step_manifest(self.directory / str(step))
+            with _naming_failure(self.directory, step):
+                self._write_step_manifest(self.directory / str(step))
         if not self._async:
             _barrier("d3d_manifest_sync_save")
 
@@ -169,12 +206,13 @@ class TrainCheckpointer:
         self._write_step_manifest(tmp if tmp.is_dir() else final)
 
     def _write_step_manifest(self, step_dir: Path) -> None:
-        step, settings = self._pending
+        step, settings, data_state = self._pending
         try:
             handlers = json.loads((step_dir / STEP_METADATA).read_text()).get("item_handlers")
         except (OSError, ValueError):
             handlers = None
-        write_manifest(step_dir, {"step": step, "settings": settings, "orbax_item_handlers": handlers},
+        write_manifest(step_dir, {"step": step, "settings": settings, "settings_sha256": settings_sha256(settings),
+                                  "data_state": _json_or_none(data_state), "orbax_item_handlers": handlers},
                        skip=_UNHASHED)
 
     # ---- verifying and restoring ----------------------------------------------------------------
@@ -182,6 +220,9 @@ class TrainCheckpointer:
         """``None`` when step ``step`` is intact, else a short phrase naming what is wrong."""
         step_dir = self.directory / str(step)
         manifest, problem = verify_manifest(step_dir)
+        if problem:
+            return problem
+        problem = identity_problem(step, manifest)
         if problem:
             return problem
         try:
@@ -272,16 +313,73 @@ class TrainCheckpointer:
             self._manager.reload()
         return dest
 
+    def raise_if_failed(self) -> None:
+        """Without blocking: one :class:`ResourceError` line if the last asynchronous save failed
+        (the loop calls this after every step, so a full disk stops the run at the next step)."""
+        if self._manager is not None and self._pending is not None and not self._manager.is_saving_in_progress():
+            self.wait()
+
     def wait(self) -> None:
+        """Block until the save in flight is written; its failure is one ResourceError line."""
         if self._manager is not None:
-            self._manager.wait_until_finished()
+            with _naming_failure(self.directory, self._pending[0] if self._pending else None):
+                self._manager.wait_until_finished()
 
     def close(self) -> None:
         if self._manager is not None:
-            self._manager.wait_until_finished()
-            self._manager.close()
+            try:
+                self.wait()
+            finally:
+                self._quiet.detach()
+                self._manager.close()
+                self._manager = None
 
 
+
+
+def _json_or_none(value: Any) -> Any:
+    try:
+        return json.loads(json.dumps(value))
+    except (TypeError, ValueError):
+        return None
+
+
+class _SaveFailureFilter(logging.Filter):
+    """Drops Orbax's ERROR records (with their tracebacks) of a failed save: the checkpointer
+    reports that failure itself, in one line.  Attached to the ``absl`` logger while a
+    checkpointer is open; every other record passes."""
+
+    PHRASES = ("background save thread", "Save Finalize thread", "wait_until_finished")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.levelno >= logging.ERROR and any(p in str(record.msg) for p in self.PHRASES))
+
+    def attach(self) -> None:
+        logging.getLogger("absl").addFilter(self)  # adding twice is a no-op
+
+    def detach(self) -> None:
+        logging.getLogger("absl").removeFilter(self)
+
+
+class _naming_failure:
+    """Turns any exception of a save into one :class:`ResourceError` line naming the step and
+    the cause (``OSError: [Errno 28] No space left on device``)."""
+
+    def __init__(self, directory: Path, step: int | None):
+        self.directory, self.step = directory, step
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, error, tb):
+        if error is None or isinstance(error, (CheckpointError, ResourceError, KeyboardInterrupt)):
+            return False
+        from d3d_jax.cli import one_line
+
+        where = f"{self.directory}/{self.step}" if self.step is not None else str(self.directory)
+        raise ResourceError(f"{where}: saving the checkpoint failed ({type(error).__name__}: "
+                              f"{one_line(error)[:300]}); the newest intact step is still there, "
+                              f"free space or fix the directory and rerun to resume") from None
 
 
 def _barrier(name: str) -> None:

@@ -433,6 +433,7 @@ class Trainer:
         try:
             while self.step < until:
                 metrics = self.train_step(next(self.train_iter))
+                self.checkpointer.raise_if_failed()  # a failed async save stops the run here, in one line
                 steps_since += 1
                 pending.append((self.step, metrics))
                 done = self.step == until
