@@ -49,31 +49,36 @@ def _int_keys_like(tree: Any, like: Any) -> Any:
 
 
 def save_params(model: Qwen3, directory: str | os.PathLike) -> Path:
-    """Write the model's config and parameters (param-only Orbax checkpoint, for inference)."""
+    """Write the model's config and parameters (param-only Orbax checkpoint, for inference).
+
+    Written beside ``directory`` and renamed into place (:mod:`d3d_jax.io.atomic`): a kill at any
+    moment leaves the previous export whole."""
     import orbax.checkpoint as ocp
 
+    from d3d_jax.io.atomic import staged_directory
     from d3d_jax.io.hf import check_finite_params
 
     check_finite_params(model, directory)
-    directory = Path(directory).resolve()
-    directory.mkdir(parents=True, exist_ok=True)
     primary = jax.process_index() == 0
-    if primary:  # an interrupted re-export must not look intact
-        (directory / MANIFEST_FILE).unlink(missing_ok=True)
     params = _str_keys(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
-    ckptr = ocp.StandardCheckpointer()
-    ckptr.save(directory / PARAMS_DIR, params, force=True)
-    ckptr.wait_until_finished()
-    if primary:
-        with open(directory / PARAMS_CONFIG_FILE, "w") as f:
-            json.dump({"format": _FORMAT, "model": dataclasses.asdict(model.config.portable())}, f,
-                      indent=2)
-        write_manifest(directory)
+    with staged_directory(directory, primary=primary, barrier=_sync,
+                          keep=lambda name: name not in (PARAMS_DIR, PARAMS_CONFIG_FILE, MANIFEST_FILE)) as tmp:
+        ckptr = ocp.StandardCheckpointer()
+        ckptr.save(tmp / PARAMS_DIR, params, force=True)
+        ckptr.wait_until_finished()
+        if primary:
+            with open(tmp / PARAMS_CONFIG_FILE, "w") as f:
+                json.dump({"format": _FORMAT, "model": dataclasses.asdict(model.config.portable())}, f,
+                          indent=2)
+            write_manifest(tmp)
+    return Path(directory).resolve()
+
+
+def _sync(name: str) -> None:
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
 
-        multihost_utils.sync_global_devices("d3d_save_params")
-    return directory
+        multihost_utils.sync_global_devices(name)
 
 
 def read_params_config(directory: str | os.PathLike) -> ModelConfig:

@@ -245,8 +245,22 @@ def save_qwen3(model: Qwen3, out_dir: str | os.PathLike, dtype: str | None = Non
     if dtype is not None and dtype not in DTYPES:
         raise ConfigError(f"dtype: must be one of {DTYPES}, got {dtype!r}")
     check_finite_params(model, out_dir)
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    from d3d_jax.io.atomic import staged_directory
+
+    # Written beside out_dir and renamed into place: a kill leaves the previous export whole.
+    # Files of the old directory the export does not write (a tokenizer, result.json) stay.
+    with staged_directory(out_dir, keep=lambda name: not _is_weights_file(name)) as tmp:
+        _write_hf_files(model, tmp, dtype, extra_config, max_shard_size, tokenizer)
+    return Path(out_dir)
+
+
+def _is_weights_file(name: str) -> bool:
+    """What an export rewrites: config and weights (a stale shard of another layout would confuse loaders)."""
+    return name in ("config.json", st.INDEX_FILE) or (name.startswith("model") and name.endswith(".safetensors"))
+
+
+def _write_hf_files(model: Qwen3, out: Path, dtype: str | None, extra_config: Mapping[str, Any] | None,
+                    max_shard_size: int | str | None, tokenizer: Any) -> None:
     cfg = model.config
     stored = dtype or cfg.param_dtype
     hf_cfg = cfg.to_hf_dict(torch_dtype=stored)
@@ -261,12 +275,10 @@ def save_qwen3(model: Qwen3, out_dir: str | os.PathLike, dtype: str | None = Non
     sizes = [(m.hf_name, int(np.prod(m.hf_shape)) * itemsize) for m in tensor_mappings(cfg)]
     limit = None if max_shard_size is None else st.parse_size(max_shard_size)
     shards = st.plan_shards(sizes, limit)
-    for stale in list(out.glob("model*.safetensors")) + [out / st.INDEX_FILE]:
-        stale.unlink(missing_ok=True)  # a previous export with another sharding would confuse loaders
     tensors = hf_tensors(model, stored)
     if len(shards) == 1:
         st.write_file(out / st.SINGLE_FILE, dict(tensors))
-        return out
+        return
     weight_map: dict[str, str] = {}
     total = 0
     for i, names in enumerate(shards):
@@ -280,7 +292,6 @@ def save_qwen3(model: Qwen3, out_dir: str | os.PathLike, dtype: str | None = Non
         st.write_file(out / fname, chunk)
     with open(out / st.INDEX_FILE, "w") as f:
         json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
-    return out
 
 
 # --------------------------------------------------------------------------------------
