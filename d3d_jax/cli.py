@@ -4,8 +4,11 @@
         sys.exit(run_cli(main))
 
 ``main(argv)`` runs with ``--debug`` taken out of ``argv``.  The project's own errors
-(:mod:`d3d_jax.errors`, ``ConfigError`` included) and a missing or unreadable path print
-``error: <message>`` and return the error's ``exit_code`` (2 usage, 1 runtime).  Anything else is
+(:mod:`d3d_jax.errors`, ``ConfigError`` included), every ``OSError`` (a missing, unreadable or
+read-only path, a symlink loop, a file where a directory belongs, a full disk, a port in use) and
+the accelerator running out of memory print ``error: <message>`` naming the path where there is
+one, and return the error's ``exit_code``: 2 for what the user asked for (flags, paths), 1 for
+what ran out or went wrong while running (a full disk, memory, file contents).  Anything else is
 a bug and keeps its traceback; ``--debug`` keeps the traceback for every error.
 """
 
@@ -14,17 +17,31 @@ from __future__ import annotations
 import sys
 from typing import Callable, Sequence
 
-from d3d_jax.errors import D3DError, UsageError
+from d3d_jax.errors import RESOURCE_ERRNOS, D3DError, UsageError
 
 DEBUG_FLAG = "--debug"
-# A path the user named that is not there (or not readable): a usage error, not a bug.
-_PATH_ERRORS = (FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError)
+
+
+def _out_of_device_memory(error: BaseException) -> bool:
+    return type(error).__name__ in ("XlaRuntimeError", "JaxRuntimeError") and "RESOURCE_EXHAUSTED" in str(error)
+
+
+def exit_code(error: BaseException) -> int:
+    """The exit status a command line returns for ``error`` (one it reports in one line)."""
+    if isinstance(error, D3DError):
+        return error.exit_code
+    if isinstance(error, OSError):
+        return 1 if error.errno in RESOURCE_ERRNOS else UsageError.exit_code
+    return 1
 
 
 def one_line(error: BaseException) -> str:
     """The error's message on one line (multi-line messages joined with '; ')."""
     if isinstance(error, OSError) and error.filename is not None:
-        text = f"{error.filename}: {error.strerror or error}"
+        also = f" -> {error.filename2}" if getattr(error, "filename2", None) else ""
+        text = f"{error.filename}{also}: {error.strerror or error}"
+    elif _out_of_device_memory(error):
+        text = "out of accelerator memory (" + str(error).strip().splitlines()[0][:300] + ")"
     else:
         text = str(error) or type(error).__name__
     return "; ".join(part.strip() for part in text.splitlines() if part.strip())
@@ -37,9 +54,9 @@ def run_cli(main: Callable[[list[str]], int | None], argv: Sequence[str] | None 
     argv = [a for a in argv if a != DEBUG_FLAG]
     try:
         status = main(argv)
-    except (D3DError, *_PATH_ERRORS) as e:
-        if debug:
+    except Exception as e:
+        if debug or not (isinstance(e, (D3DError, OSError)) or _out_of_device_memory(e)):
             raise
         print(f"error: {one_line(e)}", file=sys.stderr, flush=True)
-        return e.exit_code if isinstance(e, D3DError) else UsageError.exit_code
+        return exit_code(e)
     return status if isinstance(status, int) else 0

@@ -8,6 +8,13 @@ command line returns for it (:func:`d3d_jax.cli.run_cli`): 2 for what the user a
 
 from __future__ import annotations
 
+import errno
+
+# OSErrors of something that ran out (exit 1); any other OSError names a path that cannot work
+# as given (read-only, a file where a directory belongs, a symlink loop: exit 2).
+RESOURCE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO, errno.ENOMEM, errno.EMFILE,
+                             errno.ENFILE, errno.EADDRINUSE})
+
 
 class D3DError(Exception):
     """Base of every error the project reports to a user as one line."""
@@ -46,5 +53,18 @@ class NonFiniteError(D3DError, RuntimeError):
 
 
 class ResourceError(D3DError, RuntimeError):
-    """The machine refused an operation on a named path: a full disk, a read-only or looping
-    directory, a file where a directory belongs.  Nothing already written is lost."""
+    """The machine ran out while writing a named path (a full disk, a file-size limit).  Nothing
+    already written is lost."""
+
+
+class PathError(UsageError):
+    """A path that cannot work as given: read-only, a file where a directory belongs, a loop."""
+
+
+def os_error(path, error: OSError) -> D3DError:
+    """``error`` (raised while working on ``path``) as one line naming ``path``."""
+    if error.errno in (errno.EEXIST, errno.ENOTDIR) and error.filename is not None:
+        return PathError(f"{path}: {error.filename} is a file where a directory is needed")
+    where = f", at {error.filename}" if error.filename not in (None, str(path)) else ""
+    cls = ResourceError if error.errno in RESOURCE_ERRNOS else PathError
+    return cls(f"{path}: {error.strerror or error} (errno {error.errno}{where}); what was written before is kept")

@@ -142,6 +142,8 @@ def benchmark(p) -> dict:
     sizes), the ablations, the transformers peer and the async budget sweep; JSON, tables, plots."""
     import jax
 
+    from d3d_jax.io.pairing import check_pairing
+
     c, tok = p.cfg, p.tokenizer()
     t_start = time.time()
     target = p.load(p.model_dir("target"))
@@ -155,6 +157,7 @@ def benchmark(p) -> dict:
     plain_runs = None
     for dname in c.eval_drafters:
         drafter = p.load(p.drafter_dir(dname))
+        check_pairing(tok, target.config, drafter.config, eos_ids=kw["eos_token_ids"], where=str(p.drafter_dir(dname)))
         res, raw = B.evaluate(target, drafter, tok, suites, settings, **kw)
         report["drafters"][dname] = {"layers": drafter.config.num_layers, "results": res}
         if plain_runs is None:

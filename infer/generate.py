@@ -85,7 +85,24 @@ def parse_args(argv=None):
     for o in args.option:
         if o.split("=", 1)[0].strip() in BENCHMARK_ONLY_OPTIONS:
             refuse(f"--option {o.split('=', 1)[0].strip()}")
+    check_limits(args)
     return args
+
+
+def check_limits(args) -> None:
+    """Every number a flag gives, against what the program can do (:mod:`d3d_jax.config.limits`)."""
+    from d3d_jax.config import limits as L
+
+    L.check_sampling("--", temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+                     max_new_tokens=args.max_new_tokens)
+    for flag, value, lo, hi in (("--batch-size", args.batch_size, 1, L.MAX_SLOTS),
+                                ("--block-size", args.block_size, 2, L.MAX_BLOCK_SIZE),
+                                ("--max-cache-len", args.max_cache_len, 2, L.MAX_CACHE_LEN),
+                                ("--mask-token-id", args.mask_token_id, 0, L.INT32_MAX),
+                                ("--branch-positions", args.branch_positions, 2, L.MAX_BLOCK_SIZE),
+                                ("--branch-fanout", args.branch_fanout, 1, L.MAX_SLOTS)):
+        if value is not None:
+            L.require_int(value, flag, lo, hi)
 
 
 def _ids(text: str, what: str) -> list[int]:
@@ -171,7 +188,11 @@ def load_drafter(args, load_model):
             raise UsageError(f"--mode {args.mode} needs --drafter")
         drafter = load_model(args.drafter, dtype=args.dtype)
         mask = mask if mask is not None else drafter.config.mask_token_id
-        block = block if block is not None else drafter.config.block_size
+        trained = drafter.config.block_size
+        if block is not None and trained is not None and block > trained:
+            raise UsageError(f"--block-size {block} is more than the drafter was trained for ({trained}): its "
+                             f"slots past {trained} were never trained; use --block-size {trained} or less")
+        block = block if block is not None else trained
         if mask is None:
             raise UsageError("the drafter's config has no mask_token_id: pass --mask-token-id")
     elif args.drafter is not None:
@@ -204,6 +225,7 @@ def main(argv=None):
     from d3d_jax.decoding.engine import SamplingParams, generate, summarize_outputs
     from d3d_jax.io.checkpoint import load_model
     from d3d_jax.io.hf import has_tokenizer, load_tokenizer
+    from d3d_jax.io.pairing import check_pairing
 
     target = load_model(args.target, dtype=args.dtype)
     vocab = target.config.vocab_size
@@ -211,16 +233,19 @@ def main(argv=None):
     tokenizer = load_tokenizer(tok_path, vocab)[0] if args.tokenizer or has_tokenizer(tok_path) else None
     prompts = collect_prompts(args, tokenizer, vocab)
     drafter, block, mask = load_drafter(args, load_model)
+    eos = eos_ids(args, target.config, tokenizer)
+    mask = check_pairing(tokenizer, target.config, drafter.config if drafter is not None else None,
+                         mask_token_id=args.mask_token_id, eos_ids=eos, where=f"--drafter {args.drafter}")
     for flag, model in (("--target", target), ("--drafter", drafter)):
         if model is not None:
-            records.check_context(max(map(len, prompts)), args.max_new_tokens, model.config.max_position_embeddings,
+            records.check_context(max(map(len, prompts)), args.max_new_tokens, model.config.context_length,
                                   model=f"{flag} {getattr(args, flag[2:])}", allow_beyond=args.allow_beyond_context,
                                   hint="--allow-beyond-context")
     options = mode_options(args, block)
     try:
         outs = generate(target, prompts, mode=args.mode, drafter=drafter,
                         sampling=SamplingParams(args.temperature, args.top_p, args.top_k),
-                        max_new_tokens=args.max_new_tokens, eos_token_ids=eos_ids(args, target.config, tokenizer),
+                        max_new_tokens=args.max_new_tokens, eos_token_ids=eos,
                         stop_token_ids=_ids(args.stop_ids, "--stop-ids"), batch_size=args.batch_size,
                         seed=args.seed, block_size=block, mask_token_id=mask,
                         max_cache_len=args.max_cache_len, **options)

@@ -6,7 +6,9 @@
 
 Routes: POST /v1/completions, POST /v1/chat/completions (SSE with "stream": true), GET /v1/models,
 GET /health, GET /metrics (Prometheus).  Prints ``READY http://HOST:PORT ...`` once it accepts
-requests (``--port 0`` picks a free port).  The logic is in ``d3d_jax/serving/``.
+requests (``--port 0`` picks a free port).  The logic is in ``d3d_jax/serving/``.  Bad flags and
+files end in one line on stderr (exit 2: flags and paths, 1: file contents); ``--debug`` shows
+the traceback.
 """
 
 from __future__ import annotations
@@ -27,4 +29,8 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    import sys
+
+    from d3d_jax.cli import run_cli
+
+    sys.exit(run_cli(main))

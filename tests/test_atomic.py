@@ -44,7 +44,7 @@ def test_hf_export_failing_midway_leaves_the_old_export_whole(tmp_path, models, 
         return real(path, arrays)
 
     monkeypatch.setattr(st, "write_file", disk_full_after_one_shard)
-    with pytest.raises(OSError, match="No space left"):
+    with pytest.raises(ResourceError, match=f"^{out}: No space left on device \\(errno 28\\); what was written"):
         save_qwen3(new, out, max_shard_size="20KB")
     monkeypatch.setattr(st, "write_file", real)
     assert snapshot(out) == before  # not one byte of the old export changed
@@ -68,7 +68,7 @@ def test_param_export_failing_before_its_manifest_leaves_the_old_one_intact(tmp_
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(ck, "write_manifest", full)
-    with pytest.raises(OSError):
+    with pytest.raises(ResourceError, match="No space left on device"):
         save_params(new, out)
     assert snapshot(out) == before and verify_manifest(out)[1] is None
     assert sorted(p.name for p in tmp_path.iterdir()) == ["params"]

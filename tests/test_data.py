@@ -214,3 +214,13 @@ def test_first_block_anchor_on_the_last_prompt_token(tmp_path):
                 assert list(b["tokens"][r, base:base + B]) == [7] + [MASK] * (B - 1)
                 assert list(b["labels"][r, base + 1:base + B]) == recs[r]["response_token_ids"][:B - 1]
                 assert list(b["slot"][r, base:base + B]) == list(range(B))
+
+
+def test_a_byte_order_mark_does_not_drop_the_first_record(tmp_path):
+    recs = D.synthetic_records(3, vocab_size=64, seed=2)
+    path = tmp_path / "bom.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + b"".join(json.dumps(r).encode() + b"\n" for r in recs))  # Notepad's UTF-8
+    cfg = DataConfig(packed_length=96, num_anchors=2, block_size=4)
+    examples, stats = D.load_examples(path, None, cfg, vocab_size=64)
+    assert stats.kept == 3 and stats.invalid == 0, stats.skipped
+    assert examples[0].line == 1 and examples[0].tokens[0] == recs[0]["prompt_token_ids"][0]

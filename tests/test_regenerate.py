@@ -248,6 +248,28 @@ def test_interrupted_then_resumed_equals_uninterrupted(full_run, target, tokeniz
     assert canon(resumed) == canon(_lines(full_run[0]))
 
 
+def test_damaged_records_are_not_done_but_set_aside_listed_and_regenerated(full_run, target, tokenizer,
+                                                                          prompts_file, tmp_path):
+    out = tmp_path / "out.jsonl"
+    good = _lines(full_run[0])
+    damaged = {0: "oops", 3: [1.5, 2.0], 6: [5, 10 ** 9]}  # a string, floats, an id past the vocabulary
+    lines = []
+    for i, r in enumerate(good):
+        lines.append(json.dumps({**r, "response_token_ids": damaged[i]} if i in damaged else r))
+    out.write_text("".join(x + "\n" for x in lines))
+    summary = _run(target, tokenizer, prompts_file, out)
+    assert summary.already_done == 8 and summary.written == 3 and summary.generated_tokens > 0
+    listed = summary.invalid_records
+    assert [n for n, _ in listed] == [1, 4, 7] and f"id {good[0]['id']!r}: 'response_token_ids' must be a list" in listed[0][1]
+    assert "'response_token_ids'[0] is 1.5, not an integer" in listed[1][1] and "outside" in listed[2][1]
+    assert "invalid output records set aside and regenerated: 3" in summary.format()
+    resumed = _lines(out)
+    assert len({r["id"] for r in resumed}) == len(resumed) == 11  # each id once: the bad lines moved out
+    canon = lambda rs: sorted(json.dumps(r, sort_keys=True) for r in rs)  # noqa: E731
+    assert canon(resumed) == canon(good)  # regenerated exactly as the uninterrupted run wrote them
+    assert [json.loads(x)["response_token_ids"] for x in open(str(out) + ".invalid")] == list(damaged.values())
+
+
 def test_resume_refuses_a_file_from_other_settings(full_run, target, tokenizer, prompts_file, tmp_path):
     out = tmp_path / "out.jsonl"
     out.write_bytes(open(full_run[0], "rb").readline())
@@ -408,3 +430,28 @@ def test_too_many_malformed_prompts_stop_before_generating(target, tokenizer, pr
     with pytest.raises(rg.DataError, match="none of this shard's 11 prompts is usable .*tokens > 2"):
         _run(target, tokenizer, prompts_file, out, max_prompt_tokens=2)
     assert not out.exists()
+
+
+def test_a_disk_filling_during_regeneration_is_one_line_and_the_rerun_completes(full_run, target, tokenizer,
+                                                                                prompts_file, tmp_path):
+    """A real write failure: the file-size limit (RLIMIT_FSIZE) stands in for a full disk."""
+    import resource
+    import signal
+
+    from d3d_jax.errors import ResourceError
+
+    out = tmp_path / "out.jsonl"
+    limit = len(open(full_run[0], "rb").readline()) * 5 // 2  # room for two records of the first batch
+    old_limit, old_handler = resource.getrlimit(resource.RLIMIT_FSIZE), signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, old_limit[1]))
+    try:
+        with pytest.raises(ResourceError) as e:
+            _run(target, tokenizer, prompts_file, out)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, old_limit)
+        signal.signal(signal.SIGXFSZ, old_handler)
+    assert str(e.value).startswith(f"{out}: File too large (errno 27)") and "\n" not in str(e.value)
+    summary = _run(target, tokenizer, prompts_file, out)  # the torn tail goes, the rest is resumed
+    assert summary.written == 11 - summary.already_done and summary.complete
+    canon = lambda rs: sorted(json.dumps(r, sort_keys=True) for r in rs)  # noqa: E731
+    assert canon(_lines(out)) == canon(_lines(full_run[0]))

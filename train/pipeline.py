@@ -36,7 +36,7 @@ def main(argv=None) -> int:
                     help="also replace the shipped reference results in <out_dir>/eval (default: the "
                          "benchmark writes only under the work dir, runs/, so the checkout stays clean)")
     ap.add_argument("overrides", nargs="*", help="key=value config overrides")
-    args = ap.parse_args(argv)
+    args = ap.parse_intermixed_args(argv)  # key=value before and after each --config
 
     from d3d_jax.config import PipelineConfig, load_config
     from d3d_jax.pipeline import Pipeline

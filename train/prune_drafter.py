@@ -27,7 +27,10 @@ def main(argv=None) -> int:
     maybe_initialize_distributed()  # before the config: validating it may count devices (starts JAX)
     cfg, _ = parse_config_cli(PruneRunConfig, argv, __doc__)
 
+    from d3d_jax.io.checkpoint import stored_model_config
     from d3d_jax.training.pruning import run_pruning
+
+    cfg.prune.check_depth(stored_model_config(cfg.prune.drafter).num_layers)  # before loading anything
 
     report = run_pruning(cfg)
     rounds = report["rounds"]

@@ -44,7 +44,7 @@ def main(argv=None) -> int:
     ap.add_argument("--merge", action="store_true",
                     help="after every process finished: join the --process-count shard files into --out")
     ap.add_argument("overrides", nargs="*", help="key=value RegenerateConfig overrides")
-    args = ap.parse_args(argv)
+    args = ap.parse_intermixed_args(argv)  # key=value before and after each --config
 
     flags = {"greedy": args.greedy, "max_new_tokens": args.max_new_tokens, "batch_size": args.batch_size,
              "seed": args.seed, "max_records": args.max_records, "process_index": args.process_index,
@@ -66,16 +66,18 @@ def main(argv=None) -> int:
 
     from d3d_jax.errors import UsageError
     from d3d_jax.io.checkpoint import stored_model_config
-    from d3d_jax.io.hf import open_tokenizer
+    from d3d_jax.io.hf import eos_token_ids, open_tokenizer
+    from d3d_jax.io.pairing import check_pairing
     from d3d_jax.training import records
 
     # Everything that can be checked without the weights is checked before loading them.
     if not os.path.isfile(args.prompts):
         raise UsageError(f"--prompts {args.prompts}: no such file")
     target_cfg = stored_model_config(args.target)
-    records.check_context(1, cfg.max_new_tokens, target_cfg.max_position_embeddings, model=args.target)
+    records.check_context(1, cfg.max_new_tokens, target_cfg.context_length, model=args.target)
     tokenizer = open_tokenizer(args.tokenizer or args.target, vocab_size=target_cfg.vocab_size,
                                hint="" if args.tokenizer else " (pass --tokenizer DIR)")
+    check_pairing(tokenizer, target_cfg, eos_ids=eos_token_ids(target_cfg, tokenizer))
 
     import jax
 

@@ -28,6 +28,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from d3d_jax.errors import UsageError
+
 ROOT = Path(__file__).resolve().parents[2]
 DEMO = ROOT / "artifacts" / "demo"
 
@@ -57,7 +59,7 @@ def _prompts(args, n: int) -> list[str]:
 
     samples = B.load_benchmark(args.prompts, template="plain", passage_chars=args.passage_chars, limit=n)
     if not samples:
-        raise SystemExit(f"error: benchmark {args.prompts!r} gave no prompts")
+        raise UsageError(f"benchmark {args.prompts!r} gave no prompts")
     return [s.turns[0] for s in samples]
 
 
@@ -200,9 +202,9 @@ def main(args) -> int:
     levels = sorted({int(c) for c in args.concurrency.split(",") if c})
     modes = [m for m in args.modes.split(",") if m]
     if not levels or min(levels) < 1 or args.requests_per_client < 1 or args.max_tokens < 1:
-        raise SystemExit("error: --concurrency, --requests-per-client and --max-tokens must be >= 1")
+        raise UsageError("--concurrency, --requests-per-client and --max-tokens must be >= 1")
     if any(m not in ("plain", "sync", "async") for m in modes):
-        raise SystemExit(f"error: --modes: plain, sync or async, got {args.modes!r}")
+        raise UsageError(f"--modes: plain, sync or async, got {args.modes!r}")
     prompts = _prompts(args, max(levels) * args.requests_per_client)
     report: dict = {"settings": {k: v for k, v in vars(args).items() if k != "func"}, "modes": {}}
     for mode in modes:

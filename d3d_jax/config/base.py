@@ -231,7 +231,7 @@ def parse_config_cli(cls: type, argv: Sequence[str] | None, description: str | N
     if add_arguments is not None:
         add_arguments(ap)
     ap.add_argument("overrides", nargs="*", help="key=value overrides, e.g. train.steps=100")
-    args = ap.parse_args(argv)
+    args = ap.parse_intermixed_args(argv)  # key=value before and after each --config
     return load_config(cls, args.config, args.overrides), args
 
 

@@ -11,6 +11,7 @@ from typing import Any, Mapping, Sequence
 from d3d_jax.config.base import (CONFIG_DIR, DTYPES, ConfigError, _HF_KEY_NAMES, _MISSING,  # noqa: F401
                                  _convert, _deep_merge, _require, build_dataclass, load_config,
                                  parse_overrides)
+from d3d_jax.config.rope import RopeScaling, rope_to_hf
 
 
 # --------------------------------------------------------------------------------------
@@ -47,17 +48,6 @@ def check_attention_backend(name: str, key: str = "model.attention_backend") -> 
                           f"{platform}; available on {platform}: {', '.join(here)}")
 
 
-_JSON_WANT = {int: "an integer", float: "a number", bool: "a boolean"}
-
-
-def _from_json(value: Any, tp: Any, key: str) -> Any:
-    """:func:`_convert` for a config.json value: JSON has types, so a string is never a number
-    (the YAML / ``key=value`` loader accepts ``"64"``; a config.json must not)."""
-    if isinstance(value, str) or (isinstance(value, list) and any(isinstance(v, str) for v in value)):
-        raise ConfigError(f"{key}: expected {_JSON_WANT.get(tp, tp)}, got {value!r}")
-    return _convert(value, tp, key)
-
-
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """Every field of a Qwen3 decoder (HF ``Qwen3Config``) plus our dtypes and D3D tokens."""
@@ -70,6 +60,8 @@ class ModelConfig:
     num_kv_heads: int = 2
     head_dim: int = 64
     rope_theta: float = 1_000_000.0
+    # None: plain RoPE; else linear / dynamic / yarn / longrope / llama3 (d3d_jax.config.rope).
+    rope_scaling: RopeScaling | None = None
     rms_norm_eps: float = 1e-6
     tie_word_embeddings: bool = True
     max_position_embeddings: int = 4096
@@ -109,14 +101,27 @@ class ModelConfig:
         _require(0 < self.rms_norm_eps < 1, f"{prefix}.rms_norm_eps", f"must be > 0 and < 1, got {self.rms_norm_eps}")
         _require(self.param_dtype in DTYPES, f"{prefix}.param_dtype", f"must be one of {DTYPES}")
         _require(self.dtype in DTYPES, f"{prefix}.dtype", f"must be one of {DTYPES}")
-        if self.mask_token_id is not None:
-            _require(0 <= self.mask_token_id < self.vocab_size, f"{prefix}.mask_token_id",
-                     f"{self.mask_token_id} is outside the vocabulary [0, {self.vocab_size})")
+        if self.rope_scaling is not None:
+            self.rope_scaling.validate(f"{prefix}.rope_scaling", self.head_dim, self.max_position_embeddings,
+                                      self.rope_theta)
+        self._validate_token_ids(prefix)
         if self.block_size is not None:
             _require(self.block_size >= 2, f"{prefix}.block_size", "must be >= 2")
         _require(self.remat_policy in REMAT_POLICIES, f"{prefix}.remat_policy",
                  f"must be one of {', '.join(REMAT_POLICIES)}, got {self.remat_policy!r}")
         self._validate_attention(prefix)
+
+    def _validate_token_ids(self, prefix: str) -> None:
+        """Every id the config names lies in the vocabulary: an EOS id outside it would never end
+        a response (and used to be dropped without a word)."""
+        eos = self.eos_token_id
+        named = [("mask_token_id", self.mask_token_id), ("bos_token_id", self.bos_token_id),
+                 ("pad_token_id", self.pad_token_id)]
+        named += [("eos_token_id", t) for t in (eos if isinstance(eos, (list, tuple)) else [eos])]
+        for key, value in named:
+            if value is not None:
+                _require(0 <= value < self.vocab_size, f"{prefix}.{key}",
+                         f"{value} is outside the vocabulary [0, {self.vocab_size})")
 
     def _validate_attention(self, prefix: str) -> None:
         key, h = f"{prefix}.attention_backend", self.head_dim
@@ -137,57 +142,27 @@ class ModelConfig:
         return self.remat_policy
 
     @property
+    def context_length(self) -> int:
+        """Positions the model is meant for: ``max_position_embeddings``, or what its RoPE scaling
+        extends the pretraining length to (YaRN factor 4 on 32768: 131072, Qwen3's long context)."""
+        s = self.rope_scaling
+        if s is None:
+            return self.max_position_embeddings
+        orig = s.original_max_position_embeddings or self.max_position_embeddings
+        return max(self.max_position_embeddings, int(s.effective_factor(self.max_position_embeddings) * orig))
+
+    @property
     def num_groups(self) -> int:
         return self.num_heads // self.num_kv_heads
 
     # ---- Hugging Face config.json ------------------------------------------------------
     @classmethod
     def from_hf_dict(cls, hf: Mapping[str, Any], **overrides: Any) -> "ModelConfig":
-        """Build from a Qwen3 ``config.json`` (old top-level ``rope_theta`` or new ``rope_parameters``)."""
-        if hf.get("model_type") != "qwen3":
-            raise ConfigError(f"model_type: expected 'qwen3', got {hf.get('model_type')!r}")
-        # Variants our Qwen3 does not implement: refuse them rather than load them wrongly.
-        for key in ("attention_bias", "use_sliding_window"):
-            if hf.get(key):
-                raise ConfigError(f"config.json.{key}: {hf[key]!r} is not supported (Qwen3 uses false)")
-        rope_theta = hf.get("rope_theta")
-        rope_params = hf.get("rope_parameters") or hf.get("rope_scaling")
-        if isinstance(rope_params, Mapping):
-            rtype = rope_params.get("rope_type", rope_params.get("type", "default"))
-            if rtype not in (None, "default"):
-                raise ConfigError(f"rope_parameters.rope_type: only 'default' RoPE is supported, got {rtype!r}")
-            rope_theta = rope_params.get("rope_theta", rope_theta)
-        if rope_theta is None:  # transformers' Qwen3Config default, so both read a file alike
-            rope_theta = 10_000.0
-        def num(key: str, tp: type, default: Any = _MISSING) -> Any:
-            # A wrong value in config.json fails here, naming the key, not deep inside the model.
-            if key not in hf or hf[key] is None:
-                if default is _MISSING:
-                    raise ConfigError(f"config.json.{key}: missing from config.json")
-                return default
-            return _from_json(hf[key], tp, f"config.json.{key}")
+        """Build from a Qwen3 ``config.json``: every field that changes the maths is honoured as
+        transformers reads it or refused naming it (:mod:`d3d_jax.config.hf_config`)."""
+        from d3d_jax.config.hf_config import model_fields_from_hf
 
-        hidden = num("hidden_size", int)
-        heads = num("num_attention_heads", int)
-        _require(heads > 0, "config.json.num_attention_heads", f"must be > 0, got {heads}")
-        kwargs = dict(
-            vocab_size=num("vocab_size", int),
-            hidden_size=hidden,
-            intermediate_size=num("intermediate_size", int),
-            num_layers=num("num_hidden_layers", int),
-            num_heads=heads,
-            num_kv_heads=num("num_key_value_heads", int, heads),
-            head_dim=num("head_dim", int, hidden // heads),
-            rope_theta=_from_json(rope_theta, float, "config.json.rope_theta"),
-            rms_norm_eps=num("rms_norm_eps", float, 1e-6),
-            tie_word_embeddings=num("tie_word_embeddings", bool, False),
-            max_position_embeddings=num("max_position_embeddings", int, 40960),
-            mask_token_id=num("mask_token_id", int, None),
-            block_size=num("block_size", int, None),
-            bos_token_id=num("bos_token_id", int, None),
-            eos_token_id=num("eos_token_id", int | list[int], None),
-            pad_token_id=num("pad_token_id", int, None),
-        )
+        kwargs = model_fields_from_hf(hf)
         kwargs.update(overrides)
         cfg = cls(**kwargs)
         try:
@@ -196,7 +171,8 @@ class ModelConfig:
             msg = str(e)
             for ours, theirs in _HF_KEY_NAMES.items():
                 msg = msg.replace(f"config.json.{ours}:", f"config.json.{theirs}:")
-            raise ConfigError(msg) from None
+            used = "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"  # the key the file used
+            raise ConfigError(msg.replace("config.json.rope_scaling.", f"config.json.{used}.")) from None
         return cfg
 
     def to_hf_dict(self, torch_dtype: str | None = None) -> dict[str, Any]:
@@ -212,7 +188,7 @@ class ModelConfig:
             "head_dim": self.head_dim,
             "hidden_act": "silu",
             "rope_theta": self.rope_theta,
-            "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
+            "rope_parameters": rope_to_hf(self.rope_theta, self.rope_scaling),
             "rms_norm_eps": self.rms_norm_eps,
             "tie_word_embeddings": self.tie_word_embeddings,
             "max_position_embeddings": self.max_position_embeddings,

@@ -33,6 +33,12 @@ class PruneConfig:
     export_rounds: bool = True  # Orbax params + HF export of every round's recovered drafter
     progress_bar: bool = True
 
+    def check_depth(self, num_layers: int, prefix: str = "prune") -> None:
+        """Against the drafter's depth, once its config is read (before any work)."""
+        _require(1 <= self.target_layers <= num_layers, f"{prefix}.target_layers",
+                 f"must be in [1, {num_layers}] (the drafter {self.drafter} has {num_layers} layers), "
+                 f"got {self.target_layers}")
+
     def validate(self, prefix: str = "prune") -> None:
         _require(bool(self.drafter), f"{prefix}.drafter", "must name the trained drafter (HF dir or params)")
         _require(self.target_layers >= 1, f"{prefix}.target_layers", "must be >= 1")

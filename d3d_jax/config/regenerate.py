@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from d3d_jax.config.base import DTYPES, _require
+from d3d_jax.config.limits import MAX_CACHE_LEN, MAX_SLOTS, check_sampling, require_int
 from d3d_jax.config.model import MeshConfig
 
 
@@ -39,18 +40,16 @@ class RegenerateConfig:
     def validate(self, prefix: str = "regenerate") -> None:
         self.mesh.validate(f"{prefix}.mesh")
         _require(self.num_devices >= 0, f"{prefix}.num_devices", "must be >= 0")
-        _require(self.temperature >= 0, f"{prefix}.temperature", f"must be >= 0, got {self.temperature}")
-        _require(0 < self.top_p <= 1, f"{prefix}.top_p", f"must be in (0, 1], got {self.top_p}")
-        _require(self.top_k >= 0, f"{prefix}.top_k", f"must be >= 0 (0 = off), got {self.top_k}")
-        _require(self.max_new_tokens >= 1, f"{prefix}.max_new_tokens", "must be >= 1")
-        _require(self.batch_size >= 1, f"{prefix}.batch_size", "must be >= 1")
-        _require(self.cache_multiple >= 1, f"{prefix}.cache_multiple", "must be >= 1")
+        check_sampling(f"{prefix}.", temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+                       seed=self.seed, max_new_tokens=self.max_new_tokens)
+        require_int(self.batch_size, f"{prefix}.batch_size", 1, MAX_SLOTS)
+        require_int(self.cache_multiple, f"{prefix}.cache_multiple", 1, MAX_CACHE_LEN)
         _require(0 <= self.max_skipped_fraction <= 1, f"{prefix}.max_skipped_fraction",
                  f"must be in [0, 1], got {self.max_skipped_fraction}")
         if self.max_records is not None:
             _require(self.max_records >= 0, f"{prefix}.max_records", "must be >= 0")
         if self.max_prompt_tokens is not None:
-            _require(self.max_prompt_tokens >= 1, f"{prefix}.max_prompt_tokens", "must be >= 1")
+            require_int(self.max_prompt_tokens, f"{prefix}.max_prompt_tokens", 1, MAX_CACHE_LEN)
         if self.process_count is not None:
             _require(self.process_count >= 1, f"{prefix}.process_count", "must be >= 1")
         if self.process_index is not None:

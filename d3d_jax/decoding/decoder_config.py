@@ -69,6 +69,7 @@ class DecoderConfig:
             raise ConfigError(f"decoder.num_slots: must be >= 1, got {self.num_slots}")
         if self.mode != "plain" and int(self.block_size) < 2:
             raise ConfigError(f"decoder.block_size: must be >= 2, got {self.block_size}")
+        self._validate_sizes()
         if self.mode == "async":
             self.layout.validate(prefix="decoder")
         if int(self.max_cache_len) < self.width + 1:
@@ -88,6 +89,15 @@ class DecoderConfig:
             hash(self)
         except TypeError as e:
             raise ConfigError(f"decoder: every field must be hashable ({e})") from None
+
+    def _validate_sizes(self) -> None:
+        """Sizes bounded by what a decoder can do (:mod:`d3d_jax.config.limits`, issue 21)."""
+        from d3d_jax.config.limits import MAX_BLOCK_SIZE, MAX_CACHE_LEN, MAX_SLOTS, require_int
+
+        require_int(self.num_slots, "decoder.num_slots", 1, MAX_SLOTS)
+        require_int(self.block_size, "decoder.block_size", 1, MAX_BLOCK_SIZE,
+                    " (B tokens are verified per round; τ <= B)")
+        require_int(self.max_cache_len, "decoder.max_cache_len", 2, MAX_CACHE_LEN)
 
     def _validate_override(self) -> None:
         o = self.acceptance_override

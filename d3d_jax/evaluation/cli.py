@@ -80,7 +80,7 @@ def check_limits(args, target, longest: int, block: int, modes: tuple[str, ...])
     from d3d_jax.decoding.branches import BranchLayout
     from d3d_jax.training.records import check_context
 
-    check_context(longest, args.max_new_tokens, target.config.max_position_embeddings,
+    check_context(longest, args.max_new_tokens, target.config.context_length,
                   model=f"--target {args.target}", allow_beyond=args.allow_beyond_context,
                   hint="--allow-beyond-context")
     if "async" in modes:
@@ -89,7 +89,7 @@ def check_limits(args, target, longest: int, block: int, modes: tuple[str, ...])
 
 def main(args) -> int:
     if args.concurrency < 1:
-        raise SystemExit(f"error: --concurrency must be >= 1, got {args.concurrency}")
+        raise UsageError(f"--concurrency must be >= 1, got {args.concurrency}")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     from d3d_jax import demo
@@ -97,6 +97,7 @@ def main(args) -> int:
     from d3d_jax.evaluation import plots
     from d3d_jax.io.checkpoint import load_model
     from d3d_jax.io.hf import eos_token_ids, load_tokenizer
+    from d3d_jax.io.pairing import check_pairing
 
     modes = tuple(m for m in args.modes.split(",") if m)
     if "plain" not in modes:
@@ -104,9 +105,13 @@ def main(args) -> int:
     target = load_model(args.target, dtype=args.dtype)
     tok, mask_id = load_tokenizer(args.tokenizer or args.target, target.config.vocab_size)
     drafter = load_model(args.drafter, dtype=args.dtype)
-    mask_id = drafter.config.mask_token_id if drafter.config.mask_token_id is not None else mask_id
-    block = args.block_size or drafter.config.block_size or 16
     eos_ids = eos_token_ids(target.config, tok)
+    drafter_mask = check_pairing(tok, target.config, drafter.config, eos_ids=eos_ids, where=f"--drafter {args.drafter}")
+    mask_id = drafter_mask if drafter_mask is not None else mask_id
+    trained = drafter.config.block_size
+    if args.block_size and trained and args.block_size > trained:
+        raise UsageError(f"--block-size {args.block_size} is more than the drafter was trained for ({trained})")
+    block = args.block_size or trained or 16
     suites = {}
     for spec in args.benchmarks:
         name, _, path = spec.partition("=")

@@ -1,4 +1,4 @@
-"""Directories that are replaced whole: an export is written beside its destination and renamed
+"""Directories that are replaced whole, and writes whose failure names the path: an export is written beside its destination and renamed
 into place, so a kill at any moment leaves either the old export or the new one, never a mix.
 
     with staged_directory(out_dir) as tmp:
@@ -20,7 +20,7 @@ import shutil
 from pathlib import Path
 from typing import Callable, Iterator
 
-from d3d_jax.errors import ResourceError
+from d3d_jax.errors import ResourceError, os_error
 
 
 def staging_paths(final: Path) -> tuple[Path, Path]:
@@ -83,7 +83,8 @@ def staged_directory(final: str | os.PathLike, *, keep: Callable[[str], bool] = 
         partial.mkdir()
     barrier("d3d_staged_directory_ready")
     try:
-        yield partial
+        with writing(final):  # a full disk names the export, not a temporary file
+            yield partial
         barrier("d3d_staged_directory_written")
     except BaseException:
         if primary:
@@ -97,3 +98,14 @@ def staged_directory(final: str | os.PathLike, *, keep: Callable[[str], bool] = 
         _fsync_dir(final.parent)
         shutil.rmtree(previous, ignore_errors=True)
     barrier("d3d_staged_directory_swapped")
+
+
+@contextlib.contextmanager
+def writing(path: str | os.PathLike) -> Iterator[None]:
+    """Turns an ``OSError`` while writing ``path`` into one line naming the path (a write's
+    ``OSError`` often names none): :class:`ResourceError` for a full disk or a file-size limit,
+    :class:`~d3d_jax.errors.PathError` for a read-only file system or a file in the way."""
+    try:
+        yield
+    except OSError as e:
+        raise os_error(path, e) from None

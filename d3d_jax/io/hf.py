@@ -350,12 +350,19 @@ def load_tokenizer(path: str | os.PathLike, vocab_size: int | None = None) -> tu
 
 def eos_token_ids(model_config: ModelConfig, tokenizer: Any = None) -> tuple[int, ...]:
     """The ids that end a response: the model config's ``eos_token_id`` (an id or a list) plus the
-    tokenizer's EOS token, those inside the vocabulary, sorted."""
+    tokenizer's EOS token, sorted.  One outside the vocabulary is refused, not dropped: it could
+    never end a response (the config's own are refused when it is read)."""
     ids = model_config.eos_token_id
     ids = [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
     if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
         ids.append(int(tokenizer.eos_token_id))
-    return tuple(sorted({int(i) for i in ids if 0 <= int(i) < model_config.vocab_size}))
+    bad = [int(i) for i in ids if not 0 <= int(i) < model_config.vocab_size]
+    if bad:
+        raise ModelFileError(f"EOS id {bad[0]} ({tokenizer.eos_token!r} of the tokenizer) is outside the model's "
+                             f"vocabulary [0, {model_config.vocab_size})" if tokenizer is not None and
+                             bad[0] == getattr(tokenizer, "eos_token_id", None) else
+                             f"EOS id {bad[0]} is outside the model's vocabulary [0, {model_config.vocab_size})")
+    return tuple(sorted({int(i) for i in ids}))
 
 
 def _rebuild(model: Qwen3, cfg: ModelConfig, replace_leaves: Mapping[PurePath, jax.Array]) -> Qwen3:

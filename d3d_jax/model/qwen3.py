@@ -31,6 +31,7 @@ from d3d_jax.model import kv_cache as kvc
 from d3d_jax.model.attention import attend
 from d3d_jax.model.flash_attention import save_flash_forward
 from d3d_jax.model.masks import TokenMeta, cache_key_meta, default_meta
+from d3d_jax.model.rope import frequencies as rope_frequencies
 from d3d_jax.parallel.sharding import shard
 
 _INIT = nnx.initializers.normal(0.02)
@@ -52,13 +53,17 @@ class RMSNorm(nnx.Module):
         return self.scale[...].astype(x.dtype) * xf.astype(x.dtype)
 
 
-def rope(x_btnh: jax.Array, positions_bt: jax.Array, theta: float) -> jax.Array:
-    """Rotary embedding, HF ``rotate_half`` convention, computed in float32."""
+def rope(x_btnh: jax.Array, positions_bt: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """Rotary embedding, HF ``rotate_half`` convention, computed in float32, with the config's
+    RoPE scaling (linear, dynamic, yarn, longrope, llama3: :mod:`d3d_jax.model.rope`)."""
     h = x_btnh.shape[-1]
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, h, 2, dtype=jnp.float32) / h))
+    inv_freq, attention = rope_frequencies(positions_bt, h, cfg.rope_theta, cfg.rope_scaling,
+                                           cfg.max_position_embeddings)
     freqs = positions_bt.astype(jnp.float32)[..., None] * inv_freq  # [b,t,h/2]
     emb = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]
     cos, sin = jnp.cos(emb), jnp.sin(emb)
+    if attention != 1.0:  # YaRN / longrope scale cos and sin (so q·k by its square)
+        cos, sin = cos * attention, sin * attention
     xf = x_btnh.astype(jnp.float32)
     x1, x2 = xf[..., : h // 2], xf[..., h // 2:]
     rotated = jnp.concatenate([-x2, x1], axis=-1)
@@ -88,8 +93,8 @@ class Attention(nnx.Module):
         q = jnp.einsum("btd,dnh->btnh", x_btd, self.q_proj.kernel[...].astype(dt))
         k = jnp.einsum("btd,dkh->btkh", x_btd, self.k_proj.kernel[...].astype(dt))
         v = jnp.einsum("btd,dkh->btkh", x_btd, self.v_proj.kernel[...].astype(dt))
-        q = rope(self.q_norm(q), meta.positions, cfg.rope_theta)
-        k = rope(self.k_norm(k), meta.positions, cfg.rope_theta)
+        q = rope(self.q_norm(q), meta.positions, cfg)
+        k = rope(self.k_norm(k), meta.positions, cfg)
         q = shard(q, ("batch", "length", "act_heads", "head_dim"))
         k = shard(k, ("batch", "length", "act_kv_heads", "head_dim"))
         v = shard(v, ("batch", "length", "act_kv_heads", "head_dim"))

@@ -59,25 +59,37 @@ def _has_tokenizer(path) -> bool:
 
 
 def _tokenizer_dir(args) -> str:
+    from d3d_jax.errors import UsageError
+
+    for flag in ("target", "drafter"):  # a missing model directory is that, not a missing tokenizer
+        path = getattr(args, flag)
+        if path is not None and not Path(path).is_dir():
+            raise UsageError(f"--{flag} {path}: not a directory (expected an HF Qwen3 directory or a "
+                             f"d3d_jax parameter checkpoint)")
     if args.tokenizer:
         if not _has_tokenizer(args.tokenizer):
-            raise SystemExit(f"error: --tokenizer {args.tokenizer}: no tokenizer files there")
+            raise UsageError(f"--tokenizer {args.tokenizer}: no tokenizer files there "
+                             f"({', '.join(TOKENIZER_FILES)})")
         return str(args.tokenizer)
     for path in (args.target, args.drafter):
         if _has_tokenizer(path):
             return str(path)
-    raise SystemExit("error: no tokenizer next to --target or --drafter: pass --tokenizer DIR")
+    searched = " or ".join(str(p) for p in (args.target, args.drafter) if p is not None)
+    raise UsageError(f"no tokenizer files in {searched}: pass --tokenizer DIR")
 
 
 def decoder_config(args, target_cfg, drafter_cfg):
     """The :class:`DecoderConfig` the flags ask for.  EOS ids stay per request (``ignore_eos``)."""
+    from d3d_jax.config import ConfigError
     from d3d_jax.decoding.decoder import DecoderConfig
 
-    block = args.block_size or (drafter_cfg.block_size if drafter_cfg is not None else None) or 16
+    trained = drafter_cfg.block_size if drafter_cfg is not None else None
+    if args.block_size and trained and args.block_size > trained:
+        raise ConfigError(f"--block-size {args.block_size} is more than the drafter was trained for ({trained}); "
+                          f"use --block-size {trained} or less")
+    block = args.block_size or trained or 16
     max_len = args.max_model_len or min(2048, target_cfg.max_position_embeddings)
     if max_len < block + 2:
-        from d3d_jax.config import ConfigError
-
         raise ConfigError(f"--max-model-len {max_len}: leaves no room for a prompt and a completion "
                           f"(must be >= block size {block} + 2)")
     async_kw = {}
@@ -90,25 +102,31 @@ def decoder_config(args, target_cfg, drafter_cfg):
 
 
 def load(args):
-    """(decoder, tokenizer, eos ids) for the flags."""
-    from d3d_jax.config import ConfigError
+    """(decoder, tokenizer, eos ids) for the flags; bad flags and files end in one error line."""
     from d3d_jax.decoding.decoder import SpecDecoder
+    from d3d_jax.errors import UsageError
     from d3d_jax.io.checkpoint import load_model
     from d3d_jax.io.hf import eos_token_ids, load_tokenizer
+    from d3d_jax.io.pairing import check_pairing
 
     if args.mode != "plain" and args.drafter is None:
-        raise SystemExit(f"error: --mode {args.mode} needs --drafter")
+        raise UsageError(f"--mode {args.mode} needs --drafter")
     if args.mode == "plain" and args.drafter is not None:
-        raise SystemExit("error: --drafter given with --mode plain")
+        raise UsageError("--drafter given with --mode plain")
     tokenizer = load_tokenizer(_tokenizer_dir(args))[0]
+    target = load_model(args.target, dtype=args.dtype)
+    drafter = load_model(args.drafter, dtype=args.dtype) if args.drafter else None
+    eos_ids = eos_token_ids(target.config, tokenizer)
+    check_pairing(tokenizer, target.config, drafter.config if drafter is not None else None, eos_ids=eos_ids,
+                  where=f"--drafter {args.drafter}")
+    cfg = decoder_config(args, target.config, drafter.config if drafter is not None else None)
     try:
-        target = load_model(args.target, dtype=args.dtype)
-        drafter = load_model(args.drafter, dtype=args.dtype) if args.drafter else None
-        cfg = decoder_config(args, target.config, drafter.config if drafter is not None else None)
         decoder = SpecDecoder(target, drafter, cfg)
-    except (ConfigError, ValueError) as e:
-        raise SystemExit(f"error: {e}") from None
-    return decoder, tokenizer, eos_token_ids(target.config, tokenizer)
+    except ValueError as e:  # the decoder checks its arguments with ValueError
+        if isinstance(e, UsageError):
+            raise
+        raise UsageError(str(e)) from None
+    return decoder, tokenizer, eos_ids
 
 
 def make_service(decoder, tokenizer, eos_ids, *, model_name: str, mode: str, api_key: str | None = None,
@@ -195,6 +213,9 @@ def main(args) -> None:
 
     from d3d_jax.serving.app import create_app
 
+    from d3d_jax.config.limits import PORTS, require_int
+
+    require_int(args.port, "--port", *PORTS)  # before minutes of loading and compiling, not after
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     api_key = args.api_key or os.environ.get("D3D_API_KEY") or None
     decoder, tokenizer, eos_ids = load(args)

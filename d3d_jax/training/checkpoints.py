@@ -51,7 +51,7 @@ _UNHASHED = (STEP_METADATA, "commit_success.txt")
 # field that changes shapes or the data belongs here.
 RESUME_KEYS = {
     "model": ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
-              "head_dim", "rope_theta", "rms_norm_eps", "tie_word_embeddings", "param_dtype", "mask_token_id",
+              "head_dim", "rope_theta", "rope_scaling", "rms_norm_eps", "tie_word_embeddings", "param_dtype", "mask_token_id",
               "block_size"),
     "optim": ("name", "learning_rate", "final_learning_rate", "warmup_steps", "b1", "b2", "eps", "weight_decay",
               "clip_norm", "quant_block_size"),

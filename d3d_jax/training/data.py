@@ -287,7 +287,7 @@ def load_lm_stream(path: str | Path, tokenizer: Any, eos_token_id: int | None, *
             raise DataError(f"{path}: a tokenizer is needed to read plain text (set data.tokenizer)")
         stats.lines = 1
         try:
-            text = path.read_bytes().decode("utf-8")
+            text = path.read_bytes().decode("utf-8-sig")  # a BOM is no text
         except UnicodeDecodeError as e:
             raise DataError(f"{path}: not UTF-8 text (byte 0x{e.object[e.start]:02X} at offset {e.start})") from None
         docs.append(np.asarray(tokenizer(text, add_special_tokens=False)["input_ids"], np.int32))

@@ -49,10 +49,16 @@ def decode_line(raw: bytes) -> Any:
         raise RecordError(f"not valid JSON ({type(e).__name__}: {str(e)[:80]})", "broken_lines") from None
 
 
+UTF8_BOM = b"\xef\xbb\xbf"
+
+
 def jsonl_lines(path: str | os.PathLike) -> Iterator[tuple[int, bytes]]:
-    """``(1-based line number, raw bytes)`` of every non-blank line, streamed."""
+    """``(1-based line number, raw bytes)`` of every non-blank line, streamed.  A UTF-8 byte-order
+    mark at the start of the file (Windows editors write one) is not part of the first record."""
     with open(path, "rb") as f:
         for line_no, raw in enumerate(f, 1):
+            if line_no == 1 and raw.startswith(UTF8_BOM):
+                raw = raw[len(UTF8_BOM):]
             if raw.strip():
                 yield line_no, raw
 
@@ -167,7 +173,8 @@ def check_skipped_fraction(skipped: int, total: int, limit: float, source: str, 
 
 def check_context(prompt_tokens: int, max_new_tokens: int, max_positions: int, *, model: str = "the target",
                   allow_beyond: bool = False, hint: str = "") -> None:
-    """Prompt + ``max_new_tokens`` must fit ``max_position_embeddings`` (unless ``allow_beyond``)."""
+    """Prompt + ``max_new_tokens`` must fit ``max_positions`` (unless ``allow_beyond``): a model's
+    ``ModelConfig.context_length``, ``max_position_embeddings`` or what its RoPE scaling extends."""
     need = int(prompt_tokens) + int(max_new_tokens)
     if need > max_positions and not allow_beyond:
         raise UsageError(f"prompt ({prompt_tokens} tokens) + max_new_tokens ({max_new_tokens}) = {need} exceeds "

@@ -24,7 +24,7 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -32,6 +32,9 @@ from d3d_jax.errors import DataError, ModelFileError, RecordError, UsageError
 from d3d_jax.training import records as rec_lib
 from d3d_jax.training.chat_prompts import (  # noqa: F401  (re-exported: the regeneration API)
     MalformedPrompt, Prompt, content_id, read_prompts, render_prompt, user_side)
+from d3d_jax.training.regen_output import (  # noqa: F401  (re-exported: the regeneration API)
+    RESUME_FIELDS, append_records, check_compatible, merge_shards, record_problem, recover_output, set_aside,
+    shard_output_path)
 
 QWEN3_NON_THINKING = dict(temperature=0.7, top_p=0.8, top_k=20)
 ENGINE_BLOCK_SLACK = 16  # engine.generate reserves block_size (default 16) cache slots, even for plain
@@ -89,13 +92,6 @@ def shard_prompts(prompts: Sequence[Prompt], process_index: int, process_count: 
     return [p for p in prompts if shard_index(p.id, process_count) == process_index]
 
 
-def shard_output_path(out: str | os.PathLike, process_index: int, process_count: int) -> Path:
-    out = Path(out)
-    if process_count == 1:
-        return out
-    return out.with_name(f"{out.stem}-{process_index:05d}-of-{process_count:05d}{out.suffix}")
-
-
 def record_seed(seed: int, prompt_id: str) -> int:
     """A row's sampling seed from the run seed and the prompt id only (never batch position)."""
     return _hash_int(f"{seed}\x00{prompt_id}", 4) & 0x7FFFFFFF
@@ -113,121 +109,6 @@ def padding_waste(lengths: Sequence[int], batches: Sequence[Sequence[int]]) -> f
     """Fraction of prompt slots that are padding when each batch pads to its longest prompt."""
     padded = sum(len(b) * max(lengths[i] for i in b) for b in batches)
     return 1.0 - sum(lengths) / padded if padded else 0.0
-
-
-# --------------------------------------------------------------------------------------------
-# Output file: resume and whole-record appends
-# --------------------------------------------------------------------------------------------
-RESUME_FIELDS = ("id", "generation", "target")
-
-
-def _end_of_last_line(f, size: int, chunk: int = 1 << 20) -> int:
-    """Offset just past the file's last newline (0 if none), reading backwards from the end."""
-    pos = size
-    while pos > 0:
-        start = max(0, pos - chunk)
-        f.seek(start)
-        i = f.read(pos - start).rfind(b"\n")
-        if i >= 0:
-            return start + i + 1
-        pos = start
-    return 0
-
-
-def recover_output(path: str | os.PathLike) -> list[dict]:
-    """The ``id``/``generation``/``target`` of every record already in ``path`` (streamed: the file
-    may hold millions); a trailing partial line (a crash mid-write) is truncated away.
-
-    Any complete line that is not a JSON record is an error, not something to delete silently.
-    """
-    path = Path(path)
-    if not path.exists():
-        return []
-    with open(path, "r+b") as f:
-        size = f.seek(0, os.SEEK_END)
-        end = _end_of_last_line(f, size)
-        if end != size:
-            f.truncate(end)
-            f.flush()
-            os.fsync(f.fileno())
-    records = []
-    for line_no, raw in rec_lib.jsonl_lines(path):
-        try:
-            rec = rec_lib.decode_line(raw)
-        except RecordError as e:
-            raise DataError(f"{path}:{line_no}: not a JSON record ({e}); fix or move the file") from None
-        if not isinstance(rec, dict) or "id" not in rec:
-            raise DataError(f"{path}:{line_no}: not a regeneration record (no 'id')")
-        records.append({k: rec.get(k) for k in RESUME_FIELDS})
-    return records
-
-
-def check_compatible(records: Iterable[dict], generation: dict, target: dict, path: Path) -> None:
-    """Refuse to append to a file written with other sampling settings or another target."""
-    for rec in records:
-        if rec.get("generation") != generation:
-            raise UsageError(f"{path}: record {rec['id']!r} was generated with {rec.get('generation')}, "
-                             f"this run uses {generation}; use another --out")
-        keys = ("config_sha256", "weights_sha256")
-        old = {k: (rec.get("target") or {}).get(k) for k in keys}
-        if old != {k: target.get(k) for k in keys}:
-            raise UsageError(f"{path}: record {rec['id']!r} came from target {rec.get('target')}, "
-                             f"this run uses {target}; use another --out")
-
-
-def append_records(f, records: Sequence[dict]) -> None:
-    """Append whole lines, then flush and fsync: after a crash each record is there or not."""
-    if not records:
-        return
-    f.write(b"".join(json.dumps(r, ensure_ascii=False).encode("utf-8") + b"\n" for r in records))
-    f.flush()
-    os.fsync(f.fileno())
-
-
-def merge_shards(out_path: str | os.PathLike, process_count: int,
-                 prompts_path: str | os.PathLike | None = None) -> dict:
-    """Concatenate the per-process files into ``out_path`` (the one file training reads).
-
-    Shard files are only read (a torn last line is left out, not cut); every id must occur once
-    across them.  The merged file is written beside the target and renamed into place.  With
-    ``prompts_path``, ``missing`` lists the usable prompt ids that have no record (not generated
-    yet, or skipped as too long).
-    """
-    if process_count < 2:
-        raise UsageError(f"process_count must be >= 2 to merge shard files, got {process_count}")
-    out = Path(out_path)
-    seen: dict[str, Path] = {}
-    tmp = out.with_name(out.name + ".merging")
-    try:
-        with open(tmp, "wb") as f:
-            for i in range(process_count):
-                part = shard_output_path(out, i, process_count)
-                if not part.exists():
-                    raise DataError(f"{part}: missing (process {i} of {process_count} wrote nothing)")
-                with open(part, "rb") as src:  # streamed: a shard may hold millions of records
-                    for line_no, raw in enumerate(src, 1):
-                        if not raw.endswith(b"\n"):
-                            break  # torn tail of a still-running or crashed process: not a record
-                        if not raw.strip():
-                            continue
-                        try:
-                            pid = rec_lib.decode_line(raw)["id"]
-                        except (RecordError, KeyError, TypeError) as e:
-                            raise DataError(f"{part}:{line_no}: not a regeneration record ({e})") from None
-                        if pid in seen:
-                            raise DataError(f"{part}:{line_no}: id {pid!r} is also in {seen[pid]}")
-                        seen[pid] = part
-                        f.write(raw)
-            f.flush()
-            os.fsync(f.fileno())
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    os.replace(tmp, out)
-    missing = []
-    if prompts_path is not None:
-        missing = [p.id for p in read_prompts(prompts_path)[0] if p.id not in seen]
-    return {"output": str(out), "records": len(seen), "missing": missing}
 
 
 # --------------------------------------------------------------------------------------------
@@ -323,6 +204,8 @@ class RegenerationSummary:
     padding_waste: float = 0.0
     malformed: list[tuple[int, str]] = dataclasses.field(default_factory=list)
     skipped: list[tuple[int, str]] = dataclasses.field(default_factory=list)  # usable JSON, unusable here
+    # output lines that could not count as done: set aside (<out>.invalid) and regenerated
+    invalid_records: list[tuple[int, str]] = dataclasses.field(default_factory=list)
 
     @property
     def tokens_per_s(self) -> float:
@@ -339,7 +222,8 @@ class RegenerationSummary:
                  f"generated {self.generated_tokens} tokens in {self.seconds:.1f}s = "
                  f"{self.tokens_per_s:.1f} tokens/s; prompt padding waste {100 * self.padding_waste:.1f}%"]
         for title, items in (("malformed prompt lines", self.malformed),
-                             ("prompts skipped (this shard)", self.skipped)):
+                             ("prompts skipped (this shard)", self.skipped),
+                             ("invalid output records set aside and regenerated", self.invalid_records)):
             lines.append(f"{title}: {len(items)}")
             lines += [f"  line {n}: {why}" for n, why in items[:max_listed]]
             if len(items) > max_listed:
@@ -364,42 +248,22 @@ def regenerate(target, tokenizer, prompts_path: str | os.PathLike, out_path: str
     ``max_position_embeddings`` with ``max_new_tokens`` left) are skipped and listed.  Malformed
     lines and prompts the template or vocabulary rejects are skipped and listed too; more than
     ``max_skipped_fraction`` of them, or no usable prompt, stop the run before generating.
+    Output records that cannot count as done (``response_token_ids`` of ``"oops"``) are set
+    aside, listed, and regenerated.
     """
     import jax
-    from tqdm.auto import tqdm
 
-    settings.validate()
-    if process_count is None:
-        process_count = jax.process_count()
-    if process_index is None:
-        process_index = jax.process_index()
-    if max_records is not None and max_records < 0:
-        raise UsageError(f"max_records must be >= 0, got {max_records}")
-    max_pos = target.config.max_position_embeddings
-    rec_lib.check_context(1, settings.max_new_tokens, max_pos, model=str(target_path or "the target"))
-    limit = max_pos - settings.max_new_tokens
-    if max_prompt_tokens is None:
-        max_prompt_tokens = limit
-    if max_prompt_tokens < 1 or max_prompt_tokens > limit:
-        raise UsageError(f"max_prompt_tokens must be in [1, {limit}] (max_position_embeddings "
-                         f"{max_pos} - max_new_tokens), got {max_prompt_tokens}")
-    if len(tokenizer) > target.config.vocab_size:
-        raise ModelFileError(f"the tokenizer has {len(tokenizer)} tokens but the target's vocab_size is "
-                             f"{target.config.vocab_size}")
-
+    max_prompt_tokens = _check_limits(target, tokenizer, settings, max_records, max_prompt_tokens, target_path)
+    process_count = jax.process_count() if process_count is None else process_count
+    process_index = jax.process_index() if process_index is None else process_index
     prompts, malformed = read_prompts(prompts_path)
     mine = shard_prompts(prompts, process_index, process_count)
     out = shard_output_path(out_path, process_index, process_count)
     summary = RegenerationSummary(output=str(out), prompt_lines=len(prompts), shard_prompts=len(mine),
                                   malformed=malformed)
-
-    generation = dataclasses.asdict(settings)
-    target_id = target_identity(target, target_path)
-    template = template_identity(tokenizer)
-    eos_ids = stop_token_ids(target, tokenizer, target_path)
-    existing = recover_output(out)
-    check_compatible(existing, generation, target_id, out)
-    done = {r["id"] for r in existing}
+    run = _Run(settings=settings, generation=dataclasses.asdict(settings), template=template_identity(tokenizer),
+               target_id=target_identity(target, target_path), eos_ids=stop_token_ids(target, tokenizer, target_path))
+    done = _resume(out, run, target.config.vocab_size, summary)
     summary.already_done = sum(p.id in done for p in mine)
 
     usable, token_ids, rejected = _render_all(mine, tokenizer, max_prompt_tokens, target.config.vocab_size, summary)
@@ -416,11 +280,67 @@ def regenerate(target, tokenizer, prompts_path: str | os.PathLike, out_path: str
     todo_total = sum(p.id not in done for p in usable)
     if max_records is not None:
         todo_total = min(todo_total, max_records)
+    _write_batches(target, tokenizer, out, usable, token_ids, batches, done, run, summary,
+                   batch_size=batch_size, cache_multiple=cache_multiple, max_records=max_records,
+                   total=todo_total, progress=progress)
+    return summary
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    bar = tqdm(total=todo_total, unit="prompt", desc=f"regenerate {out.name}", disable=not progress)
+
+@dataclasses.dataclass(frozen=True)
+class _Run:
+    """What every record of this run says about how it was made."""
+
+    settings: GenerationSettings
+    generation: dict
+    template: dict
+    target_id: dict
+    eos_ids: tuple[int, ...]
+
+
+def _check_limits(target, tokenizer, settings: GenerationSettings, max_records: int | None,
+                  max_prompt_tokens: int | None, target_path) -> int:
+    """Everything checkable before reading a prompt; returns the prompt length limit."""
+    settings.validate()
+    if max_records is not None and max_records < 0:
+        raise UsageError(f"max_records must be >= 0, got {max_records}")
+    max_pos = target.config.context_length
+    rec_lib.check_context(1, settings.max_new_tokens, max_pos, model=str(target_path or "the target"))
+    limit = max_pos - settings.max_new_tokens
+    if max_prompt_tokens is None:
+        max_prompt_tokens = limit
+    if max_prompt_tokens < 1 or max_prompt_tokens > limit:
+        raise UsageError(f"max_prompt_tokens must be in [1, {limit}] (max_position_embeddings "
+                         f"{max_pos} - max_new_tokens), got {max_prompt_tokens}")
+    if len(tokenizer) > target.config.vocab_size:
+        raise ModelFileError(f"the tokenizer has {len(tokenizer)} tokens but the target's vocab_size is "
+                             f"{target.config.vocab_size}")
+    return max_prompt_tokens
+
+
+def _resume(out: Path, run: _Run, vocab_size: int, summary: RegenerationSummary) -> set[str]:
+    """Ids already done in ``out``; records that cannot count as done are set aside and listed."""
+    existing = recover_output(out, vocab_size)
+    invalid = [r for r in existing if r["problem"] is not None]
+    if invalid:
+        set_aside(out, [r["line"] for r in invalid])
+        summary.invalid_records = [(r["line"], f"id {r['id']!r}: {r['problem']}") for r in invalid]
+    valid = [r for r in existing if r["problem"] is None]
+    check_compatible(valid, run.generation, run.target_id, out)
+    return {r["id"] for r in valid}
+
+
+def _write_batches(target, tokenizer, out: Path, usable, token_ids, batches, done: set[str], run: _Run,
+                   summary: RegenerationSummary, *, batch_size: int, cache_multiple: int,
+                   max_records: int | None, total: int, progress: bool) -> None:
+    from tqdm.auto import tqdm
+
+    from d3d_jax.io.atomic import writing
+
+    with writing(out):
+        out.parent.mkdir(parents=True, exist_ok=True)
+    bar = tqdm(total=total, unit="prompt", desc=f"regenerate {out.name}", disable=not progress)
     start, cpu_start = time.perf_counter(), time.process_time()
-    with open(out, "ab") as f:
+    with writing(out), open(out, "ab") as f:
         for batch in batches:
             if max_records is not None and summary.written >= max_records:
                 break
@@ -429,13 +349,10 @@ def regenerate(target, tokenizer, prompts_path: str | os.PathLike, out_path: str
                 continue
             # The whole planned batch is regenerated (same rows as an uninterrupted run).
             outputs = _generate_batch(target, [token_ids[i] for i in batch],
-                                      [record_seed(settings.seed, usable[i].id) for i in batch],
-                                      settings, eos_ids, batch_size, cache_multiple)
-            records = []
-            for i, o in zip(batch, outputs):
-                if i not in todo:
-                    continue
-                records.append(_record(usable[i], token_ids[i], o, tokenizer, generation, template, target_id))
+                                      [record_seed(run.settings.seed, usable[i].id) for i in batch],
+                                      run.settings, run.eos_ids, batch_size, cache_multiple)
+            records = [_record(usable[i], token_ids[i], o, tokenizer, run.generation, run.template, run.target_id)
+                       for i, o in zip(batch, outputs) if i in todo]
             if max_records is not None:
                 records = records[: max_records - summary.written]
             append_records(f, records)
@@ -447,7 +364,6 @@ def regenerate(target, tokenizer, prompts_path: str | os.PathLike, out_path: str
     bar.close()
     summary.seconds = time.perf_counter() - start
     summary.cpu_seconds = time.process_time() - cpu_start
-    return summary
 
 
 def _render_all(prompts: Sequence[Prompt], tokenizer, max_prompt_tokens: int, vocab_size: int,
