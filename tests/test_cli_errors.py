@@ -159,11 +159,15 @@ def test_generate_refuses_a_block_larger_than_the_drafter_was_trained_for(capsys
     _one_line(capsys, status, 2, "--block-size 32 is more than the drafter was trained for (16)")
 
 
-def test_a_drafter_with_another_mask_id_than_the_tokenizer_is_refused(capsys, tmp_path):
-    gen = _module("infer/generate.py")
+@pytest.mark.parametrize("script, args", [
+    ("infer/generate.py", ["--mode", "sync", "--prompt-ids", "5,6"]),
+    ("infer/serve.py", ["--mode", "sync"]),
+    ("infer/bench.py", ["--samples", "1"]),
+])
+def test_a_drafter_with_another_mask_id_than_the_tokenizer_is_refused(capsys, tmp_path, script, args):
     other = _model_copy(tmp_path, DRAFTER, "drafter", mask_token_id=5)
-    status = run_cli(gen.main, ["--target", str(TARGET), "--drafter", str(other), "--mode", "sync",
-                                "--prompt-ids", "5,6", "--dtype", "float32"])
+    argv = ["--target", str(TARGET), "--drafter", str(other), "--dtype", "float32", *args]
+    status = run_cli(_module(script).main, ["eval", *argv] if script == "infer/bench.py" else argv)
     _one_line(capsys, status, 1, "config.json mask_token_id is 5 but the tokenizer's <|MASK|> is id 3")
 
 

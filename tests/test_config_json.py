@@ -189,13 +189,13 @@ SCHEMA = {
     "attention_dropout": [0.0, 0.1, 0],
     "hidden_act": ["silu", "gelu", None],
     "use_sliding_window": [False, True],
-    "sliding_window": [4, None, 1000],
-    "max_window_layers": [0, 1, 28],
+    "sliding_window": [4, None, 1000, "a"],
+    "max_window_layers": [0, 1, 28, None],
     "layer_types": [["full_attention"], ["sliding_attention"], ["full_attention"] * 2, "full", None],
     "quantization_config": [{"quant_method": "fp8"}, None],
     "model_type": ["qwen3", "llama"],
 }
-PAIRS, TRIPLES = 14, 8
+PAIRS, TRIPLES = 10, 6
 
 
 def mutants(rng: random.Random) -> list[dict]:
@@ -238,3 +238,9 @@ def test_fuzz_config_json_fields_against_transformers():
     for group, hf in mutants(rng):
         outcomes[check_mutant(group, hf)] += 1
     assert min(outcomes.values()) >= 8, outcomes  # the mutations reach both outcomes
+
+
+def test_yarn_extends_the_context_the_length_checks_allow():
+    yarn = ModelConfig.from_hf_dict({**BASE, "max_position_embeddings": 40, "rope_scaling": YARN})
+    assert yarn.context_length == 4 * 16 == 64  # factor × original length, past max_position_embeddings
+    assert ModelConfig.from_hf_dict(BASE).context_length == 48

@@ -26,6 +26,24 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 from d3d_jax.config import RegenerateConfig, load_config  # noqa: E402
 
 
+def check_before_loading(args, cfg):
+    """Everything that can be checked without the weights; returns the tokenizer."""
+    from d3d_jax.errors import UsageError
+    from d3d_jax.io.checkpoint import stored_model_config
+    from d3d_jax.io.hf import eos_token_ids, open_tokenizer
+    from d3d_jax.io.pairing import check_pairing
+    from d3d_jax.training import records
+
+    if not os.path.isfile(args.prompts):
+        raise UsageError(f"--prompts {args.prompts}: no such file")
+    target_cfg = stored_model_config(args.target)
+    records.check_context(1, cfg.max_new_tokens, target_cfg.context_length, model=args.target)
+    tokenizer = open_tokenizer(args.tokenizer or args.target, vocab_size=target_cfg.vocab_size,
+                               hint="" if args.tokenizer else " (pass --tokenizer DIR)")
+    check_pairing(tokenizer, target_cfg, eos_ids=eos_token_ids(target_cfg, tokenizer))
+    return tokenizer
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", help="HF Qwen3 directory or d3d_jax parameter checkpoint")
@@ -64,20 +82,7 @@ def main(argv=None) -> int:
     if not args.target:
         ap.error("--target is required (except with --merge)")
 
-    from d3d_jax.errors import UsageError
-    from d3d_jax.io.checkpoint import stored_model_config
-    from d3d_jax.io.hf import eos_token_ids, open_tokenizer
-    from d3d_jax.io.pairing import check_pairing
-    from d3d_jax.training import records
-
-    # Everything that can be checked without the weights is checked before loading them.
-    if not os.path.isfile(args.prompts):
-        raise UsageError(f"--prompts {args.prompts}: no such file")
-    target_cfg = stored_model_config(args.target)
-    records.check_context(1, cfg.max_new_tokens, target_cfg.context_length, model=args.target)
-    tokenizer = open_tokenizer(args.tokenizer or args.target, vocab_size=target_cfg.vocab_size,
-                               hint="" if args.tokenizer else " (pass --tokenizer DIR)")
-    check_pairing(tokenizer, target_cfg, eos_ids=eos_token_ids(target_cfg, tokenizer))
+    tokenizer = check_before_loading(args, cfg)
 
     import jax
 

@@ -83,10 +83,10 @@ def _refuse_unsupported(hf: Mapping[str, Any], num_layers: int) -> None:
 
 def _layer_types(hf: Mapping[str, Any], num_layers: int) -> list[str]:
     """Each layer's attention as transformers derives it (sliding only with use_sliding_window)."""
-    window = field(hf, "sliding_window") if field(hf, "use_sliding_window") else None
+    window, first_sliding = field(hf, "sliding_window"), field(hf, "max_window_layers")  # typed either way
+    window = window if field(hf, "use_sliding_window") else None
     given = hf.get("layer_types")
     if given is None:
-        first_sliding = field(hf, "max_window_layers")
         return ["sliding_attention" if window is not None and i >= first_sliding else "full_attention"
                 for i in range(num_layers)]
     if not isinstance(given, list) or len(given) != num_layers or any(

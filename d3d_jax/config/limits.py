@@ -41,7 +41,7 @@ def require_number(value: Any, key: str, lo: float, hi: float, *, lo_open: bool 
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
         raise ConfigError(f"{key}: expected a finite number, got {value!r}")
     if value > hi or value < lo or (lo_open and value == lo):
-        raise ConfigError(f"{key}: must be in {'(' if lo_open else '['}{lo}, {hi}], got {value}")
+        raise ConfigError(f"{key}: must be in {'(' if lo_open else '['}{lo:g}, {hi:g}], got {value}")
     return value
 
 

@@ -6,6 +6,7 @@ import dataclasses
 from typing import Any
 
 from d3d_jax.config.base import DTYPES, _require
+from d3d_jax.config.limits import INT32_MAX, require_int
 from d3d_jax.config.model import REMAT_POLICIES, MeshConfig, ModelConfig
 
 
@@ -50,6 +51,7 @@ class DataConfig:
         _require(0 <= self.max_skipped_fraction <= 1, f"{prefix}.max_skipped_fraction",
                  f"must be in [0, 1], got {self.max_skipped_fraction}")
         _require(self.pad_token_id >= 0, f"{prefix}.pad_token_id", "must be >= 0")
+        require_int(self.seed, f"{prefix}.seed", 0, INT32_MAX)
         if self.mode == "d3d":
             blocks = self.num_anchors * self.block_size
             _require(self.packed_length > blocks + self.block_size, f"{prefix}.packed_length",
@@ -133,6 +135,7 @@ class TrainConfig:
 
     def validate(self, prefix: str = "train") -> None:
         _require(self.steps >= 1, f"{prefix}.steps", "must be >= 1")
+        require_int(self.seed, f"{prefix}.seed", 0, INT32_MAX)
         _require(self.remat_policy == "" or self.remat_policy in REMAT_POLICIES, f"{prefix}.remat_policy",
                  f"must be '' or one of {', '.join(REMAT_POLICIES)}, got {self.remat_policy!r}")
         for name in ("param_dtype", "compute_dtype"):

@@ -87,6 +87,21 @@ def check_limits(args, target, longest: int, block: int, modes: tuple[str, ...])
         BranchLayout(block, args.branch_positions or min(12, block), args.branch_fanout).validate()
 
 
+def load_drafter(args, target, tok, tokenizer_mask_id: int):
+    """``(drafter, mask id, block size, eos ids)``, the drafter checked against target and tokenizer."""
+    from d3d_jax.io.checkpoint import load_model
+    from d3d_jax.io.hf import eos_token_ids
+    from d3d_jax.io.pairing import check_pairing
+
+    drafter = load_model(args.drafter, dtype=args.dtype)
+    eos_ids = eos_token_ids(target.config, tok)
+    mask = check_pairing(tok, target.config, drafter.config, eos_ids=eos_ids, where=f"--drafter {args.drafter}")
+    trained = drafter.config.block_size
+    if args.block_size and trained and args.block_size > trained:
+        raise UsageError(f"--block-size {args.block_size} is more than the drafter was trained for ({trained})")
+    return drafter, tokenizer_mask_id if mask is None else mask, args.block_size or trained or 16, eos_ids
+
+
 def main(args) -> int:
     if args.concurrency < 1:
         raise UsageError(f"--concurrency must be >= 1, got {args.concurrency}")
@@ -96,22 +111,14 @@ def main(args) -> int:
     from d3d_jax.evaluation import benchmarks as B
     from d3d_jax.evaluation import plots
     from d3d_jax.io.checkpoint import load_model
-    from d3d_jax.io.hf import eos_token_ids, load_tokenizer
-    from d3d_jax.io.pairing import check_pairing
+    from d3d_jax.io.hf import load_tokenizer
 
     modes = tuple(m for m in args.modes.split(",") if m)
     if "plain" not in modes:
         raise UsageError("--modes must include plain (speedups and the equality check are against it)")
     target = load_model(args.target, dtype=args.dtype)
     tok, mask_id = load_tokenizer(args.tokenizer or args.target, target.config.vocab_size)
-    drafter = load_model(args.drafter, dtype=args.dtype)
-    eos_ids = eos_token_ids(target.config, tok)
-    drafter_mask = check_pairing(tok, target.config, drafter.config, eos_ids=eos_ids, where=f"--drafter {args.drafter}")
-    mask_id = drafter_mask if drafter_mask is not None else mask_id
-    trained = drafter.config.block_size
-    if args.block_size and trained and args.block_size > trained:
-        raise UsageError(f"--block-size {args.block_size} is more than the drafter was trained for ({trained})")
-    block = args.block_size or trained or 16
+    drafter, mask_id, block, eos_ids = load_drafter(args, target, tok, mask_id)
     suites = {}
     for spec in args.benchmarks:
         name, _, path = spec.partition("=")

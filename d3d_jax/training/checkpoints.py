@@ -409,9 +409,12 @@ def trim_metrics(path: str | os.PathLike, step: int) -> int:
         else:
             dropped += 1
     if dropped:
+        from d3d_jax.io.atomic import writing
+
         tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text("".join(line + "\n" for line in keep))
-        os.replace(tmp, path)
+        with writing(path):
+            tmp.write_text("".join(line + "\n" for line in keep))
+            os.replace(tmp, path)
     return dropped
 
 

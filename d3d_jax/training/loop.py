@@ -402,10 +402,13 @@ class Trainer:
     def _write_metrics(self, record: dict) -> None:
         if jax.process_index() != 0:
             return
-        if self._metrics_file is None:
-            self._metrics_file = open(self.out_dir / "metrics.jsonl", "a")
-        self._metrics_file.write(json.dumps(record) + "\n")
-        self._metrics_file.flush()
+        from d3d_jax.io.atomic import writing
+
+        with writing(self.out_dir / "metrics.jsonl"):  # a full disk names the file
+            if self._metrics_file is None:
+                self._metrics_file = open(self.out_dir / "metrics.jsonl", "a")
+            self._metrics_file.write(json.dumps(record) + "\n")
+            self._metrics_file.flush()
 
     def save_checkpoint(self) -> None:
         self.check_finite()  # never save a halted state

@@ -9,10 +9,11 @@ post-mortem, so the prompt is regenerated and its id still occurs once.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Iterable, Iterator, Sequence
 
 from d3d_jax.errors import DataError, RecordError, UsageError
 from d3d_jax.training import records as rec_lib
@@ -92,19 +93,26 @@ def set_aside(path: str | os.PathLike, lines: Iterable[int]) -> Path:
     removed lines are appended to ``<path>.invalid``.  Returns that file."""
     path, drop = Path(path), set(lines)
     aside = path.with_name(path.name + INVALID_SUFFIX)
-    tmp = path.with_name(path.name + ".rewrite")
+    with _replacing(path, ".rewrite") as tmp, open(path, "rb") as src, open(tmp, "wb") as keep, \
+            open(aside, "ab") as bad:
+        for line_no, raw in enumerate(src, 1):
+            (bad if line_no in drop else keep).write(raw)
+        for f in (keep, bad):
+            f.flush()
+            os.fsync(f.fileno())
+    return aside
+
+
+@contextlib.contextmanager
+def _replacing(path: Path, suffix: str) -> Iterator[Path]:
+    """A file beside ``path`` to write; renamed over ``path`` on success, removed on failure."""
+    tmp = path.with_name(path.name + suffix)
     try:
-        with open(path, "rb") as src, open(tmp, "wb") as keep, open(aside, "ab") as bad:
-            for line_no, raw in enumerate(src, 1):
-                (bad if line_no in drop else keep).write(raw)
-            for f in (keep, bad):
-                f.flush()
-                os.fsync(f.fileno())
+        yield tmp
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
     os.replace(tmp, path)
-    return aside
 
 
 def check_compatible(records: Iterable[dict], generation: dict, target: dict, path: Path) -> None:
@@ -142,33 +150,27 @@ def merge_shards(out_path: str | os.PathLike, process_count: int,
         raise UsageError(f"process_count must be >= 2 to merge shard files, got {process_count}")
     out = Path(out_path)
     seen: dict[str, Path] = {}
-    tmp = out.with_name(out.name + ".merging")
-    try:
-        with open(tmp, "wb") as f:
-            for i in range(process_count):
-                part = shard_output_path(out, i, process_count)
-                if not part.exists():
-                    raise DataError(f"{part}: missing (process {i} of {process_count} wrote nothing)")
-                with open(part, "rb") as src:  # streamed: a shard may hold millions of records
-                    for line_no, raw in enumerate(src, 1):
-                        if not raw.endswith(b"\n"):
-                            break  # torn tail of a still-running or crashed process: not a record
-                        if not raw.strip():
-                            continue
-                        try:
-                            pid = rec_lib.decode_line(raw)["id"]
-                        except (RecordError, KeyError, TypeError) as e:
-                            raise DataError(f"{part}:{line_no}: not a regeneration record ({e})") from None
-                        if pid in seen:
-                            raise DataError(f"{part}:{line_no}: id {pid!r} is also in {seen[pid]}")
-                        seen[pid] = part
-                        f.write(raw)
-            f.flush()
-            os.fsync(f.fileno())
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    os.replace(tmp, out)
+    with _replacing(out, ".merging") as tmp, open(tmp, "wb") as f:
+        for i in range(process_count):
+            part = shard_output_path(out, i, process_count)
+            if not part.exists():
+                raise DataError(f"{part}: missing (process {i} of {process_count} wrote nothing)")
+            with open(part, "rb") as src:  # streamed: a shard may hold millions of records
+                for line_no, raw in enumerate(src, 1):
+                    if not raw.endswith(b"\n"):
+                        break  # torn tail of a still-running or crashed process: not a record
+                    if not raw.strip():
+                        continue
+                    try:
+                        pid = rec_lib.decode_line(raw)["id"]
+                    except (RecordError, KeyError, TypeError) as e:
+                        raise DataError(f"{part}:{line_no}: not a regeneration record ({e})") from None
+                    if pid in seen:
+                        raise DataError(f"{part}:{line_no}: id {pid!r} is also in {seen[pid]}")
+                    seen[pid] = part
+                    f.write(raw)
+        f.flush()
+        os.fsync(f.fileno())
     missing = []
     if prompts_path is not None:
         missing = [p.id for p in read_prompts(prompts_path)[0] if p.id not in seen]
