@@ -93,11 +93,16 @@ def make_server(tokenizer):
 
 
 def stream_text(stream) -> tuple[str, object]:
+    """The streamed text and the last chunk with a choice; usage rides only on the extra
+    choice-less final chunk (``include_usage``), never on a choice's chunk."""
     parts, last = [], None
     for ch in stream:
         for c in ch.choices:
             parts.append(c.text if hasattr(c, "text") else (c.delta.content or ""))
+        assert ch.usage is None or not ch.choices, "usage on a choice's chunk"
         last = ch if ch.choices else last
+        if not ch.choices:
+            last.usage_chunk = ch
     return "".join(parts), last
 
 
@@ -152,11 +157,13 @@ def test_completions_stream_and_full_equal_the_solo_reference(make_server, mode)
     ids = s.tok.encode(prompt, add_special_tokens=False)
     exp_ids, exp_text, _ = s.expected(ids, 24, stop_ids=())
     text, last = stream_text(s.client.completions.create(
-        model="toy", prompt=prompt, max_tokens=24, temperature=0, stream=True, extra_body={"ignore_eos": True}))
+        model="toy", prompt=prompt, max_tokens=24, temperature=0, stream=True,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
     assert text == exp_text
     assert last.choices[0].finish_reason == "length"
-    assert (last.usage.prompt_tokens, last.usage.completion_tokens) == (len(ids), 24)
-    spec = last.model_extra["spec_metrics"]
+    final = last.usage_chunk
+    assert (final.usage.prompt_tokens, final.usage.completion_tokens) == (len(ids), 24)
+    spec = final.model_extra["spec_metrics"]
     # τ·rounds = tokens committed, of which the last round's may be cut at max_tokens
     assert spec["rounds"] <= 24 <= spec["tau"] * spec["rounds"] < 24 + 4
     assert (spec["tau"] == 1.0) if mode == "plain" else spec["tau"] > 1.0
@@ -301,11 +308,22 @@ BAD = [
     ({"model": "toy", "prompt": list(range(10, 60)), "max_tokens": 400}, "max_tokens", "context length"),
     ({"model": "toy", "prompt": "hi", "max_tokens": 0}, "max_tokens", ">= 1"),
     ({"model": "toy", "prompt": "hi", "max_tokens": -3}, "max_tokens", ">= 1"),
-    ({"model": "gpt-9", "prompt": "hi"}, "model", "does not exist"),
+    ({"model": "toy", "prompt": [1.5, 2.0]}, "prompt", "a list of token-id lists"),
     ({"prompt": "hi"}, "model", "required"),
     ({"model": "toy", "prompt": "hi", "temperature": -0.5}, "temperature", ">= 0"),
     ({"model": "toy", "prompt": "hi", "top_p": 0}, "top_p", "> 0"),
-    ({"model": "toy", "prompt": "hi", "n": 2}, "n", "not supported"),
+    ({"model": "toy", "prompt": "hi", "n": 17}, "n", "<= 16"),
+    ({"model": "toy", "prompt": "hi", "max_tokens": 2 ** 80}, "max_tokens", "<= 2147483647"),
+    ({"model": "toy", "prompt": "hi", "top_k": 10 ** 400}, "top_k", "<= 2147483647"),
+    ({"model": "toy", "prompt": "hi", "repetition_penalty": 0}, "repetition_penalty", "> 0"),
+    ({"model": "toy", "prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options", "stream"),
+    ({"model": "toy", "prompt": "hi", "audio": {"voice": "x"}}, "audio", "not a field"),
+    ({"model": "toy", "prompt": "hi", "use_beam_search": True}, "use_beam_search", "not a field"),
+    ({"model": "toy", "prompt": "hi", "logit_bias": {"x": 1}}, "logit_bias", "not a token id"),
+    ({"model": "toy", "messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2},
+     "top_logprobs", "logprobs"),
+    ({"model": "toy", "messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]},
+     "tools", "not supported"),
     ({"model": "toy", "prompt": ""}, "prompt", "empty"),
     ({"model": "toy", "prompt": [5, 99999]}, "prompt", "vocabulary"),
     ({"model": "toy", "prompt": "hi", "stop": [""]}, "stop", "non-empty"),
@@ -320,6 +338,10 @@ def test_bad_requests_get_400_and_cost_no_decoder_work(make_server):
         status, out = s.raw("POST", path, body)
         assert status == 400, (body, out)
         assert out["error"]["param"] == param and words in out["error"]["message"], out
+    status, out = s.raw("POST", "/v1/completions", {"model": "gpt-9", "prompt": "hi"})
+    assert status == 404 and out["error"]["code"] == "model_not_found"
+    with pytest.raises(openai.NotFoundError):
+        s.client.completions.create(model="gpt-9", prompt="hi")
     for raw in (b"{not json", b"[1, 2]", b"\xff\xfe"):
         status, out = s.raw("POST", "/v1/completions", raw)
         assert status == 400 and "JSON" in out["error"]["message"]
@@ -378,8 +400,10 @@ def test_prometheus_metrics(make_server, mode):
     assert snap["counters"]["row_rounds"] == rounds
     hits = sum(o.model_extra["spec_metrics"]["hits"] for o in outs)
     misses = sum(o.model_extra["spec_metrics"]["misses"] for o in outs)
-    expect_hit = hits / (hits + misses) if mode == "async" else 0.0
-    assert _metric(text, "async_hit_rate") == pytest.approx(expect_hit, rel=1e-5)
+    if mode == "async":
+        assert _metric(text, "async_hit_rate") == pytest.approx(hits / (hits + misses), rel=1e-5)
+    else:  # a hit rate applies to async rounds only: not shown as 0
+        assert "d3d_async_hit_rate" not in text
 
 
 # --------------------------------------------------------------------------------------------
@@ -420,18 +444,14 @@ def test_eval_concurrency_keeps_n_in_flight_and_matches_solo(tokenizer):
 
 
 def test_waiting_events_are_merged_into_one_chunk():
-    import asyncio
-
-    from d3d_jax.serving.app import _merge
+    from d3d_jax.serving.choices import merge
     from d3d_jax.serving.scheduler import Event
 
-    q: asyncio.Queue = asyncio.Queue()
-    for ev in (Event([3, 4]), Event([5], True, "length", {"tau": 2.0}), Event([9])):
-        q.put_nowait(ev)
-    merged = _merge(Event([1, 2]), q)
-    assert (merged.token_ids, merged.finished, merged.finish_reason, merged.metrics) == \
-        ([1, 2, 3, 4, 5], True, "length", {"tau": 2.0})
-    assert q.qsize() == 1  # nothing past the end of the request is taken
+    merged = merge(Event([1, 2]), [Event([3, 4]), Event([5], True, "length", {"tau": 2.0})])
+    assert (merged.token_ids, merged.finished, merged.finish_reason, merged.metrics, merged.logprobs) == \
+        ([1, 2, 3, 4, 5], True, "length", {"tau": 2.0}, None)
+    lp = merge(Event([1], logprobs=[(-0.5, [])]), [Event([2], logprobs=[(-1.0, [(2, -1.0)])])])
+    assert lp.logprobs == [(-0.5, []), (-1.0, [(2, -1.0)])]
 
 
 def test_warmup_compiles_one_prompt_per_power_of_two_bucket():
