@@ -17,12 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from serve_fake import FakeConfig, FakeDecoder, Request, reference
+from serve_fake import EOS, TOKENIZER, FakeConfig, FakeDecoder, FakeServer, Request, reference  # noqa: F401
 
 openai = pytest.importorskip("openai")
-
-TOKENIZER = Path(__file__).resolve().parent.parent / "artifacts" / "demo" / "tokenizer"
-EOS = 2
 
 
 @pytest.fixture(scope="module")
@@ -30,53 +27,6 @@ def tokenizer():
     from d3d_jax.io.hf import load_tokenizer
 
     return load_tokenizer(TOKENIZER)[0]
-
-
-class FakeServer:
-    """A FakeDecoder behind the real scheduler, app and uvicorn on a free localhost port."""
-
-    def __init__(self, tokenizer, mode="sync", num_slots=4, step_delay_s=0.0, api_key=None, **kw):
-        from d3d_jax.serving.app import create_app
-        from d3d_jax.serving.server import ServerThread, make_service
-
-        self.tok = tokenizer
-        self.dec = FakeDecoder(FakeConfig(mode=mode, num_slots=num_slots), step_delay_s=step_delay_s)
-        self.svc = make_service(self.dec, tokenizer, (EOS,), model_name="toy", mode=mode,
-                                api_key=api_key, request_cls=Request, **kw)
-        self.svc.scheduler.start()
-        self.http = ServerThread(create_app(self.svc)).start()
-        self.client = openai.OpenAI(base_url=self.http.url + "/v1", api_key=api_key or "none",
-                                    max_retries=0, timeout=60)
-
-    def close(self):
-        self.http.stop()
-        self.svc.scheduler.stop()
-
-    def expected(self, prompt_ids, max_tokens, seed=0, temperature=0.0, stop_ids=(EOS,)):
-        from d3d_jax.decoding.verify import SamplingParams
-
-        ids, reason = reference(Request(list(prompt_ids), max_tokens, SamplingParams(temperature),
-                                        tuple(stop_ids), seed))
-        return ids, self.tok.decode(ids, skip_special_tokens=True), reason
-
-    def raw(self, method, path, body=None, headers=None):
-        """(status, parsed JSON or text) with the stdlib client: no SDK-side validation."""
-        conn = http.client.HTTPConnection(self.http.host, self.http.port, timeout=30)
-        data = body if isinstance(body, (bytes, type(None))) else json.dumps(body).encode()
-        conn.request(method, path, body=data, headers={"Content-Type": "application/json", **(headers or {})})
-        r = conn.getresponse()
-        text = r.read().decode()
-        conn.close()
-        try:
-            return r.status, json.loads(text)
-        except json.JSONDecodeError:
-            return r.status, text
-
-    def wait_idle(self, timeout_s=10.0):
-        t_end = time.monotonic() + timeout_s
-        while self.dec.active_slots() or self.svc.scheduler.num_queued:
-            assert time.monotonic() < t_end, f"slots still busy: {self.dec.active_slots()}"
-            time.sleep(0.01)
 
 
 @pytest.fixture
