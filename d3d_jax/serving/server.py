@@ -214,6 +214,10 @@ def warmup_in_background(svc, prompt_lengths, max_tokens: int | None = None) -> 
     def run():
         t0 = time.perf_counter()
         for n in prompt_lengths:
+            # a compile in the scheduler's thread holds up its rounds: start one only when no
+            # client's request is running or waiting (with a warm cache it is a quick load)
+            while svc.scheduler.num_active or svc.scheduler.num_queued:
+                time.sleep(0.05)
             done = threading.Event()
             try:
                 svc.scheduler.submit(_warmup_request(svc, n, max_tokens),
