@@ -410,3 +410,45 @@ def test_warmup_compiles_one_prompt_per_power_of_two_bucket():
     assert warmup_lengths(256, 1000) == [16, 32, 64, 128, 256]
     assert warmup_lengths(256, 100) == [16, 32, 64]
     assert warmup_lengths(256, 10) == [10] and warmup_lengths(0, 100) == [] and warmup_lengths(256, -5) == []
+
+
+def test_routes_tokenize_detokenize_models_version_ping_head(make_server):
+    s = make_server(mode="plain")
+    ids = s.tok.encode("To be, or not", add_special_tokens=False)
+    assert s.raw("POST", "/tokenize", {"model": "toy", "prompt": "To be, or not"}) == \
+        (200, {"count": len(ids), "max_model_len": s.svc.limits.context_len, "tokens": ids})
+    assert s.raw("POST", "/detokenize", {"tokens": ids}) == (200, {"prompt": "To be, or not"})
+    status, out = s.raw("POST", "/tokenize", {"prompt": "x", "model": "other"})
+    assert status == 404 and out["error"]["code"] == "model_not_found"
+    assert s.raw("POST", "/detokenize", {"tokens": [1, 10 ** 9]})[0] == 400
+    assert s.raw("GET", "/v1/models/toy")[1]["id"] == "toy" and s.client.models.retrieve("toy").id == "toy"
+    with pytest.raises(openai.NotFoundError):
+        s.client.models.retrieve("gpt-9")
+    assert s.raw("GET", "/version")[1]["version"] and s.raw("GET", "/ping")[0] == 200
+    for path in ("/health", "/metrics"):
+        assert s.raw("HEAD", path)[0] == 200
+
+
+def test_metrics_histograms_vllm_names_and_warmup_left_out(make_server):
+    from d3d_jax.serving.server import warmup_in_background
+
+    s = make_server(mode="sync", vllm_metrics=True)
+    warmup_in_background(s.svc, [16], max_tokens=9).join(10)
+    s.wait_idle()
+    outs = [s.client.completions.create(model="toy", prompt=p, max_tokens=n, temperature=0,
+                                        extra_body={"ignore_eos": True}) for p, n in (("a", 10), ("bb", 7))]
+    stream = list(s.client.completions.create(model="toy", prompt="ccc", max_tokens=5, temperature=0, stream=True,
+                                              stream_options={"include_usage": True},
+                                              extra_body={"ignore_eos": True}))
+    rounds = sum(o.model_extra["spec_metrics"]["rounds"] for o in outs) + stream[-1].model_extra["spec_metrics"]["rounds"]
+    _, text = s.raw("GET", "/metrics")
+    assert _metric(text, "admitted_requests_total") == 3  # the warm-up request is not counted
+    assert _metric(text, "generation_tokens_total") == 22
+    assert _metric(text, "time_to_first_token_seconds_count") == 3
+    assert _metric(text, "e2e_request_latency_seconds_count") == 3
+    assert _metric(text, "inter_token_latency_seconds_count") == 22 - 3  # every token after the first
+    assert _metric(text, "tokens_per_round_sum") == 22
+    assert _metric(text, "tokens_per_round_count") == rounds  # one observation per request and round
+    assert _metric(text, "tokens_per_round_bucket", '{le="+Inf"}') == rounds
+    assert 'vllm:time_to_first_token_seconds_count{model_name="toy"} 3' in text
+    assert 'vllm:num_requests_running{model_name="toy"} 0' in text

@@ -162,7 +162,7 @@ def make_service(decoder, tokenizer, eos_ids, *, model_name: str, mode: str, api
     cfg = decoder.config
     limits = P.Limits(context_len=cfg.max_cache_len - cfg.block_size, max_body_bytes=max_body_bytes,
                       max_prompt_tokens=max_prompt_tokens, default_max_tokens=default_max_tokens,
-                      vocab_size=getattr(decoder, "vocab_size", None))
+                      vocab_size=getattr(decoder, "vocab_size", None) or len(tokenizer))
     if target is not None and score_prompt is None:
         from d3d_jax.serving.scoring import PromptScorer
 
