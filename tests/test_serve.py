@@ -452,3 +452,17 @@ def test_metrics_histograms_vllm_names_and_warmup_left_out(make_server):
     assert _metric(text, "tokens_per_round_bucket", '{le="+Inf"}') == rounds
     assert 'vllm:time_to_first_token_seconds_count{model_name="toy"} 3' in text
     assert 'vllm:num_requests_running{model_name="toy"} 0' in text
+
+
+@pytest.mark.parametrize("flag, value", [("--max-body-bytes", "-1"), ("--port", "70000"), ("--num-slots", "0"),
+                                         ("--max-queue", "-2"), ("--default-max-tokens", "0"), ("--port", "x")])
+def test_bad_server_numbers_are_refused_at_start_in_one_line(flag, value, capsys):
+    import argparse
+
+    from d3d_jax.serving.server import add_arguments
+
+    parser = add_arguments(argparse.ArgumentParser(prog="serve.py"))
+    with pytest.raises(SystemExit) as e:
+        parser.parse_args(["--target", "t", flag, value])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and flag in err[-1] and value in err[-1], err
