@@ -248,9 +248,18 @@ def train_step(config: str, mesh, overrides: tuple[str, ...] = ()) -> Built:
     facts = {**model_facts(model, "model"), "rows": cfg.data.batch_size * cfg.data.packed_length,
              "hand_flops": train_hand_flops(mc, cfg.data.batch_size, cfg.data.packed_length),
              "mesh": dict(zip(mesh.axis_names, mesh.devices.shape)), "global_batch": cfg.data.batch_size,
-             "packed_length": cfg.data.packed_length, "remat": mc.layer_remat}
+             "packed_length": cfg.data.packed_length, "remat": mc.layer_remat,
+             "plan_GiB": _plan_gib(config, mesh.devices.size, overrides, mc.attention_backend)}
     return Built(jitted, (put(state, state_sh), put(batch, b_sh), None), facts,
                  mesh_context=lambda: shd.use_mesh(mesh, cfg.mesh.rules))
+
+
+def _plan_gib(config: str, chips: int, overrides, backend: str) -> float:
+    """``infer/bench.py train``'s memory plan of the same config, mesh and batch (GiB/device)."""
+    from d3d_jax.bench.train import memory_plan
+
+    rest = [o for o in overrides if not o.startswith("model.attention_backend=")]
+    return memory_plan(config, chips, overrides=rest, attention_backend=backend)["per_device_GiB"]["total"]
 
 
 def train_hand_flops(mc, rows: int, length: int) -> dict:

@@ -65,7 +65,9 @@ def _ms(s: float) -> str:
 def _ratio(r: dict) -> str:
     i = r.get("ideal", {})
     if r["kind"] == "train":
-        return f"flops / hand {i['flops_over_hand']:.3f}"
+        plan = r["facts"].get("plan_GiB")
+        return f"flops / hand {i['flops_over_hand']:.3f}; plan {plan:.2f} GiB" if plan else \
+            f"flops / hand {i['flops_over_hand']:.3f}"
     return (f"XLA {i['xla_bytes_over_weights_plus_cache']:.3f}, corrected "
             f"{i['corrected_xla_bytes_over_weights_plus_cache']:.3f} of W+C; total / ideal {i['bytes_over_ideal']:.3f}")
 
