@@ -45,7 +45,7 @@ def checks(progs: list[dict]) -> list[dict]:
     flops = _find(progs, "D3D-8B train step, flops")
     if flops:
         dev = abs(flops["ideal"]["flops_over_hand"] - 1)
-        out.append(_check("D3D-8B train step: |flops / hand count - 1|", dev, TRAIN_FLOPS_TOL))
+        out.append(_check("D3D-8B train step: abs(flops / hand count − 1)", dev, TRAIN_FLOPS_TOL))
     train = _find(progs, "D3D-8B train step")
     if train:
         gib = train["memory"]["peak"] / GIB
