@@ -115,9 +115,15 @@ def test_every_filesystem_and_resource_error_is_one_line(capsys, err, code, line
     assert capsys.readouterr().err == f"error: {line}\n"
 
 
-def test_serve_ends_through_run_cli_a_bad_port_is_one_line_exit_2():
-    out = run_script("infer/serve.py", "--target", TARGET, "--port", "70000")
-    assert_one_line_error(out, 2, "--port: must be in [0, 65535], got 70000")
+def test_serve_ends_through_run_cli_a_missing_target_is_one_line_exit_2():
+    out = run_script("infer/serve.py", "--target", "/nonexistent")  # said "no tokenizer next to --target"
+    assert_one_line_error(out, 2, "--target /nonexistent: not a directory")
+
+
+def test_serve_refuses_a_bad_port_at_start_exit_2_without_a_traceback():
+    out = run_script("infer/serve.py", "--target", TARGET, "--port", "70000")  # was an OverflowError traceback
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-2000:]
+    assert out.stderr.strip().splitlines()[-1].endswith("argument --port: 70000 is outside [0, 65535]"), out.stderr
 
 
 @pytest.mark.parametrize("args, code, fragment", [
