@@ -271,3 +271,56 @@ def test_mask_id_beyond_vocab_resizes_embedding(cfg):
     # the grown model can embed the new id
     out = np.asarray(forward(grown, jnp.asarray([[1, new_id]])))
     assert out.shape == (1, 2, v) and np.isfinite(out).all()
+
+
+# ---- the tokenizer loads without AutoTokenizer where AutoTokenizer would pick the same class -----
+DEMO = __import__("pathlib").Path(__file__).resolve().parents[1] / "artifacts" / "demo"
+TEXTS = ["to be or not to be", "<|im_start|>user\nhi<|im_end|>\n", "héllo  wörld\n\n\t!", "<|MASK|><|MASK|>x", ""]
+CHAT = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "to be?"},
+        {"role": "assistant", "content": "or not"}, {"role": "user", "content": "héllo"}]
+
+
+@pytest.mark.parametrize("where", ["models/target", "drafters/small", "tokenizer"])
+def test_the_demo_tokenizers_load_directly_and_behave_as_autotokenizers(where):
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    from d3d_jax.io.hf import _tokenizer_loader, open_tokenizer
+
+    path = DEMO / where
+    assert _tokenizer_loader(path) is PreTrainedTokenizerFast  # the import-free path is the one taken
+    ours, ref = open_tokenizer(path), AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    assert type(ours) is type(ref) and len(ours) == len(ref) and ours.get_vocab() == ref.get_vocab()
+    assert (ours.special_tokens_map, ours.all_special_ids, ours.chat_template, ours.model_max_length,
+            ours.padding_side) == (ref.special_tokens_map, ref.all_special_ids, ref.chat_template,
+                                   ref.model_max_length, ref.padding_side)
+    for text in TEXTS:
+        for special in (True, False):
+            ids = ours.encode(text, add_special_tokens=special)
+            assert ids == ref.encode(text, add_special_tokens=special), text
+            for skip in (True, False):
+                assert ours.decode(ids, skip_special_tokens=skip) == ref.decode(ids, skip_special_tokens=skip)
+    assert ours(TEXTS, padding=True)["input_ids"] == ref(TEXTS, padding=True)["input_ids"]
+    if ref.chat_template is not None:
+        for kw in ({"add_generation_prompt": True}, {"add_generation_prompt": True, "enable_thinking": False}, {}):
+            want = ref.apply_chat_template(CHAT, tokenize=False, **kw)
+            assert ours.apply_chat_template(CHAT, tokenize=False, **kw) == want and "to be?" in want
+    mask_tok, mask_id = load_tokenizer(path)  # the demo tokenizers have <|MASK|>: its id, nothing added
+    assert mask_id == ref.convert_tokens_to_ids("<|MASK|>") == 3 and len(mask_tok) == len(ref)
+
+
+def test_other_tokenizer_directories_still_go_through_autotokenizer(tmp_path):
+    from transformers import AutoTokenizer
+
+    from d3d_jax.io.hf import _tokenizer_loader
+
+    for name in ("qwen2", "plain", "remote", "badconfig"):
+        d = tmp_path / name
+        d.mkdir()
+        for f in ("tokenizer.json", "tokenizer_config.json"):
+            (d / f).write_bytes((DEMO / "models/target" / f).read_bytes())
+    (tmp_path / "qwen2/config.json").write_text('{"model_type": "qwen2"}')  # AutoTokenizer overrides the class
+    cfg = json.loads((DEMO / "models/target/tokenizer_config.json").read_text())
+    (tmp_path / "plain/tokenizer_config.json").write_text(json.dumps({**cfg, "tokenizer_class": "Qwen2Tokenizer"}))
+    (tmp_path / "remote/tokenizer_config.json").write_text(json.dumps({**cfg, "auto_map": {"AutoTokenizer": ["x.Y", None]}}))
+    (tmp_path / "badconfig/config.json").write_text("{")
+    assert all(_tokenizer_loader(tmp_path / n) is AutoTokenizer for n in ("qwen2", "plain", "remote", "badconfig"))

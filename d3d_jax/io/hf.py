@@ -306,19 +306,48 @@ def has_tokenizer(path: str | os.PathLike) -> bool:
     return path.is_dir() and any((path / f).exists() for f in TOKENIZER_FILES)
 
 
+# tokenizer_config.json classes for which every path of AutoTokenizer.from_pretrained ends in the
+# tokenizers backend's own from_pretrained (transformers 5), when the directory's model (if any)
+# is a Qwen3: for some model types (qwen2, phi3, ...) AutoTokenizer overrides the declared class.
+# Loading those directly skips importing AutoTokenizer, which imports torch: ~6 s of a warm start.
+_BACKEND_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
+
+
+def _json_dict(path: Path) -> dict | None:
+    try:
+        out = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):  # absent or unreadable: AutoTokenizer decides (and reports)
+        return None
+    return out if isinstance(out, dict) else None
+
+
+def _tokenizer_loader(path: Path) -> Any:
+    """The class whose ``from_pretrained`` loads ``path`` as AutoTokenizer would: the tokenizers
+    backend directly where that is what AutoTokenizer picks, else AutoTokenizer itself."""
+    declared = _json_dict(path / "tokenizer_config.json") or {}
+    config = path / "config.json"  # an unreadable one goes to AutoTokenizer, which reports it
+    model_type = (_json_dict(config) or {}).get("model_type") if config.exists() else "qwen3"
+    if (declared.get("tokenizer_class") in _BACKEND_CLASSES and "auto_map" not in declared
+            and model_type == "qwen3" and (path / "tokenizer.json").is_file()):
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer
+
+
 def open_tokenizer(path: str | os.PathLike, *, vocab_size: int | None = None, hint: str = "") -> Any:
     """The tokenizer of a local directory; refuses a directory without one (``AutoTokenizer`` would
     otherwise build a near-empty one) and one with more tokens than the model's ``vocab_size``.
     ``hint`` ends the first error (e.g. " (pass --tokenizer DIR)")."""
-    from transformers import AutoTokenizer
-
     path = Path(path)
     if not path.is_dir():
         raise ModelFileError(f"{path}: not a tokenizer directory{hint}")
     if not has_tokenizer(path):
         raise ModelFileError(f"{path}: no tokenizer here (none of {', '.join(TOKENIZER_FILES)}){hint}")
     try:
-        tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        tok = _tokenizer_loader(path).from_pretrained(str(path), local_files_only=True)
     except Exception as e:  # tokenizers and transformers raise many types for a bad file
         raise ModelFileError(f"{path}: cannot load the tokenizer ({type(e).__name__}: {e})") from None
     if vocab_size is not None and len(tok) > vocab_size:
