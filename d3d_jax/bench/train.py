@@ -269,7 +269,6 @@ def memory_plan(config: str, num_devices: int, batch: int = 0, overrides: list[s
 
     from d3d_jax.model.qwen3 import abstract_model
     from d3d_jax.parallel import sharding as shd
-    from d3d_jax.training.loop import _path_names
     from d3d_jax.training.optim import make_optimizer
     from flax import nnx
 
@@ -282,20 +281,17 @@ def memory_plan(config: str, num_devices: int, batch: int = 0, overrides: list[s
     mesh = jax.sharding.AbstractMesh((1, num_devices, 1), shd.MESH_AXES)
     rules = shd.rules_dict(cfg.mesh.rules)
 
-    def spec_sizes(path, shape):
-        names = _path_names(path)
-        for i in range(len(names) - 2, -1, -1):
-            axes = shd.PARAM_AXES.get((names[i], names[i + 1]))
-            if axes is not None and len(axes) == len(shape):
-                spec = shd.logical_to_spec(axes, shape, mesh, rules)
-                out = []
-                for e in spec:
-                    ax = () if e is None else ((e,) if isinstance(e, str) else tuple(e))
-                    out.append((ax, int(np.prod([mesh.shape[a] for a in ax])) if ax else 1))
-                return out
-        return []
+    model = abstract_model(mc)
+    axes = shd.logical_axes(model)
 
-    params = nnx.as_pure(nnx.state(abstract_model(mc), nnx.Param))
+    def spec_sizes(path, shape):
+        out = []
+        for e in shd.leaf_spec(path, shape, axes, mesh, rules):
+            ax = () if e is None else ((e,) if isinstance(e, str) else tuple(e))
+            out.append((ax, int(np.prod([mesh.shape[a] for a in ax])) if ax else 1))
+        return out
+
+    params = nnx.as_pure(nnx.state(model, nnx.Param))
     opt_state = jax.eval_shape(make_optimizer(cfg.optim, cfg.train.steps).init, params)
     p_bytes = _shard_bytes(params, spec_sizes)
     o_bytes = _shard_bytes(opt_state, spec_sizes)

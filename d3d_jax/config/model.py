@@ -136,10 +136,6 @@ class ModelConfig:
             return "full"
         return self.remat_policy
 
-    @property
-    def num_groups(self) -> int:
-        return self.num_heads // self.num_kv_heads
-
     # ---- Hugging Face config.json ------------------------------------------------------
     @classmethod
     def from_hf_dict(cls, hf: Mapping[str, Any], **overrides: Any) -> "ModelConfig":
