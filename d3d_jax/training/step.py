@@ -56,7 +56,7 @@ def accumulate_grads(loss_of: Callable, totals_fn: Callable[[dict], dict], param
 
 
 def train_step(graphdef, tx: optax.GradientTransformation, loss_fn: LossFn, schedule, totals_fn,
-                state, batch, extra):
+               state, batch, extra):
     params, rest = state["params"], state["rest"]
 
     def loss_of(p, mb):
