@@ -1,5 +1,6 @@
 """Test set-up that must happen before JAX starts: 8 simulated CPU devices, offline HF."""
 import os
+import shutil
 import tempfile
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -14,3 +15,14 @@ os.environ.setdefault("D3D_COMPILE_CACHE", tempfile.mkdtemp(prefix="d3d-xla-cach
 import jax  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
+
+# JAX's persistent compilation cache, for this session only: a trainer rebuilt for the same program
+# (resume, a second run of one config) loads its executable instead of paying XLA again.  Only
+# compiles over a second are stored, so the many small programs cost no disk traffic.
+_XLA_CACHE = tempfile.mkdtemp(prefix="d3d_jax_test_xla_cache_")
+jax.config.update("jax_compilation_cache_dir", _XLA_CACHE)
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    shutil.rmtree(_XLA_CACHE, ignore_errors=True)

@@ -234,7 +234,7 @@ def test_accumulation_equals_whole_batch_for_unequal_micro_batches():
     from d3d_jax.config import DataConfig, ModelConfig, ObjectiveConfig
     from d3d_jax.model.qwen3 import init_model
     from d3d_jax.training import objectives as obj
-    from d3d_jax.training.loop import accumulate_grads
+    from d3d_jax.training.step import accumulate_grads
 
     B, n = 4, 3
     dc = DataConfig(packed_length=24 + n * B, num_anchors=n, block_size=B)

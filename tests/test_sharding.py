@@ -6,13 +6,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from jax.sharding import PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from d3d_jax.config import ConfigError, MeshConfig, ModelConfig
 from d3d_jax.model.masks import TokenMeta, packed_training_meta
 from d3d_jax.model.qwen3 import init_model
-from d3d_jax.parallel.sharding import (batch_sharding, check_disjoint, logical_to_spec, make_mesh,
-                                       shard, shard_model, split_devices, use_mesh)
+from d3d_jax.parallel.sharding import (check_disjoint, logical_to_spec, make_mesh, shard, shard_model,
+                                       split_devices, use_mesh)
 
 CFG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
                   num_kv_heads=2, head_dim=8, tie_word_embeddings=False)
@@ -46,8 +46,10 @@ def test_fsdp4_tensor2_forward_equals_unsharded():
     with use_mesh(mesh):
         # a separate jitted function: tracing happens inside the mesh context
         sharded_forward = nnx.jit(lambda m, t, mt: m(t, mt))
-        tokens_d = jax.device_put(tokens, batch_sharding(mesh, 2))
-        meta_d = jax.tree_util.tree_map(lambda x: jax.device_put(x, batch_sharding(mesh, 2)), meta)
+        rows = NamedSharding(mesh, logical_to_spec(("batch", "length"), tokens.shape))
+        assert rows.spec == P("fsdp", None)  # data is 1: only fsdp splits the rows
+        tokens_d = jax.device_put(tokens, rows)
+        meta_d = jax.tree_util.tree_map(lambda x: jax.device_put(x, rows), meta)
         out = sharded_forward(model, tokens_d, meta_d)
     assert out.sharding.spec == P("fsdp", None, "tensor")  # batch over fsdp, vocab over tensor
     assert np.abs(np.asarray(out) - unsharded).max() <= 1e-5
@@ -97,3 +99,81 @@ def test_split_devices_errors():
     devices = jax.devices()
     with pytest.raises(ConfigError, match=r"overlap on devices \[3, 4\]"):
         check_disjoint(devices[:5], devices[3:8])
+
+
+# ---- logical axes declared on the parameters ------------------------------------------------
+def _train_model_config(name: str, devices: int) -> ModelConfig:
+    from pathlib import Path
+
+    from d3d_jax.config import TrainRunConfig, load_config
+
+    repo = Path(__file__).resolve().parent.parent
+    return load_config(TrainRunConfig, [repo / "configs/train" / f"{name}.yaml"],
+                       [f"num_devices={devices}"]).effective_model()
+
+
+@pytest.mark.parametrize("name,devices", [("tiny", 8), ("d3d-1.7b", 16), ("d3d-8b", 64)])
+def test_every_parameter_declares_logical_axes_that_fit_its_shape(name, devices):
+    """Every parameter of the shipped configs (abstract: no weights) carries logical axes, one per
+    dimension, and each named dimension has the size of the config field it stands for."""
+    from d3d_jax.io.hf import tensor_mappings
+    from d3d_jax.model.qwen3 import abstract_model
+    from d3d_jax.parallel.sharding import logical_axes
+
+    mc = _train_model_config(name, devices)
+    model = abstract_model(mc)
+    axes = logical_axes(model)  # raises on a parameter without an annotation
+    # every parameter the HF layout knows (an independent list of them) is annotated, nothing else
+    expected = {tuple(str(k) for k in m.ours): m.ours_shape for m in tensor_mappings(mc)}
+    assert set(axes) == set(expected)
+    sizes = {"embed": {mc.hidden_size}, "heads": {mc.num_heads}, "kv_heads": {mc.num_kv_heads},
+             "head_dim": {mc.head_dim}, "mlp": {mc.intermediate_size}, "vocab": {mc.vocab_size},
+             "norm": {mc.hidden_size, mc.head_dim}}
+    for path, names in axes.items():
+        assert len(names) == len(expected[path]), path
+        for n, size in zip(names, expected[path]):
+            assert size in sizes[n], (path, names, expected[path])
+    if not mc.tie_word_embeddings:
+        assert axes[("lm_head", "kernel")] == ("embed", "vocab")
+
+
+def test_a_parameter_without_logical_axes_is_an_error():
+    from d3d_jax.parallel.sharding import logical_axes, state_shardings, tree_shardings
+
+    class Bare(nnx.Module):
+        def __init__(self):
+            self.w = nnx.Param(jnp.ones((8, 4)))
+
+    mesh = make_mesh(MeshConfig(fsdp=4, tensor=2))
+    with pytest.raises(ValueError, match="parameter w has no logical axes"):
+        logical_axes(Bare())
+    with pytest.raises(ValueError, match="parameter w has no logical axes"):
+        shard_model(Bare(), mesh)
+    model = init_model(CFG, seed=0)
+    # a leaf of a tree that no parameter's path explains is refused, not replicated
+    with pytest.raises(ValueError, match="extra: a rank-2 leaf that belongs to no parameter"):
+        tree_shardings({"extra": jnp.ones((8, 8))}, logical_axes(model), mesh)
+    # optimiser-style trees find their parameter by path; scalars stay replicated
+    tree = {"mu": {"layers": {0: {"mlp": {"gate_proj": {"kernel": jnp.ones((32, 64))}}}}}, "count": jnp.int32(0)}
+    sh = tree_shardings(tree, logical_axes(model), mesh)
+    assert sh["mu"]["layers"][0]["mlp"]["gate_proj"]["kernel"].spec == P("fsdp", "tensor")
+    assert sh["count"].spec == P()
+    assert state_shardings(nnx.state(model), mesh)["embed_tokens"]["embedding"].get_value().spec == P("tensor", "fsdp")
+    with pytest.raises(ValueError, match="logical axis 'embd' has no sharding rule"):
+        logical_to_spec(("embd",), (8,), mesh)
+
+
+def test_the_mesh_is_jax_context_so_jit_sees_it():
+    """A function first traced without a mesh is traced again under ``use_mesh`` (JAX's own
+    ``jax.set_mesh``), and custom rules reach ``shard`` inside it."""
+    mesh = make_mesh(MeshConfig(fsdp=4, tensor=2))
+    f = jax.jit(lambda x: shard(x * 2, ("batch", "act_vocab")))
+    x = jnp.ones((8, 6))
+    assert len(f(x).sharding.device_set) == 1
+    with use_mesh(mesh):
+        assert f(x).sharding.spec == P("fsdp", "tensor")
+    with jax.set_mesh(mesh):  # JAX's context alone: the default rules
+        assert f(x).sharding.spec == P("fsdp", "tensor")
+    g = jax.jit(lambda x: shard(x * 3, ("batch", "act_vocab")))
+    with use_mesh(mesh, rules=[("act_vocab", None)]):
+        assert g(x).sharding.spec == P("fsdp")  # vocab replicated

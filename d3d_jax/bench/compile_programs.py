@@ -223,10 +223,10 @@ def batch_spec(cfg) -> dict:
 
 
 def train_step(config: str, mesh, overrides: tuple[str, ...] = ()) -> Built:
-    """The trainer's step (``training.loop._train_step``) with its shardings and donation."""
+    """The trainer's step (``training.step.train_step``) with its shardings and donation."""
     from d3d_jax.parallel import sharding as shd
     from d3d_jax.training import objectives as obj
-    from d3d_jax.training.loop import _train_step, batch_shardings, train_state_shardings
+    from d3d_jax.training.step import batch_shardings, train_step as step_fn
     from d3d_jax.training.optim import lr_schedule, make_optimizer
 
     cfg, mc = train_config(config, mesh.devices.size, overrides)
@@ -236,10 +236,10 @@ def train_step(config: str, mesh, overrides: tuple[str, ...] = ()) -> Built:
     state = jax.eval_shape(lambda p, r: dict(params=p, rest=r, opt_state=tx.init(p),
                                              step=jnp.zeros([], jnp.int32)),
                            nnx.as_pure(params), nnx.as_pure(rest))
-    state_sh = train_state_shardings(state, mesh, cfg.mesh.rules)
+    state_sh = shd.tree_shardings(state, shd.logical_axes(model), mesh, cfg.mesh.rules)
     batch = batch_spec(cfg)
     b_sh = batch_shardings(batch, mesh, cfg.mesh.rules)
-    fn = partial(_train_step, graphdef, tx, obj.make_loss_fn(cfg.objective),
+    fn = partial(step_fn, graphdef, tx, obj.make_loss_fn(cfg.objective),
                  lr_schedule(cfg.optim, cfg.train.steps), partial(obj.loss_totals, gamma=cfg.objective.gamma))
     jitted = jax.jit(fn, in_shardings=(state_sh, b_sh, None), out_shardings=(state_sh, None),
                      donate_argnums=(0,))

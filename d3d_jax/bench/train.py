@@ -287,6 +287,30 @@ def _yaml_mesh(config: str, overrides) -> list[int]:
     return [int(mesh.get(k, getattr(MeshConfig(), k))) for k in ("data", "fsdp", "tensor")]
 
 
+def _state_bytes(cfg: TrainRunConfig, mc, mesh) -> tuple[int, int, int]:
+    """Per-device bytes of the parameters and of the optimiser state on ``mesh``, each leaf sharded
+    as training shards it (the parameters' logical axes), and the parameter count."""
+    from d3d_jax.model.qwen3 import abstract_model
+    from d3d_jax.parallel import sharding as shd
+    from d3d_jax.training.optim import make_optimizer
+    from flax import nnx
+
+    model = abstract_model(mc)
+    axes, rules = shd.logical_axes(model), shd.rules_dict(cfg.mesh.rules)
+
+    def spec_sizes(path, shape):
+        out = []
+        for e in shd.leaf_spec(path, shape, axes, mesh, rules):
+            ax = () if e is None else ((e,) if isinstance(e, str) else tuple(e))
+            out.append((ax, int(np.prod([mesh.shape[a] for a in ax])) if ax else 1))
+        return out
+
+    params = nnx.as_pure(nnx.state(model, nnx.Param))
+    opt_state = jax.eval_shape(make_optimizer(cfg.optim, cfg.train.steps).init, params)
+    n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
+    return _shard_bytes(params, spec_sizes), _shard_bytes(opt_state, spec_sizes), n_params
+
+
 def memory_plan(config: str, num_devices: int = 0, batch: int = 0, overrides: list[str] = (),
                 attention_backend: str = "", remat_policy: str = "") -> dict:
     """Per-device bytes of params / grads / optimiser state (eval_shape) + an activation estimate,
@@ -298,11 +322,7 @@ def memory_plan(config: str, num_devices: int = 0, batch: int = 0, overrides: li
     """
     import dataclasses
 
-    from d3d_jax.model.qwen3 import abstract_model
     from d3d_jax.parallel import sharding as shd
-    from d3d_jax.training.loop import _path_names
-    from d3d_jax.training.optim import make_optimizer
-    from flax import nnx
 
     fixed = _yaml_mesh(config, overrides)
     num_devices = num_devices or (int(np.prod(fixed)) if min(fixed) > 0 else 64)
@@ -313,26 +333,7 @@ def memory_plan(config: str, num_devices: int = 0, batch: int = 0, overrides: li
     planned = _planned_model(mc, attention_backend, remat_policy)
     sizes = cfg.mesh.axis_sizes(num_devices)
     mesh = jax.sharding.AbstractMesh(tuple(sizes), shd.MESH_AXES)
-    rules = shd.rules_dict(cfg.mesh.rules)
-
-    def spec_sizes(path, shape):
-        names = _path_names(path)
-        for i in range(len(names) - 2, -1, -1):
-            axes = shd.PARAM_AXES.get((names[i], names[i + 1]))
-            if axes is not None and len(axes) == len(shape):
-                spec = shd.logical_to_spec(axes, shape, mesh, rules)
-                out = []
-                for e in spec:
-                    ax = () if e is None else ((e,) if isinstance(e, str) else tuple(e))
-                    out.append((ax, int(np.prod([mesh.shape[a] for a in ax])) if ax else 1))
-                return out
-        return []
-
-    params = nnx.as_pure(nnx.state(abstract_model(mc), nnx.Param))
-    opt_state = jax.eval_shape(make_optimizer(cfg.optim, cfg.train.steps).init, params)
-    p_bytes = _shard_bytes(params, spec_sizes)
-    o_bytes = _shard_bytes(opt_state, spec_sizes)
-    n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
+    p_bytes, o_bytes, n_params = _state_bytes(cfg, mc, mesh)
 
     # Activations of one micro-batch on one device: rows b = micro-batch / (data·fsdp), and the
     # heads, MLP and vocabulary the tensor axis splits.

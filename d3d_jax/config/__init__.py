@@ -11,8 +11,6 @@ The package is split by domain (``base``: loader and errors; ``model``: model an
 """
 
 from d3d_jax.config.base import *  # noqa: F401,F403
-from d3d_jax.config.base import (CONFIG_DIR, DTYPES, ConfigError, _convert, _deep_merge,  # noqa: F401
-                                 _parse_scalar, _require, _set_dotted, _HF_KEY_NAMES, _MISSING)
 from d3d_jax.config.model import *  # noqa: F401,F403
 from d3d_jax.config.training import *  # noqa: F401,F403
 from d3d_jax.config.regenerate import *  # noqa: F401,F403

@@ -40,23 +40,10 @@ def _require(cond: bool, key: str, msg: str) -> None:
 def _convert(value: Any, tp: Any, key: str) -> Any:
     """Convert a YAML/CLI value to the declared field type, or raise ConfigError."""
     origin = typing.get_origin(tp)
-    args = typing.get_args(tp)
     if tp is Any:
         return value
     if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        if isinstance(value, str) and value.lower() in ("none", "null") and type(None) in args:
-            return None
-        errors = []
-        for a in args:
-            if a is type(None):
-                continue
-            try:
-                return _convert(value, a, key)
-            except ConfigError as e:
-                errors.append(str(e))
-        raise ConfigError(f"{key}: cannot interpret {value!r} as {tp}")
+        return _convert_union(value, tp, key)
     if dataclasses.is_dataclass(tp):
         if isinstance(value, tp):
             return value
@@ -64,52 +51,88 @@ def _convert(value: Any, tp: Any, key: str) -> Any:
             raise ConfigError(f"{key}: expected a mapping for section {tp.__name__}, got {value!r}")
         return build_dataclass(tp, value, key)
     if origin in (tuple, list, Sequence) or tp in (tuple, list):
-        if isinstance(value, str):
-            value = [v for v in value.split(",") if v != ""]
-        if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{key}: expected a list, got {value!r}")
-        if args and not (len(args) == 2 and args[1] is Ellipsis) and origin is tuple:
-            if len(args) != len(value):
-                raise ConfigError(f"{key}: expected {len(args)} items, got {len(value)}")
-            return tuple(_convert(v, a, key) for v, a in zip(value, args))
-        elem = args[0] if args else Any
-        out = [_convert(v, elem, key) for v in value]
-        return tuple(out) if (origin is tuple or tp is tuple) else out
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.lower() in ("true", "1", "yes", "on"):
-            return True
-        if isinstance(value, str) and value.lower() in ("false", "0", "no", "off"):
-            return False
-        if isinstance(value, int) and value in (0, 1):
-            return bool(value)
-        raise ConfigError(f"{key}: expected a boolean, got {value!r}")
-    if tp is int:
-        if isinstance(value, bool):
-            raise ConfigError(f"{key}: expected an integer, got {value!r}")
-        if isinstance(value, int):
-            return value
-        if isinstance(value, float) and value.is_integer():
-            return int(value)
-        if isinstance(value, str):
-            try:
-                return int(value)
-            except ValueError:
-                pass
-        raise ConfigError(f"{key}: expected an integer, got {value!r}")
-    if tp is float:
-        if isinstance(value, bool):
-            raise ConfigError(f"{key}: expected a number, got {value!r}")
-        try:
-            return float(value)
-        except (TypeError, ValueError):
-            raise ConfigError(f"{key}: expected a number, got {value!r}") from None
-    if tp is str:
-        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
-            return str(value)
-        raise ConfigError(f"{key}: expected a string, got {value!r}")
+        return _convert_sequence(value, tp, key)
+    if tp in _SCALARS:
+        return _SCALARS[tp](value, key)
     return value
+
+
+def _convert_union(value: Any, tp: Any, key: str) -> Any:
+    """The first member type that accepts ``value`` (``none``/``null`` for an optional field)."""
+    args = typing.get_args(tp)
+    if value is None and type(None) in args:
+        return None
+    if isinstance(value, str) and value.lower() in ("none", "null") and type(None) in args:
+        return None
+    for a in args:
+        if a is type(None):
+            continue
+        try:
+            return _convert(value, a, key)
+        except ConfigError:
+            pass
+    raise ConfigError(f"{key}: cannot interpret {value!r} as {tp}")
+
+
+def _convert_sequence(value: Any, tp: Any, key: str) -> Any:
+    """A list or tuple (a comma-separated string from the command line), element by element."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if isinstance(value, str):
+        value = [v for v in value.split(",") if v != ""]
+    if not isinstance(value, (list, tuple)):
+        raise ConfigError(f"{key}: expected a list, got {value!r}")
+    if args and not (len(args) == 2 and args[1] is Ellipsis) and origin is tuple:
+        if len(args) != len(value):
+            raise ConfigError(f"{key}: expected {len(args)} items, got {len(value)}")
+        return tuple(_convert(v, a, key) for v, a in zip(value, args))
+    elem = args[0] if args else Any
+    out = [_convert(v, elem, key) for v in value]
+    return tuple(out) if (origin is tuple or tp is tuple) else out
+
+
+def _to_bool(value: Any, key: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.lower() in ("true", "1", "yes", "on"):
+        return True
+    if isinstance(value, str) and value.lower() in ("false", "0", "no", "off"):
+        return False
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    raise ConfigError(f"{key}: expected a boolean, got {value!r}")
+
+
+def _to_int(value: Any, key: str) -> int:
+    if isinstance(value, bool):
+        raise ConfigError(f"{key}: expected an integer, got {value!r}")
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, str):
+        try:
+            return int(value)
+        except ValueError:
+            pass
+    raise ConfigError(f"{key}: expected an integer, got {value!r}")
+
+
+def _to_float(value: Any, key: str) -> float:
+    if isinstance(value, bool):
+        raise ConfigError(f"{key}: expected a number, got {value!r}")
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{key}: expected a number, got {value!r}") from None
+
+
+def _to_str(value: Any, key: str) -> str:
+    if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+        return str(value)
+    raise ConfigError(f"{key}: expected a string, got {value!r}")
+
+
+_SCALARS = {bool: _to_bool, int: _to_int, float: _to_float, str: _to_str}
 
 
 def build_dataclass(cls: type, data: Mapping[str, Any], prefix: str = "") -> Any:

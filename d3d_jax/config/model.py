@@ -151,10 +151,6 @@ class ModelConfig:
         orig = s.original_max_position_embeddings or self.max_position_embeddings
         return max(self.max_position_embeddings, int(s.effective_factor(self.max_position_embeddings) * orig))
 
-    @property
-    def num_groups(self) -> int:
-        return self.num_heads // self.num_kv_heads
-
     # ---- Hugging Face config.json ------------------------------------------------------
     @classmethod
     def from_hf_dict(cls, hf: Mapping[str, Any], **overrides: Any) -> "ModelConfig":

@@ -5,18 +5,20 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Mapping, Sequence
 
-import matplotlib
+import numpy as np
+from matplotlib.figure import Figure
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
+
+def _figure(figsize: tuple[float, float]):
+    """A figure and its axes, outside pyplot: no process-wide backend or figure registry to touch."""
+    fig = Figure(figsize=figsize)
+    return fig, fig.subplots()
 
 
 def _save(fig, path: str | Path) -> str:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    plt.close(fig)
     return str(path)
 
 
@@ -24,7 +26,7 @@ def acceptance_histogram(results: Mapping[str, Mapping[str, dict]], path: str | 
                          mode: str = "sync") -> str:
     """Fraction of rounds per acceptance length τ = 1..B, one bar group per benchmark."""
     benches = [b for b in results if results[b].get(mode, {}).get("accept_histogram")]
-    fig, ax = plt.subplots(figsize=(8, 4))
+    fig, ax = _figure((8, 4))
     width = 0.8 / max(len(benches), 1)
     for i, b in enumerate(benches):
         h = np.asarray(results[b][mode]["accept_histogram"], float)
@@ -40,7 +42,7 @@ def acceptance_histogram(results: Mapping[str, Mapping[str, dict]], path: str | 
 
 def tau_per_slot(results: Mapping[str, Mapping[str, dict]], path: str | Path, mode: str = "sync") -> str:
     """P(draft slot k accepted), k = 1..B-1: how far into the block the drafter stays right."""
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, ax = _figure((7, 4))
     for b, modes in results.items():
         rate = modes.get(mode, {}).get("slot_accept_rate")
         if rate:
@@ -56,7 +58,7 @@ def tau_per_slot(results: Mapping[str, Mapping[str, dict]], path: str | Path, mo
 def budget_sweep(sweep: Sequence[dict], path: str | Path) -> str:
     """Hit rate and async speedup against the branch budget N_async = B·[(C-1)·F + 2]."""
     pts = sorted(sweep, key=lambda r: r["budget"])
-    fig, ax1 = plt.subplots(figsize=(7, 4))
+    fig, ax1 = _figure((7, 4))
     x = [p["budget"] for p in pts]
     ax1.plot(x, [p.get("hit_rate", np.nan) for p in pts], "o-", color="tab:blue", label="hit rate")
     ax1.set_xlabel("async budget N_async (tokens per packed draft forward)")
@@ -74,12 +76,13 @@ def budget_sweep(sweep: Sequence[dict], path: str | Path) -> str:
 
 def tau_bars(rows: Sequence[tuple[str, float]], path: str | Path, title: str) -> str:
     """One bar per drafter variant (ablations)."""
-    fig, ax = plt.subplots(figsize=(7, 3.5))
+    fig, ax = _figure((7, 3.5))
     names = [r[0] for r in rows]
     ax.bar(names, [r[1] for r in rows], color="tab:green")
     for i, (_, v) in enumerate(rows):
         ax.text(i, v, f"{v:.2f}", ha="center", va="bottom", fontsize=8)
     ax.set_ylabel("τ")
     ax.set_title(title)
-    plt.setp(ax.get_xticklabels(), rotation=15, ha="right", fontsize=8)
+    for label in ax.get_xticklabels():
+        label.set(rotation=15, ha="right", fontsize=8)
     return _save(fig, path)

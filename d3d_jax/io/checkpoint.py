@@ -28,7 +28,7 @@ from jax.sharding import Mesh, SingleDeviceSharding
 from d3d_jax.config import DTYPES, ConfigError, ModelConfig, build_dataclass
 from d3d_jax.io.manifest import MANIFEST_FILE, CheckpointError, verify_manifest, write_manifest
 from d3d_jax.model.qwen3 import Qwen3, abstract_model
-from d3d_jax.parallel.sharding import param_sharding, rules_dict
+from d3d_jax.parallel.sharding import logical_axes, tree_shardings
 
 PARAMS_CONFIG_FILE = "d3d_model_config.json"
 PARAMS_DIR = "params"
@@ -140,14 +140,11 @@ def load_model(path: str | os.PathLike, mesh: Mesh | None = None, dtype: str | N
     model = abstract_model(stored_cfg)
     graphdef, state = nnx.split(model)
     abstract = nnx.to_pure_dict(state)
-    rd = rules_dict(rules)
     device = SingleDeviceSharding(jax.devices()[0])
-
-    def target(p, x):
-        sharding = param_sharding(p, x.shape, mesh, rd) if mesh is not None else device
-        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
-
-    abstract_target = jax.tree_util.tree_map_with_path(target, abstract)
+    shardings = (tree_shardings(abstract, logical_axes(state), mesh, rules) if mesh is not None
+                 else jax.tree.map(lambda _: device, abstract))
+    abstract_target = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                                   abstract, shardings)
     restored = ocp.StandardCheckpointer().restore(path.resolve() / PARAMS_DIR, _str_keys(abstract_target))
     pure = _int_keys_like(restored, abstract)
     changes = dict(config_overrides)

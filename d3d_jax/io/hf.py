@@ -34,7 +34,7 @@ from d3d_jax.config import DTYPES, ConfigError, ModelConfig
 from d3d_jax.errors import ModelFileError, NonFiniteError
 from d3d_jax.io import safetensors_io as st
 from d3d_jax.model.qwen3 import Qwen3, abstract_model
-from d3d_jax.parallel.sharding import param_sharding, rules_dict
+from d3d_jax.parallel.sharding import logical_axes, tree_shardings
 
 MASK_TOKEN = "<|MASK|>"
 
@@ -144,15 +144,15 @@ def load_config(path: str | os.PathLike, dtype: str | None = None, compute_dtype
         raise ConfigError(f"{Path(path) / 'config.json'}: {e}") from None
 
 
-def _placer(mesh: Mesh | None, rules: Any) -> Callable[[PurePath, np.ndarray], jax.Array]:
+def _placer(mesh: Mesh | None, rules: Any, abstract: nnx.State) -> Callable[[PurePath, np.ndarray], jax.Array]:
+    """``place(path, host array)``: on ``mesh`` by the logical axes the ``abstract`` state declares."""
     if mesh is None:
         return lambda path, arr: jnp.asarray(arr)
-    rd = rules_dict(rules)
+    shardings = tree_shardings(nnx.to_pure_dict(abstract), logical_axes(abstract), mesh, rules)
 
     def place(path: PurePath, arr: np.ndarray) -> jax.Array:
-        sharding = param_sharding(path, arr.shape, mesh, rd)
         # Each device receives only its own slice of the host array.
-        return jax.make_array_from_callback(arr.shape, sharding, lambda idx: arr[idx])
+        return jax.make_array_from_callback(arr.shape, _get_path(shardings, path), lambda idx: arr[idx])
 
     return place
 
@@ -189,7 +189,7 @@ def build_from_tensors(cfg: ModelConfig, tensors: Any, mesh: Mesh | None = None,
     model = abstract_model(cfg)
     graphdef, state = nnx.split(model)
     pure = nnx.to_pure_dict(state)
-    place = _placer(mesh, rules)
+    place = _placer(mesh, rules, state)
     pdt = np.dtype(jnp.dtype(cfg.param_dtype))
     for m in tensor_mappings(cfg):
         if m.hf_name not in tensors:

@@ -14,7 +14,9 @@ Two ways to run it:
 Parameter layouts (axis letters: b batch, t/s length, d embed, n heads, k kv heads, h head dim,
 f mlp, v vocab): ``q_proj.kernel [d,n,h]``, ``k_proj/v_proj.kernel [d,k,h]``,
 ``o_proj.kernel [n,h,d]``, MLP ``[d,f]``/``[f,d]``, ``embed_tokens.embedding [v,d]``,
-``lm_head.kernel [d,v]`` (absent when tied).
+``lm_head.kernel [d,v]`` (absent when tied).  Each parameter carries those axes by their logical
+names (``embed``, ``heads``, ``kv_heads``, ``head_dim``, ``mlp``, ``vocab``, ``norm``) in its
+``out_sharding`` metadata; ``parallel.sharding`` maps them onto a mesh.
 """
 
 from __future__ import annotations
@@ -37,13 +39,22 @@ from d3d_jax.parallel.sharding import shard
 _INIT = nnx.initializers.normal(0.02)
 
 
-def _param(rngs: nnx.Rngs, shape: Sequence[int], dtype) -> nnx.Param:
-    return nnx.Param(_INIT(rngs.params(), tuple(shape), dtype))
+def _param(rngs: nnx.Rngs, shape: Sequence[int], dtype, axes: tuple[str | None, ...]) -> nnx.Param:
+    return annotated(_INIT(rngs.params(), tuple(shape), dtype), axes)
+
+
+def annotated(value: jax.Array, axes: tuple[str | None, ...]) -> nnx.Param:
+    """A parameter with its logical axes (``parallel.sharding`` reads them to place it).
+
+    Not sharded when made (``eager_sharding=False``): placement keeps a dimension that a mesh
+    axis does not divide replicated, which flax's eager sharding would refuse.
+    """
+    return nnx.Param(value, out_sharding=axes, eager_sharding=False)
 
 
 class RMSNorm(nnx.Module):
     def __init__(self, dim: int, eps: float, param_dtype):
-        self.scale = nnx.Param(jnp.ones((dim,), param_dtype))
+        self.scale = annotated(jnp.ones((dim,), param_dtype), ("norm",))
         self.eps = eps
 
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -75,13 +86,13 @@ class Attention(nnx.Module):
         pd = jnp.dtype(cfg.param_dtype)
         d, n, k, h = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_proj = nnx.Module()
-        self.q_proj.kernel = _param(rngs, (d, n, h), pd)
+        self.q_proj.kernel = _param(rngs, (d, n, h), pd, ("embed", "heads", "head_dim"))
         self.k_proj = nnx.Module()
-        self.k_proj.kernel = _param(rngs, (d, k, h), pd)
+        self.k_proj.kernel = _param(rngs, (d, k, h), pd, ("embed", "kv_heads", "head_dim"))
         self.v_proj = nnx.Module()
-        self.v_proj.kernel = _param(rngs, (d, k, h), pd)
+        self.v_proj.kernel = _param(rngs, (d, k, h), pd, ("embed", "kv_heads", "head_dim"))
         self.o_proj = nnx.Module()
-        self.o_proj.kernel = _param(rngs, (n, h, d), pd)
+        self.o_proj.kernel = _param(rngs, (n, h, d), pd, ("heads", "head_dim", "embed"))
         self.q_norm = RMSNorm(h, cfg.rms_norm_eps, pd)
         self.k_norm = RMSNorm(h, cfg.rms_norm_eps, pd)
         self.cfg = cfg
@@ -110,11 +121,11 @@ class MLP(nnx.Module):
         pd = jnp.dtype(cfg.param_dtype)
         d, f = cfg.hidden_size, cfg.intermediate_size
         self.gate_proj = nnx.Module()
-        self.gate_proj.kernel = _param(rngs, (d, f), pd)
+        self.gate_proj.kernel = _param(rngs, (d, f), pd, ("embed", "mlp"))
         self.up_proj = nnx.Module()
-        self.up_proj.kernel = _param(rngs, (d, f), pd)
+        self.up_proj.kernel = _param(rngs, (d, f), pd, ("embed", "mlp"))
         self.down_proj = nnx.Module()
-        self.down_proj.kernel = _param(rngs, (f, d), pd)
+        self.down_proj.kernel = _param(rngs, (f, d), pd, ("mlp", "embed"))
 
     def __call__(self, x_btd: jax.Array) -> jax.Array:
         dt = x_btd.dtype
@@ -165,12 +176,12 @@ class Qwen3(nnx.Module):
         self.config = config
         pd = jnp.dtype(config.param_dtype)
         self.embed_tokens = nnx.Module()
-        self.embed_tokens.embedding = _param(rngs, (config.vocab_size, config.hidden_size), pd)
+        self.embed_tokens.embedding = _param(rngs, (config.vocab_size, config.hidden_size), pd, ("vocab", "embed"))
         self.layers = nnx.List([DecoderLayer(config, rngs) for _ in range(config.num_layers)])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, pd)
         if not config.tie_word_embeddings:
             self.lm_head = nnx.Module()
-            self.lm_head.kernel = _param(rngs, (config.hidden_size, config.vocab_size), pd)
+            self.lm_head.kernel = _param(rngs, (config.hidden_size, config.vocab_size), pd, ("embed", "vocab"))
 
     def embed(self, tokens_bt: jax.Array) -> jax.Array:
         dt = jnp.dtype(self.config.dtype)

@@ -1,19 +1,27 @@
 """Meshes, logical-axis rules, and the target / drafter device slices.
 
-Sharding is data (MaxText style): parameters and activations are annotated with *logical* axis
-names; a rules table maps each logical name to mesh axes.  ``shard`` is a no-op unless a mesh
-is active (``use_mesh``), so the same model code runs on one CPU and on a pod.
+Sharding is data (MaxText / tunix style).  Every parameter declares its *logical* axes where the
+model makes it (``nnx.Param(..., out_sharding=("embed", "mlp"))`` in ``model/qwen3.py``), and
+activations name theirs in ``shard(x, axes)``; a rules table maps each logical name to mesh axes.
+:func:`logical_axes` is the one reader of the parameters' annotations: training, inference
+placement and the memory plan all ask it, and a parameter without an annotation is an error.
+
+The mesh is JAX's own context (``jax.set_mesh``, entered by :func:`use_mesh`), so jit's cache
+sees it: a function traced without a mesh is traced again under one.  Rules other than
+``DEFAULT_RULES`` travel in flax's logical-axis-rules context.  ``shard`` is a no-op without a
+mesh, so the same model code runs on one CPU and on a pod.
 """
 
 from __future__ import annotations
 
 import contextlib
-import re
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from flax import nnx
+from flax.core import spmd as flax_spmd
+from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from d3d_jax.config import ConfigError, MeshConfig
 
@@ -39,20 +47,8 @@ DEFAULT_RULES: tuple[tuple[str, Any], ...] = (
     ("cache_length", None),
 )
 
-# Parameter logical axes, keyed by (module name, leaf name) at the end of a parameter path.
-PARAM_AXES: dict[tuple[str, str], tuple[str | None, ...]] = {
-    ("embed_tokens", "embedding"): ("vocab", "embed"),
-    ("q_proj", "kernel"): ("embed", "heads", "head_dim"),
-    ("k_proj", "kernel"): ("embed", "kv_heads", "head_dim"),
-    ("v_proj", "kernel"): ("embed", "kv_heads", "head_dim"),
-    ("o_proj", "kernel"): ("heads", "head_dim", "embed"),
-    ("gate_proj", "kernel"): ("embed", "mlp"),
-    ("up_proj", "kernel"): ("embed", "mlp"),
-    ("down_proj", "kernel"): ("mlp", "embed"),
-    ("lm_head", "kernel"): ("embed", "vocab"),
-}
-
-_state = {"mesh": None, "rules": dict(DEFAULT_RULES)}
+AnyMesh = Mesh | AbstractMesh
+Axes = tuple[str | None, ...]
 
 
 def make_mesh(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
@@ -60,7 +56,10 @@ def make_mesh(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> M
     devices = list(jax.devices() if devices is None else devices)
     cfg.validate()
     sizes = cfg.axis_sizes(len(devices))
-    return Mesh(np.asarray(devices, dtype=object).reshape(sizes), MESH_AXES)
+    # Auto axes: XLA propagates shardings from the constraints (explicit axes would put shardings
+    # into the types, and JAX's default for new meshes has changed between versions).
+    return Mesh(np.asarray(devices, dtype=object).reshape(sizes), MESH_AXES,
+                axis_types=(AxisType.Auto,) * len(MESH_AXES))
 
 
 def split_devices(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None
@@ -85,41 +84,52 @@ def check_disjoint(a: Sequence[jax.Device], b: Sequence[jax.Device]) -> None:
 
 
 def rules_dict(rules: Sequence[tuple[str, Any]] | None = None) -> dict[str, Any]:
+    """``DEFAULT_RULES`` overridden by ``rules`` (``(logical, mesh axes)`` pairs, as ``mesh.rules``)."""
     out = dict(DEFAULT_RULES)
     if rules:
         out.update({k: (tuple(v) if isinstance(v, list) else v) for k, v in rules})
     return out
 
 
+def current_rules() -> dict[str, Any]:
+    """The rules in force: the defaults overridden by flax's logical-axis-rules context."""
+    return rules_dict(flax_spmd.get_logical_axis_rules())
+
+
 @contextlib.contextmanager
 def use_mesh(mesh: Mesh | None, rules: Sequence[tuple[str, Any]] | None = None) -> Iterator[Mesh | None]:
-    """Make ``mesh`` (and the logical rules) active for ``shard`` inside the block.
+    """``jax.set_mesh(mesh)`` plus the logical ``rules`` for the block; ``None``: no mesh.
 
-    ``shard`` acts at trace time and jit's cache does not know about this context: a jitted
-    function first traced outside the block keeps its unconstrained trace inside it.  Trace
-    (call for the first time) inside the block, or use a separate jitted function per mesh.
+    The mesh is part of what jit traces under, so a function first traced outside the block is
+    traced again inside it.  The rules are not: keep one set of rules per mesh.
     """
-    prev = dict(_state)
-    _state["mesh"] = mesh
-    _state["rules"] = rules_dict(rules)
-    try:
+    if mesh is None:
+        yield None
+        return
+    with jax.set_mesh(mesh), flax_spmd.logical_axis_rules(tuple(rules_dict(rules).items())):
         yield mesh
-    finally:
-        _state.update(prev)
 
 
-def active_mesh() -> Mesh | None:
-    return _state["mesh"]
+def active_mesh() -> AbstractMesh | None:
+    """The mesh of JAX's context (also inside jit, as an abstract mesh), or ``None``."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return None if mesh.empty else mesh
 
 
 def logical_to_spec(axes: Sequence[str | None], shape: Sequence[int] | None = None,
-                    mesh: Mesh | None = None, rules: dict[str, Any] | None = None) -> P:
-    """PartitionSpec for logical ``axes``; a dim that a mesh axis does not divide stays replicated."""
-    mesh = mesh if mesh is not None else _state["mesh"]
-    rules = rules if rules is not None else _state["rules"]
+                    mesh: AnyMesh | None = None, rules: Mapping[str, Any] | None = None) -> P:
+    """PartitionSpec for logical ``axes``; a dim that a mesh axis does not divide stays replicated.
+
+    ``mesh`` / ``rules`` default to the active ones.  A logical name without a rule is an error
+    (a misspelt name would otherwise leave its dimension replicated).
+    """
+    mesh = mesh if mesh is not None else active_mesh()
+    rules = rules if rules is not None else current_rules()
     used: set[str] = set()
     spec = []
     for i, name in enumerate(axes):
+        if name is not None and name not in rules:
+            raise ValueError(f"logical axis {name!r} has no sharding rule (known: {', '.join(sorted(rules))})")
         target = rules.get(name) if name is not None else None
         if target is None:
             spec.append(None)
@@ -137,55 +147,100 @@ def logical_to_spec(axes: Sequence[str | None], shape: Sequence[int] | None = No
 
 def shard(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
     """Constrain an activation to its logical sharding; a no-op without an active mesh."""
-    mesh = _state["mesh"]
+    mesh = active_mesh()
     if mesh is None:
         return x
     spec = logical_to_spec(axes, x.shape, mesh)
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 
 
-def param_axes(path: Sequence[Any], ndim: int) -> tuple[str | None, ...]:
-    """Logical axes of a parameter from its path (norm scales and unknown leaves: replicated)."""
-    names = [str(getattr(p, "key", getattr(p, "name", getattr(p, "idx", p)))) for p in path]
-    names = [n for n in names if not re.fullmatch(r"\d+|value|raw_value", n)]
-    if len(names) >= 2 and (names[-2], names[-1]) in PARAM_AXES:
-        axes = PARAM_AXES[(names[-2], names[-1])]
-        if len(axes) == ndim:
-            return axes
-    return (None,) * ndim
+# --------------------------------------------------------------------------------------
+# The parameters' logical axes: one reader of the annotations made in model/qwen3.py
+# --------------------------------------------------------------------------------------
+def path_names(path: Sequence[Any]) -> tuple[str, ...]:
+    """A pytree path (jax keys, or plain names and indices) as names.  A Variable's own ``value``
+    step is dropped, so a parameter has the same names in an ``nnx.State`` and a pure dict."""
+    names = (str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
+    return tuple(n for n in names if n not in ("value", "raw_value"))
 
 
-def param_sharding(path: Sequence[Any], shape: Sequence[int], mesh: Mesh,
-                   rules: dict[str, Any] | None = None) -> NamedSharding:
-    axes = param_axes(path, len(shape))
-    return NamedSharding(mesh, logical_to_spec(axes, shape, mesh, rules or _state["rules"]))
+def _is_variable(x: Any) -> bool:
+    return isinstance(x, nnx.Variable)
+
+
+def logical_axes(tree: Any) -> dict[tuple[str, ...], Axes]:
+    """Every parameter's logical axes by its path names, from its ``out_sharding`` annotation.
+
+    ``tree``: a module, an ``nnx.State`` or any pytree holding Variables (a drafter's params).
+    A parameter without an annotation, or with one whose length is not its rank, is a
+    ``ValueError`` naming it: left alone it would be replicated on every device.
+    """
+    if isinstance(tree, nnx.Module):
+        tree = nnx.state(tree)
+    out: dict[tuple[str, ...], Axes] = {}
+    for path, var in jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_variable)[0]:
+        if not _is_variable(var):
+            continue
+        name = path_names(path)
+        ndim = len(getattr(var.get_value(), "shape", ()))
+        axes = var.get_metadata().get("out_sharding")
+        if axes is None:
+            if isinstance(var, nnx.Param) or ndim:
+                raise ValueError(f"parameter {'.'.join(name)} has no logical axes: declare them where it "
+                                 f"is made, nnx.Param(value, out_sharding=(...))")
+            continue  # a scalar that is not a parameter (a counter): replicated
+        if len(tuple(axes)) != ndim:
+            raise ValueError(f"parameter {'.'.join(name)}: logical axes {tuple(axes)} do not match its "
+                             f"rank {ndim}")
+        out[name] = tuple(axes)
+    return out
+
+
+def leaf_axes(path: Sequence[Any], ndim: int, axes: Mapping[tuple[str, ...], Axes]) -> Axes:
+    """Logical axes of a leaf of a tree made from the parameters, by the parameter's path inside it.
+
+    The parameters themselves (maybe under a prefix, as the train state's ``params``), their
+    gradients and optimiser moments (``mu``/``nu``, or an 8-bit moment's ``codes``/``scales``
+    after the path, which keep the parameter's rank).  Scalars (step counts) are replicated; any
+    other leaf is an error.
+    """
+    names = path_names(path)
+    for start in range(len(names)):
+        for end in (len(names), len(names) - 1):
+            found = axes.get(names[start:end])
+            if found is not None and len(found) == ndim:
+                return found
+    if ndim == 0:
+        return ()
+    raise ValueError(f"{'.'.join(names)}: a rank-{ndim} leaf that belongs to no parameter (no logical "
+                     f"axes to shard it by)")
+
+
+def leaf_spec(path: Sequence[Any], shape: Sequence[int], axes: Mapping[tuple[str, ...], Axes], mesh: AnyMesh,
+              rules: Mapping[str, Any] | None = None) -> P:
+    """The PartitionSpec of one leaf (:func:`leaf_axes`) on ``mesh``; ``rules``: a rules dict."""
+    return logical_to_spec(leaf_axes(path, len(shape), axes), shape, mesh,
+                           rules if rules is not None else rules_dict())
+
+
+def tree_shardings(tree: Any, axes: Mapping[tuple[str, ...], Axes], mesh: AnyMesh,
+                   rules: Sequence[tuple[str, Any]] | None = None) -> Any:
+    """A NamedSharding for every leaf of ``tree`` (parameters, train or optimiser state), by ``axes``
+    (:func:`logical_axes` of the model) and ``rules`` (``DEFAULT_RULES`` overridden)."""
+    rd = rules_dict(rules)
+    return jax.tree_util.tree_map_with_path(
+        lambda p, x: NamedSharding(mesh, leaf_spec(p, getattr(x, "shape", ()), axes, mesh, rd)), tree)
+
+
+def state_shardings(state: Any, mesh: AnyMesh, rules: Sequence[tuple[str, Any]] | None = None) -> Any:
+    """NamedShardings for a pytree that holds the model's Variables (an ``nnx.State``)."""
+    return tree_shardings(state, logical_axes(state), mesh, rules)
 
 
 def shard_model(model: Any, mesh: Mesh | None, rules: Sequence[tuple[str, Any]] | None = None) -> Any:
-    """Place every parameter of an NNX model on ``mesh`` following the logical rules (in place)."""
-    from flax import nnx
-
+    """Place every parameter of an NNX model on ``mesh`` by its logical axes (in place)."""
     if mesh is None:
         return model
-    rd = rules_dict(rules)
     state = nnx.state(model)
-    shardings = jax.tree_util.tree_map_with_path(
-        lambda p, x: param_sharding(p, x.shape, mesh, rd), state)
-    nnx.update(model, jax.device_put(state, shardings))
+    nnx.update(model, jax.device_put(state, state_shardings(state, mesh, rules)))
     return model
-
-
-def state_shardings(state: Any, mesh: Mesh, rules: Sequence[tuple[str, Any]] | None = None) -> Any:
-    """NamedShardings for a model (or optimiser) state pytree, by parameter path."""
-    rd = rules_dict(rules)
-    return jax.tree_util.tree_map_with_path(
-        lambda p, x: param_sharding(p, getattr(x, "shape", ()), mesh, rd), state)
-
-
-def replicated(mesh: Mesh) -> NamedSharding:
-    return NamedSharding(mesh, P())
-
-
-def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
-    """Shard the leading (batch) dim over data×fsdp."""
-    return NamedSharding(mesh, logical_to_spec(("batch",) + (None,) * (ndim - 1), None, mesh))

@@ -30,138 +30,22 @@ import grain
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
 
 from d3d_jax.config import TrainRunConfig, to_dict
 from d3d_jax.errors import NonFiniteError
 from d3d_jax.io.checkpoint import stored_model_config
 from d3d_jax.model.qwen3 import Qwen3, abstract_model, set_config
 from d3d_jax.parallel import sharding as shd
-from d3d_jax.parallel.distributed import maybe_initialize_distributed  # noqa: F401 (re-exported)
+from d3d_jax.parallel.distributed import maybe_initialize_distributed
 from d3d_jax.training import data as data_lib
 from d3d_jax.training import objectives as obj
-from d3d_jax.training.checkpoints import StopSignals, TrainCheckpointer, run_settings, trim_metrics
 from d3d_jax.training import records
+from d3d_jax.training import step as step_lib
+from d3d_jax.training.checkpoints import StopSignals, TrainCheckpointer, run_settings, trim_metrics
 from d3d_jax.training.optim import make_optimizer, lr_schedule, tree_nbytes
-
-LossFn = Callable[..., tuple[jax.Array, dict]]
-
-
-# --------------------------------------------------------------------------------------
-# Sharding of the train state
-# --------------------------------------------------------------------------------------
-def _path_names(path) -> list[str]:
-    names = [str(getattr(p, "key", getattr(p, "name", getattr(p, "idx", p)))) for p in path]
-    return [n for n in names if n not in ("value", "raw_value")]
-
-
-def leaf_sharding(path, shape, mesh: Mesh, rules: dict) -> NamedSharding:
-    """A parameter's logical sharding, also for optimiser moments (same path tail, maybe followed
-    by ``codes``/``scales`` of an 8-bit moment, which keep the parameter's rank)."""
-    names = _path_names(path)
-    for i in range(len(names) - 2, -1, -1):
-        axes = shd.PARAM_AXES.get((names[i], names[i + 1]))
-        if axes is not None and len(axes) == len(shape):
-            return NamedSharding(mesh, shd.logical_to_spec(axes, shape, mesh, rules))
-    return NamedSharding(mesh, P())
-
-
-def train_state_shardings(state: Any, mesh: Mesh, rules=None) -> Any:
-    rd = shd.rules_dict(rules)
-    return jax.tree_util.tree_map_with_path(lambda p, x: leaf_sharding(p, x.shape, mesh, rd), state)
-
-
-def batch_shardings(batch: dict, mesh: Mesh, rules=None) -> dict:
-    """Accumulation-major batches ``[accum, micro, ...]``: the micro-batch dim on data×fsdp."""
-    rd = shd.rules_dict(rules)
-    return {k: NamedSharding(mesh, shd.logical_to_spec((None, "batch") + (None,) * (v.ndim - 2), v.shape,
-                                                       mesh, rd)) for k, v in batch.items()}
-
-
-# --------------------------------------------------------------------------------------
-# Pure step functions
-# --------------------------------------------------------------------------------------
-def accumulate_grads(loss_of: Callable, totals_fn: Callable[[dict], dict], params, batch: dict):
-    """``(grads, metrics)`` of an accumulation-major batch ``[accum, micro, ...]``.
-
-    Every micro-batch is normalised by the *whole* batch's token weights (``totals_fn(batch)``,
-    see :data:`objectives.LOSS_TOTALS`), so summing the micro-batches' losses, metrics and
-    gradients gives exactly the whole batch's ``Σw·CE/Σw``, also when micro-batches carry
-    unequal weights (averaging their ratios would not).
-    """
-    grad_fn = jax.value_and_grad(loss_of, has_aux=True)
-    totals = totals_fn(batch)
-    with_totals = lambda mb: {**mb, obj.LOSS_TOTALS: totals}
-    if jax.tree.leaves(batch)[0].shape[0] == 1:
-        (_, metrics), grads = grad_fn(params, with_totals(jax.tree.map(lambda x: x[0], batch)))
-        return grads, metrics
-
-    def body(carry, mb):
-        (_, m), g = grad_fn(params, with_totals(mb))
-        return jax.tree.map(jnp.add, carry, (g, m)), None
-
-    (_, m0), g0 = jax.eval_shape(grad_fn, params, with_totals(jax.tree.map(lambda x: x[0], batch)))
-    zero = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), (g0, m0))
-    return jax.lax.scan(body, zero, batch)[0]
-
-
-def _train_step(graphdef, tx: optax.GradientTransformation, loss_fn: LossFn, schedule, totals_fn,
-                state, batch, extra):
-    params, rest = state["params"], state["rest"]
-
-    def loss_of(p, mb):
-        m = nnx.merge(graphdef, p, rest)
-        return loss_fn(m, mb) if extra is None else loss_fn(m, mb, extra)
-
-    grads, metrics = accumulate_grads(loss_of, totals_fn, params, batch)
-    metrics = dict(metrics)
-    metrics["grad_norm"] = optax.tree.norm(grads)
-    metrics["learning_rate"] = schedule(state["step"])
-    updates, opt_state = tx.update(grads, state["opt_state"], params)
-    params = optax.apply_updates(params, updates)
-    return keep_if_finite(state, dict(params=params, rest=rest, opt_state=opt_state, step=state["step"] + 1),
-                          metrics)
-
-
-def keep_if_finite(old: dict, new: dict, metrics: dict) -> tuple[dict, dict]:
-    """``new`` only if the step's loss and gradient norm are finite, else ``old`` — and ``old`` from
-    then on: a negative ``step`` marks the halt, so no batch after the bad one trains either while
-    the host has not looked yet.  ``metrics["finite"]`` tells the host (:meth:`Trainer.check_finite`)."""
-    finite = jnp.isfinite(metrics["grad_norm"])
-    if "loss" in metrics:
-        finite &= jnp.isfinite(metrics["loss"])
-    running = old["step"] >= 0
-    ok = finite & running
-    state = jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
-    state["step"] = jnp.where(ok, new["step"], jnp.where(running, -old["step"] - 1, old["step"]))
-    return state, {**metrics, "finite": ok}
-
-
-def _eval_step(graphdef, mode: str, gamma: float, ar_weight: float, block_size: int, state, batch):
-    model = nnx.merge(graphdef, state["params"], state["rest"])
-    logits = model(batch["tokens"], data_lib.batch_meta(batch))
-    if mode == "lm":
-        _, m = obj.lm_loss_from_logits(logits, batch)
-        return m
-    _, m = obj.d3d_loss_from_logits(logits, batch, gamma, ar_weight)
-    return {**m, **obj.tau_from_logits(logits, batch, block_size)}
-
-
-# Executables by their lowered program text: a Trainer rebuilt for the same run (resume, a
-# pruning round, a test) reuses the compiled step instead of paying XLA again.
-_EXECUTABLES: dict[str, Any] = {}
-
-
-def compile_cached(lowered) -> Any:
-    # The text alone misses the argument pytree (jit drops unused arguments from the program).
-    key = f"{lowered.in_tree}|{lowered.out_tree}|{lowered.as_text()}"
-    if key not in _EXECUTABLES:
-        if len(_EXECUTABLES) > 32:
-            _EXECUTABLES.pop(next(iter(_EXECUTABLES)))
-        _EXECUTABLES[key] = lowered.compile()
-    return _EXECUTABLES[key]
+from d3d_jax.training.step import LossFn
 
 
 # --------------------------------------------------------------------------------------
@@ -180,10 +64,39 @@ class Trainer:
         self.mesh = shd.make_mesh(cfg.mesh, devices)
         self.rules = cfg.mesh.rules
         self.accum = cfg.optim.grad_accum_steps
-
-        # ---- data ------------------------------------------------------------------------
-        dc = cfg.data
         self._unchecked: list[tuple[int, Any, Any]] = []  # (step, finite flag, record lines) not yet read
+        self._build_data(model, train_data, dev_batches, tokenizer)
+
+        # ---- model + optimiser, created directly in their shardings --------------------------
+        with shd.use_mesh(self.mesh, self.rules):
+            model = model if model is not None else self._init_model()
+        self.model_config = model.config
+        self.schedule = lr_schedule(cfg.optim, cfg.train.steps)
+        self.tx = make_optimizer(cfg.optim, cfg.train.steps)
+        self.graphdef, self.state, self.state_sharding = self._create_state(model)
+        self.loss_fn = loss_fn or obj.make_loss_fn(cfg.objective)
+        self.totals_fn = partial(obj.loss_totals, gamma=cfg.objective.gamma)
+        self.loss_extra = loss_extra
+        self.step = 0
+        self.stop_signal: int | None = None  # set when SIGTERM/SIGINT stopped fit() early
+        self.history: list[dict] = []
+        self._compiled = None  # this trainer's train step and evaluation, compiled on first use
+        self._eval_fn = None
+        self.checkpointer = None
+        self._metrics_file = None
+        self.settings = run_settings(cfg, self.model_config)  # what a resume must match
+
+        self.checkpointer = TrainCheckpointer(self.out_dir / "checkpoints", keep=cfg.train.keep_checkpoints,
+                                              async_save=cfg.train.async_checkpointing)
+        if cfg.train.resume:
+            self._resume()
+        else:
+            self.checkpointer.require_no_steps()
+
+    def _build_data(self, model: Qwen3 | None, train_data: grain.MapDataset | None,
+                    dev_batches: list[dict] | None, tokenizer: Any) -> None:
+        """The tokenizer, MASK id, training iterator and dev batches (built unless given)."""
+        cfg, dc = self.cfg, self.cfg.data
         # records with ids outside the vocabulary the trained model will have are skipped
         vocab = (model.config.vocab_size if model is not None else cfg.model.vocab_size if not cfg.train.init_from
                  else stored_model_config(cfg.train.init_from).vocab_size)
@@ -216,32 +129,6 @@ class Trainer:
         self.train_iter = train_data.to_iter_dataset(
             grain.ReadOptions(num_threads=1, prefetch_buffer_size=2)).__iter__()
 
-        # ---- model + optimiser, created directly in their shardings --------------------------
-        with shd.use_mesh(self.mesh, self.rules):
-            model = model if model is not None else self._init_model()
-        self.model_config = model.config
-        self.schedule = lr_schedule(cfg.optim, cfg.train.steps)
-        self.tx = make_optimizer(cfg.optim, cfg.train.steps)
-        self.graphdef, self.state, self.state_sharding = self._create_state(model)
-        self.loss_fn = loss_fn or obj.make_loss_fn(cfg.objective)
-        self.totals_fn = partial(obj.loss_totals, gamma=cfg.objective.gamma)
-        self.loss_extra = loss_extra
-        self.step = 0
-        self.stop_signal: int | None = None  # set when SIGTERM/SIGINT stopped fit() early
-        self.history: list[dict] = []
-        self._compiled = None
-        self._eval_fn = None
-        self.checkpointer = None
-        self._metrics_file = None
-        self.settings = run_settings(cfg, self.model_config)  # what a resume must match
-
-        self.checkpointer = TrainCheckpointer(self.out_dir / "checkpoints", keep=cfg.train.keep_checkpoints,
-                                              async_save=cfg.train.async_checkpointing)
-        if cfg.train.resume:
-            self._resume()
-        else:
-            self.checkpointer.require_no_steps()
-
     # ---- construction ---------------------------------------------------------------------
     def _model_overrides(self) -> dict:
         mc, dc = self.cfg.effective_model(), self.cfg.data
@@ -263,7 +150,7 @@ class Trainer:
             return set_config(model, cfg)  # the layers too: they hold the attention backend
         mcfg = dataclasses.replace(self.cfg.effective_model(), **self._model_overrides())
         gdef, abstract = nnx.split(abstract_model(mcfg))
-        sh = train_state_shardings(abstract, self.mesh, self.rules)
+        sh = shd.state_shardings(abstract, self.mesh, self.rules)
         seed = tc.seed
         state = jax.jit(lambda: nnx.state(Qwen3(mcfg, rngs=nnx.Rngs(params=seed))), out_shardings=sh)()
         return nnx.merge(gdef, state)
@@ -283,7 +170,9 @@ class Trainer:
             return dict(params=p, rest=r, opt_state=tx.init(p), step=jnp.zeros([], jnp.int32))
 
         abstract = jax.eval_shape(make, params, rest)
-        sh = train_state_shardings(abstract, self.mesh, self.rules)
+        # params, gradients and moments by the model's annotations (params/opt_state paths end in
+        # a parameter's); the step counters are scalars, replicated
+        sh = shd.tree_shardings(abstract, shd.logical_axes(model), self.mesh, self.rules)
         state = jax.jit(make, out_shardings=sh)(params, rest)
         return graphdef, state, sh
 
@@ -306,11 +195,11 @@ class Trainer:
         b = {k: np.asarray(v).reshape(self.accum, -1, *np.shape(v)[1:]) for k, v in host_batch.items()}
         pc = jax.process_count()
         if pc == 1:
-            return jax.device_put(b, batch_shardings(b, self.mesh, self.rules))
+            return jax.device_put(b, step_lib.batch_shardings(b, self.mesh, self.rules))
         # each process holds 1/pc of every micro-batch: shard by the *global* shape (the local one
         # may not divide over the mesh, which would silently make the batch replicated)
         glob = {k: jax.ShapeDtypeStruct((v.shape[0], v.shape[1] * pc, *v.shape[2:]), v.dtype) for k, v in b.items()}
-        sh = batch_shardings(glob, self.mesh, self.rules)
+        sh = step_lib.batch_shardings(glob, self.mesh, self.rules)
         return {k: jax.make_array_from_process_local_data(sh[k], v, glob[k].shape) for k, v in b.items()}
 
     def _eval_batch(self, host_batch: dict) -> dict:
@@ -321,8 +210,8 @@ class Trainer:
     # ---- compile ------------------------------------------------------------------------
     def compile(self, example_batch: dict):
         """AOT ``lower().compile()`` of the train step; prints XLA's memory analysis."""
-        fn = partial(_train_step, self.graphdef, self.tx, self.loss_fn, self.schedule, self.totals_fn)
-        b_sh = batch_shardings(example_batch, self.mesh, self.rules)
+        fn = partial(step_lib.train_step, self.graphdef, self.tx, self.loss_fn, self.schedule, self.totals_fn)
+        b_sh = step_lib.batch_shardings(example_batch, self.mesh, self.rules)
         jitted = jax.jit(fn, in_shardings=(self.state_sharding, b_sh, None),
                          out_shardings=(self.state_sharding, None), donate_argnums=(0,))
         abstract = lambda tree, shs: jax.tree.map(
@@ -331,7 +220,7 @@ class Trainer:
         with shd.use_mesh(self.mesh, self.rules):
             lowered = jitted.lower(abstract(self.state, self.state_sharding), abstract(example_batch, b_sh),
                                    self.loss_extra)
-            self._compiled = compile_cached(lowered)
+            self._compiled = lowered.compile()
         self.log(f"compiled train step in {time.time() - t0:.1f}s; state {tree_nbytes(self.state) / 2**20:.1f} MiB "
                  f"over {self.mesh.devices.size} devices")
         mem = self._compiled.memory_analysis()
@@ -350,7 +239,7 @@ class Trainer:
             if self.cfg.train.aot_compile:
                 self.compile(batch)
             else:
-                fn = partial(_train_step, self.graphdef, self.tx, self.loss_fn, self.schedule, self.totals_fn)
+                fn = partial(step_lib.train_step, self.graphdef, self.tx, self.loss_fn, self.schedule, self.totals_fn)
                 self._compiled = jax.jit(fn, out_shardings=(self.state_sharding, None), donate_argnums=(0,))
         with shd.use_mesh(self.mesh, self.rules):
             self.state, metrics = self._compiled(self.state, batch, self.loss_extra)
@@ -385,9 +274,9 @@ class Trainer:
             for hb in batches:
                 batch = self._eval_batch(hb)
                 if self._eval_fn is None:
-                    fn = jax.jit(partial(_eval_step, self.graphdef, dc.mode, oc.gamma, oc.ar_weight,
+                    fn = jax.jit(partial(step_lib.eval_step, self.graphdef, dc.mode, oc.gamma, oc.ar_weight,
                                          dc.block_size))
-                    self._eval_fn = compile_cached(fn.lower(weights, batch))
+                    self._eval_fn = fn.lower(weights, batch).compile()
                 parts.append(jax.device_get(self._eval_fn(weights, batch)))
         out = {f"eval/{k}": float(np.mean([p[k] for p in parts]))
                for k in ("loss", "loss_diff", "loss_ar") if k in parts[0]}
