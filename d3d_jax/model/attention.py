@@ -52,7 +52,7 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, q_meta: TokenMeta, k_meta: 
     if backend == "xla":
         return _xla(q, q_meta, segments)
     if backend in ("pallas", "pallas_interpret"):
-        run = functools.partial(_pallas, interpret=backend == "pallas_interpret", tiles=tiles)
+        run = functools.partial(_pallas, platform=kernel_platform(backend), tiles=tiles)
         return _per_shard(run, q, q_meta, segments)
     if backend == "cudnn":
         return _dense_fused(q, q_meta, segments, "cudnn")
@@ -87,11 +87,21 @@ def _xla(q: jax.Array, q_meta: TokenMeta, segments: Sequence[Segment]) -> jax.Ar
     return out.reshape(b, t, n, h)
 
 
-def _pallas(q: jax.Array, q_meta: TokenMeta, segments: Sequence[Segment], *, interpret: bool,
+def kernel_platform(backend: str) -> str:
+    """The platform the fused kernel lowers for: the active mesh's devices (a compile-only
+    topology on a CPU host included), else the default backend; ``interpret`` for the test path."""
+    if backend == "pallas_interpret":
+        return "interpret"
+    mesh = shd.active_mesh()
+    platform = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
+    return "tpu" if platform == "tpu" else "gpu"
+
+
+def _pallas(q: jax.Array, q_meta: TokenMeta, segments: Sequence[Segment], *, platform: str,
             tiles: tuple[int, int]) -> jax.Array:
     dt = q.dtype
     q = q * jnp.asarray(q.shape[-1] ** -0.5, dt)
-    kw = dict(interpret=interpret, block_q=tiles[0], block_k=tiles[1])
+    kw = dict(platform=platform, block_q=tiles[0], block_k=tiles[1])
     if len(segments) == 1:
         k, v, k_meta = segments[0]
         return flash_attention(q, k.astype(dt), v.astype(dt), q_meta, k_meta, **kw)[0]
