@@ -159,3 +159,48 @@ def facts_table(facts: Sequence[KernelFacts], title: str = "") -> str:
     head = ("| kernel | async copies | wgmma | mma.sync | registers | spill bytes | grid = CTAs | warps |\n"
             "|---|---|---|---|---|---|---|---|")
     return "\n".join(([f"**{title}**", ""] if title else []) + [head] + rows)
+
+
+# --------------------------------------------------------------------------------------
+# TPU
+# --------------------------------------------------------------------------------------
+def tpu_mesh(topology: str = "v5:1x1x1", shape: tuple[int, ...] | None = None, axes: tuple[str, ...] = ("x",),
+             **topology_kwargs):
+    """A mesh over a compile-only TPU topology (libtpu), e.g. ``v5:4x4x4`` with
+    ``chip_config_name="megacore", chips_per_host_bounds=(2, 2, 1)``."""
+    import os
+
+    from jax.experimental import topologies
+
+    os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")  # no metadata server on a CPU host
+    topology_kwargs.setdefault("chip_config_name", "megacore")
+    topo = topologies.get_topology_desc(platform="tpu", topology_name=topology, **topology_kwargs)
+    shape = shape or (len(topo.devices),)
+    return topologies.make_mesh(topo, shape, axes)
+
+
+@dataclasses.dataclass(frozen=True)
+class TpuFacts:
+    """What a compile-only TPU executable says: Mosaic kernels and per-chip memory."""
+
+    custom_calls: int  # tpu_custom_call ops (Mosaic kernels) in the compiled HLO
+    temp_bytes: int
+    argument_bytes: int
+    output_bytes: int
+    peak_bytes: int  # what memory_analysis reports as the program's peak per chip
+
+
+def tpu_facts(compiled) -> TpuFacts:
+    text = compiled.as_text()
+    mem = compiled.memory_analysis()
+    peak = getattr(mem, "peak_memory_in_bytes", 0) or (mem.temp_size_in_bytes + mem.argument_size_in_bytes
+                                                        + mem.output_size_in_bytes - mem.alias_size_in_bytes)
+    return TpuFacts(len(re.findall(r'custom_call_target="tpu_custom_call"', text)), mem.temp_size_in_bytes,
+                    mem.argument_size_in_bytes, mem.output_size_in_bytes, int(peak))
+
+
+def tpu_compile(fn: Callable, *args, mesh=None) -> tuple[Any, TpuFacts]:
+    """Compile ``jax.jit(fn)(*args)`` for a compile-only TPU (one chip of ``v5:1x1x1`` by default)."""
+    mesh = mesh if mesh is not None else tpu_mesh()
+    compiled = jax.jit(fn).trace(*abstract(mesh, args)).lower().compile()
+    return compiled, tpu_facts(compiled)

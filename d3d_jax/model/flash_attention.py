@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from d3d_jax.model import flash_decode
 from d3d_jax.model import flash_kernels as fk
 from d3d_jax.model.masks import CAUSAL, TokenMeta
 
@@ -109,9 +110,14 @@ class FlashOptions:
     block_k: int
     out_dtype: str
     platform: str
+    decode: bool = False  # forward by flash_decode (GQA rows stacked, keys split across CTAs)
 
 
 def _forward(q, k, v, qctx, qbid, kpos, kbid, opts: FlashOptions):
+    if opts.decode and opts.platform != "tpu":
+        return flash_decode.decode_forward(q, k[None], v[None], 0, qctx, qbid, kpos, kbid, _encoded_visibility,
+                                           block_k=opts.block_k, out_dtype=jnp.dtype(opts.out_dtype),
+                                           interpret=opts.platform == "interpret")
     vis = _encoded_visibility(qctx, qbid, kpos, kbid, opts.block_q, opts.block_k)
     tiles, count = live_tiles(vis)
     kw = dict(bq=opts.block_q, bk=opts.block_k, out_dtype=jnp.dtype(opts.out_dtype))
@@ -129,6 +135,11 @@ def _backward(opts: FlashOptions, res, cts):
     # d lse / d score = p, so a log-sum-exp cotangent just shifts delta.
     delta = jnp.einsum("btnh,btnh->bnt", out.astype(jnp.float32), do.astype(jnp.float32)) - dlse
     do = do.astype(q.dtype)
+    t = q.shape[1]
+    tp = -(-t // opts.block_q) * opts.block_q  # a decode forward ran on unpadded queries
+    q, do, qctx = pad_rows(q, tp), pad_rows(do, tp), pad_rows(qctx, tp, fk.INT_MIN)
+    qbid = pad_rows(qbid, tp, fk.Q_NO_BLOCK)
+    lse, delta = (jnp.pad(x, ((0, 0), (0, 0), (0, tp - t))) for x in (lse, delta))
     vis = _encoded_visibility(qctx, qbid, kpos, kbid, opts.block_q, opts.block_k)
     lists = (live_tiles(vis), live_tiles(jnp.swapaxes(vis, 1, 2)))
     kw = dict(bq=opts.block_q, bk=opts.block_k)
@@ -139,7 +150,7 @@ def _backward(opts: FlashOptions, res, cts):
     else:
         dq, dk, dv = fk.gpu_backward(q, k, v, do, lse, delta, qctx, qbid, kpos, kbid, *lists,
                                      interpret=opts.platform == "interpret", **kw)
-    return dq.astype(q.dtype), dk, dv, None, None, None, None
+    return dq[:, :t].astype(q.dtype), dk, dv, None, None, None, None
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
@@ -181,11 +192,14 @@ def pad_rows(x, length: int, value=0):
 
 
 def flash_attention(q, k, v, q_meta: TokenMeta, k_meta: TokenMeta, *, platform: str = "interpret",
-                    out_dtype=None, block_q: int = 64, block_k: int = 64) -> tuple[jax.Array, jax.Array]:
+                    out_dtype=None, block_q: int = 64, block_k: int = 64, decode: bool = False
+                    ) -> tuple[jax.Array, jax.Array]:
     """``(out [B,T,N,H], lse [B,N,T])`` of softmax attention, no scaling (scale ``q`` first).
 
     ``k``/``v`` are ``[B,S,K,H]`` with ``N % K == 0`` (query head n reads kv head n // (N/K)).
-    Queries are padded to whole tiles with invalid tokens (cut off again); keys are read in place.
+    Keys are read in place.  ``decode`` runs the forward as flash-decoding (few queries, long
+    keys: :mod:`~d3d_jax.model.flash_decode`) on unpadded queries; otherwise queries are padded
+    to whole tiles with invalid tokens (cut off again).  Differentiable either way.
     """
     if platform not in PLATFORMS:
         raise ValueError(f"flash_attention: unknown platform {platform!r} (known: {', '.join(PLATFORMS)})")
@@ -195,10 +209,29 @@ def flash_attention(q, k, v, q_meta: TokenMeta, k_meta: TokenMeta, *, platform: 
         cap = fk.GPU_TILE_CAP.get(jnp.dtype(q.dtype).name, 32)
         block_q, block_k = min(block_q, cap), min(block_k, cap)
     bq, bk = tile_size(t, block_q, floor), tile_size(s, block_k, floor)
-    tp = -(-t // bq) * bq
+    decode = decode and platform != "tpu"  # the TPU kernel has keys on its grid already
+    tp = t if decode else -(-t // bq) * bq
     qctx, qbid = encode_queries(q_meta)
     kpos, kbid = encode_keys(k_meta)
-    opts = FlashOptions(bq, bk, jnp.dtype(out_dtype or q.dtype).name, platform)
+    opts = FlashOptions(bq, bk, jnp.dtype(out_dtype or q.dtype).name, platform, decode)
     out, lse = _flash(pad_rows(q, tp), k, v, pad_rows(qctx, tp, fk.INT_MIN), pad_rows(qbid, tp, fk.Q_NO_BLOCK),
                       kpos, kbid, opts)
     return out[:, :t], lse[:, :, :t]
+
+
+def flash_decode_cache(q, k_lbskh, v_lbskh, layer: int, q_meta: TokenMeta, k_meta: TokenMeta, *,
+                       platform: str, out_dtype=None, block_k: int = 64) -> tuple[jax.Array, jax.Array]:
+    """``(out, lse)`` of ``q`` over layer ``layer`` of a stacked cache ``[L, B, S_max, K, H]``,
+    read in place: only the ``S = k_meta.shape[1]`` first slots, no slice copy (forward only)."""
+    out_dtype = jnp.dtype(out_dtype or q.dtype)
+    qctx, qbid = encode_queries(q_meta)
+    kpos, kbid = encode_keys(k_meta)
+    if platform == "tpu":
+        from d3d_jax.model import flash_tpu
+
+        return flash_tpu.cache_forward(q, k_lbskh, v_lbskh, layer, qctx, qbid, kpos, kbid, live_tiles,
+                                       _encoded_visibility, out_dtype=out_dtype)
+    if platform == "gpu":
+        block_k = min(block_k, fk.GPU_TILE_CAP.get(jnp.dtype(q.dtype).name, 32))
+    return flash_decode.decode_forward(q, k_lbskh, v_lbskh, layer, qctx, qbid, kpos, kbid, _encoded_visibility,
+                                       block_k=block_k, out_dtype=out_dtype, interpret=platform == "interpret")

@@ -30,14 +30,21 @@ Q_NO_BLOCK = -3  # query sentinel: never equal to a key's block id
 K_NO_BLOCK = -2  # key sentinel: never equal to a query's block id
 
 
+def visible2d(qctx, qbid, kpos, kbid):
+    """The tile mask ``kpos < qctx  OR  kbid == qbid`` of broadcasting 2-D operands: query
+    columns ``[tq, 1]`` with key rows ``[1, tk]`` give ``[tq, tk]``; query rows with key
+    columns give the transposed mask ``[tk, tq]`` (built so, never transposed)."""
+    return (kpos < qctx) | (kbid == qbid)
+
+
 def visible(qctx, qbid, kpos, kbid):
-    """``[tq, tk]`` mask of one tile: ``kpos < qctx  OR  kbid == qbid``."""
-    return (kpos[None, :] < qctx[:, None]) | (kbid[None, :] == qbid[:, None])
+    """``[tq, tk]`` mask of one tile from 1-D metadata vectors."""
+    return visible2d(qctx[:, None], qbid[:, None], kpos[None, :], kbid[None, :])
 
 
 def visible_t(kpos, kbid, qctx, qbid):
-    """The same mask transposed, ``[tk, tq]`` (built so, not transposed: Triton keeps it cheap)."""
-    return (kpos[:, None] < qctx[None, :]) | (kbid[:, None] == qbid[None, :])
+    """The same mask transposed, ``[tk, tq]``."""
+    return visible2d(qctx[None, :], qbid[None, :], kpos[:, None], kbid[:, None])
 
 
 def _prec(x):
@@ -58,41 +65,46 @@ def dot(a, b):  # a @ b in float32
 # --------------------------------------------------------------------------------------
 # Tile steps (platform independent)
 # --------------------------------------------------------------------------------------
+# Per-row statistics are columns ``[rows, 1]`` (``lse``/``delta`` of the transposed dK/dV step are
+# rows ``[1, rows]``): they broadcast against a ``[rows, keys]`` tile as they are, and a TPU keeps
+# a 2-D array in its native layout where a 1-D one would need a relayout.
 def fwd_init(rows: int, h: int):
-    return (jnp.zeros((rows, h), jnp.float32), jnp.full((rows,), NEG, jnp.float32),
-            jnp.zeros((rows,), jnp.float32))
+    return (jnp.zeros((rows, h), jnp.float32), jnp.full((rows, 1), NEG, jnp.float32),
+            jnp.zeros((rows, 1), jnp.float32))
 
 
 def fwd_step(carry, q, k, v, mask):
     """Online softmax over one key tile: ``(acc, running max, running sum)``."""
     acc, m, l = carry
     s = dot_nt(q, k)
-    m_new = jnp.maximum(m, jnp.max(jnp.where(mask, s, NEG), axis=1))
+    m_new = jnp.maximum(m, jnp.max(jnp.where(mask, s, NEG), axis=1, keepdims=True))
     alpha = jnp.exp(m - m_new)
-    p = jnp.where(mask, jnp.exp(s - m_new[:, None]), 0.0)
-    return acc * alpha[:, None] + dot(p.astype(v.dtype), v), m_new, l * alpha + jnp.sum(p, axis=1)
+    p = jnp.where(mask, jnp.exp(s - m_new), 0.0)
+    return acc * alpha + dot(p.astype(v.dtype), v), m_new, l * alpha + jnp.sum(p, axis=1, keepdims=True)
 
 
 def fwd_finish(carry):
-    """``(out float32, lse)``; a row that saw no key gives 0 and ``NEG``."""
+    """``(out float32, lse [rows, 1])``; a row that saw no key gives 0 and ``NEG``."""
     acc, m, l = carry
     seen = l > 0.0
     safe = jnp.where(seen, l, 1.0)
-    return acc / safe[:, None], jnp.where(seen, m + jnp.log(safe), NEG)
+    return acc / safe, jnp.where(seen, m + jnp.log(safe), NEG)
 
 
 def dq_step(dq, q, k, v, do, lse, delta, mask):
-    p = jnp.where(mask, jnp.exp(dot_nt(q, k) - lse[:, None]), 0.0)
-    ds = p * (dot_nt(do, v) - delta[:, None])
+    """dQ of one query tile from one key tile (``lse``/``delta``: ``[rows, 1]``)."""
+    p = jnp.where(mask, jnp.exp(dot_nt(q, k) - lse), 0.0)
+    ds = p * (dot_nt(do, v) - delta)
     return dq + dot(ds.astype(k.dtype), k)
 
 
 def dkv_step(carry, q, k, v, do, lse, delta, mask_t):
-    """dK/dV of one key tile from one query tile, computed transposed (``[keys, queries]``) so
-    every dot has the key tile as its M side: no transposes, and 64-row tiles reach ``wgmma``."""
+    """dK/dV of one key tile from one query tile, computed transposed (``[keys, queries]``;
+    ``lse``/``delta``: ``[1, queries]``) so every dot has the key tile as its M side: no
+    transposes, and 64-row tiles reach ``wgmma``."""
     dk, dv = carry
-    p_t = jnp.where(mask_t, jnp.exp(dot_nt(k, q) - lse[None, :]), 0.0)
-    ds_t = p_t * (dot_nt(v, do) - delta[None, :])
+    p_t = jnp.where(mask_t, jnp.exp(dot_nt(k, q) - lse), 0.0)
+    ds_t = p_t * (dot_nt(v, do) - delta)
     return dk + dot(ds_t.astype(q.dtype), q), dv + dot(p_t.astype(do.dtype), do)
 
 
@@ -128,12 +140,12 @@ def gpu_fwd_kernel(tiles_ref, count_ref, q_ref, k_ref, v_ref, qctx_ref, qbid_ref
 
     out, lse = fwd_finish(lax.fori_loop(0, count_ref[...], body, fwd_init(*q.shape)))
     o_ref[...] = out.astype(o_ref.dtype)
-    lse_ref[...] = lse
+    lse_ref[...] = lse.reshape(lse.shape[0])
 
 
 def gpu_dq_kernel(tiles_ref, count_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qctx_ref,
                   qbid_ref, kpos_ref, kbid_ref, dq_ref, *, bk, s_len):
-    q, do, lse, delta = q_ref[...], do_ref[...], lse_ref[...], delta_ref[...]
+    q, do, lse, delta = q_ref[...], do_ref[...], lse_ref[...][:, None], delta_ref[...][:, None]
     qctx, qbid = qctx_ref[...], qbid_ref[...]
 
     def body(j, dq):
@@ -156,8 +168,8 @@ def gpu_dkv_kernel(tiles_ref, count_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, d
         head = j // count
         sl = pl.ds(pl.multiple_of(tiles_ref[j - head * count] * bq, bq), bq)
         mask_t = visible_t(kpos, kbid, qctx_ref[sl], qbid_ref[sl])
-        return dkv_step(carry, q_ref[sl, head, :], k, v, do_ref[sl, head, :], lse_ref[head, sl],
-                        delta_ref[head, sl], mask_t)
+        return dkv_step(carry, q_ref[sl, head, :], k, v, do_ref[sl, head, :], lse_ref[head, sl][None, :],
+                        delta_ref[head, sl][None, :], mask_t)
 
     zero = jnp.zeros(k.shape, jnp.float32)
     dk, dv = lax.fori_loop(0, group * count, body, (zero, zero))
