@@ -204,3 +204,86 @@ def tpu_compile(fn: Callable, *args, mesh=None) -> tuple[Any, TpuFacts]:
     mesh = mesh if mesh is not None else tpu_mesh()
     compiled = jax.jit(fn).trace(*abstract(mesh, args)).lower().compile()
     return compiled, tpu_facts(compiled)
+
+
+# --------------------------------------------------------------------------------------
+# Per-kernel cost (XLA's cost analysis counts a custom kernel as 0)
+# --------------------------------------------------------------------------------------
+# Matmul flops per (query, key, head-dim) triple: forward QKᵀ + PV; dQ recomputes QKᵀ, dO·Vᵀ and
+# adds dS·K; dK/dV recompute QKᵀ, dO·Vᵀ and add dSᵀQ, PᵀdO.  2 flops per multiply-add.
+FLOPS_PER_PAIR = {"d3d_flash_fwd": 4, "d3d_flash_dq": 6, "d3d_flash_dkv": 8, "d3d_flash_decode": 4}
+
+
+def _nbytes(dtype: str, shape) -> int:
+    import numpy as np
+
+    size = {"bf16": 2, "f16": 2, "f32": 4, "s32": 4, "pred": 1}.get(dtype)
+    return int(np.prod(shape)) * (size if size is not None else np.dtype(dtype).itemsize)
+
+
+def _dims(call: dict) -> dict:
+    """Attention dims of one kernel call from its operand/result shapes (operand order of
+    :mod:`~d3d_jax.model.flash_kernels`, :mod:`~d3d_jax.model.flash_decode`, :mod:`~d3d_jax.model.flash_tpu`:
+    the live-tile list and its count come first, then q, k, v)."""
+    name, ops, res = call["name"], call["operands"], call["results"]
+    (qdt, q), (kdt, k) = ops[2], ops[3]
+    if name == "d3d_flash_decode":  # q [B, K, R, H], k [L, B, S_max, K, H], kpos [B, S]
+        b, kh, rows, h = q
+        return dict(b=b, n=kh, t=rows, h=h, kh=kh, s=ops[7][1][-1], dt=kdt, g=1,
+                    partials=sum(_nbytes(*r) for r in res))
+    if len(q) == 4:  # GPU: q [B, T, N, H], k [B, S, K, H]
+        b, t, n, h = q
+        return dict(b=b, t=t, n=n, h=h, s=k[1], kh=k[2], dt=kdt, g=n // k[2], partials=0)
+    # TPU: q [B, T, N*H], k [(L,) B, S, K*H]; the head count from a statistics array [B, N, ., .]
+    stats = res[1][1] if name == "d3d_flash_fwd" else ops[6][1]
+    b, t, nh = q
+    n = stats[1]
+    h = nh // n
+    return dict(b=b, t=t, n=n, h=h, s=k[-2], kh=k[-1] // h, dt=kdt, g=n // (k[-1] // h), partials=0)
+
+
+def kernel_cost(call: dict, live_fraction: float = 1.0) -> dict:
+    """``{flops, transcendentals, bytes, issued_bytes, estimated}`` of one fused-attention call.
+
+    ``call`` = ``{"name", "operands": [(dtype, shape)], "results": [...], "grid": [...]}`` (as the
+    compiled HLO's custom call gives them).  With ``f = live_fraction`` of the (query tile, key
+    tile) pairs live (1.0: the upper bound a compile can state; a training pack of 6144 has
+    ~0.35, ``live_fraction`` measures one), ``dt`` the K/V element size:
+
+    * flops = ``c · B·N·T·S·H · f`` with c from :data:`FLOPS_PER_PAIR`; exps = ``B·N·T·S·f``;
+    * ``bytes``: every operand read once and every result written once (the HBM traffic when the
+      K/V re-reads hit L2);
+    * ``issued_bytes``: what the CTAs load with no L2 reuse.  Forward / dQ: every (row, head, query
+      tile) reads its live K/V tiles, ``B·N·(T/bq)·f·S·2H·dt``; dK/dV: every (row, kv head, key
+      tile) reads the live query tiles of its g heads, ``B·K·(S/bk)·g·f·T·(2H·dt + 8)``; decode:
+      every (row, kv head, row tile) reads its live K/V once across its splits,
+      ``B·K·(R/br)·f·S·2H·dt``, plus the float32 partials it writes (and XLA's merge reads back).
+    """
+    name = call["name"]
+    if name not in FLOPS_PER_PAIR or len(call["operands"]) < 4:
+        return {"flops": 0.0, "transcendentals": 0.0, "bytes": 0.0, "issued_bytes": 0.0, "estimated": False}
+    d, f = _dims(call), float(live_fraction)
+    b, n, t, s, h, kh = d["b"], d["n"], d["t"], d["s"], d["h"], d["kh"]
+    elt = _nbytes(d["dt"], (1,))
+    once = float(sum(_nbytes(*o) for o in call["operands"]) + sum(_nbytes(*r) for r in call["results"]))
+    grid = list(call.get("grid") or [1])
+    kv_live = f * s * 2 * h * elt
+    if name == "d3d_flash_dkv":
+        key_tiles = grid[-1] if len(grid) == 3 else grid[2]
+        issued = b * kh * key_tiles * d["g"] * f * t * (2 * h * elt + 8) + 2 * _nbytes(d["dt"], (b, s, kh, h)) * 2
+    elif name == "d3d_flash_decode":
+        row_tiles = grid[2] if len(grid) == 4 else 1
+        issued = b * kh * row_tiles * kv_live + 2 * d["partials"]
+    else:
+        query_tiles = grid[2] if len(grid) >= 3 else 1
+        issued = b * n * query_tiles * kv_live + once - 2 * _nbytes(d["dt"], (b, s, kh, h))
+    pairs = b * n * t * s * f
+    return {"flops": FLOPS_PER_PAIR[name] * pairs * h, "transcendentals": pairs, "bytes": once,
+            "issued_bytes": float(max(issued, once * f)), "estimated": True}
+
+
+def live_fraction(q_meta, k_meta, block_q: int = 64, block_k: int = 64) -> float:
+    """Share of (query tile, key tile) pairs the kernels visit for this metadata."""
+    from d3d_jax.model.flash_attention import tile_visibility
+
+    return float(tile_visibility(q_meta, k_meta, block_q, block_k).mean())

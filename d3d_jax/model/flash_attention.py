@@ -37,7 +37,7 @@ from d3d_jax.model import flash_kernels as fk
 from d3d_jax.model.masks import CAUSAL, TokenMeta
 
 NEG = fk.NEG
-PLATFORMS = ("gpu", "tpu", "interpret")
+PLATFORMS = ("gpu", "tpu", "interpret", "tpu_interpret")  # *interpret: the kernels run on a CPU
 
 
 # --------------------------------------------------------------------------------------
@@ -114,17 +114,19 @@ class FlashOptions:
 
 
 def _forward(q, k, v, qctx, qbid, kpos, kbid, opts: FlashOptions):
-    if opts.decode and opts.platform != "tpu":
+    tpu = opts.platform.startswith("tpu")
+    if opts.decode and not tpu:
         return flash_decode.decode_forward(q, k[None], v[None], 0, qctx, qbid, kpos, kbid, _encoded_visibility,
                                            block_k=opts.block_k, out_dtype=jnp.dtype(opts.out_dtype),
                                            interpret=opts.platform == "interpret")
     vis = _encoded_visibility(qctx, qbid, kpos, kbid, opts.block_q, opts.block_k)
     tiles, count = live_tiles(vis)
     kw = dict(bq=opts.block_q, bk=opts.block_k, out_dtype=jnp.dtype(opts.out_dtype))
-    if opts.platform == "tpu":
+    if tpu:
         from d3d_jax.model import flash_tpu
 
-        return flash_tpu.forward(q, k, v, qctx, qbid, kpos, kbid, tiles, count, **kw)
+        return flash_tpu.forward(q, k, v, qctx, qbid, kpos, kbid, tiles, count,
+                                 interpret=opts.platform == "tpu_interpret", **kw)
     return fk.gpu_forward(q, k, v, qctx, qbid, kpos, kbid, tiles, count, interpret=opts.platform == "interpret",
                           **kw)
 
@@ -143,10 +145,11 @@ def _backward(opts: FlashOptions, res, cts):
     vis = _encoded_visibility(qctx, qbid, kpos, kbid, opts.block_q, opts.block_k)
     lists = (live_tiles(vis), live_tiles(jnp.swapaxes(vis, 1, 2)))
     kw = dict(bq=opts.block_q, bk=opts.block_k)
-    if opts.platform == "tpu":
+    if opts.platform.startswith("tpu"):
         from d3d_jax.model import flash_tpu
 
-        dq, dk, dv = flash_tpu.backward(q, k, v, do, lse, delta, qctx, qbid, kpos, kbid, *lists, **kw)
+        dq, dk, dv = flash_tpu.backward(q, k, v, do, lse, delta, qctx, qbid, kpos, kbid, *lists,
+                                        interpret=opts.platform == "tpu_interpret", **kw)
     else:
         dq, dk, dv = fk.gpu_backward(q, k, v, do, lse, delta, qctx, qbid, kpos, kbid, *lists,
                                      interpret=opts.platform == "interpret", **kw)
@@ -204,12 +207,17 @@ def flash_attention(q, k, v, q_meta: TokenMeta, k_meta: TokenMeta, *, platform: 
     if platform not in PLATFORMS:
         raise ValueError(f"flash_attention: unknown platform {platform!r} (known: {', '.join(PLATFORMS)})")
     (_, t, _, _), s = q.shape, k.shape[1]
-    floor = 128 if platform == "tpu" else 16
+    tpu = platform.startswith("tpu")
+    floor = 128 if tpu else 16  # TPU: a key tile is a 128-lane row of metadata
+    if platform == "tpu":  # Mosaic: large tiles (VMEM holds one key tile at a time)
+        from d3d_jax.model.flash_tpu import TPU_TILE
+
+        block_q, block_k = TPU_TILE, TPU_TILE
     if platform == "gpu":  # what the compiled PTX says fits (float32 tiles spill at 64)
         cap = fk.GPU_TILE_CAP.get(jnp.dtype(q.dtype).name, 32)
         block_q, block_k = min(block_q, cap), min(block_k, cap)
     bq, bk = tile_size(t, block_q, floor), tile_size(s, block_k, floor)
-    decode = decode and platform != "tpu"  # the TPU kernel has keys on its grid already
+    decode = decode and not tpu  # the TPU kernel has keys on its grid already
     tp = t if decode else -(-t // bq) * bq
     qctx, qbid = encode_queries(q_meta)
     kpos, kbid = encode_keys(k_meta)
@@ -226,11 +234,12 @@ def flash_decode_cache(q, k_lbskh, v_lbskh, layer: int, q_meta: TokenMeta, k_met
     out_dtype = jnp.dtype(out_dtype or q.dtype)
     qctx, qbid = encode_queries(q_meta)
     kpos, kbid = encode_keys(k_meta)
-    if platform == "tpu":
+    if platform.startswith("tpu"):
         from d3d_jax.model import flash_tpu
 
         return flash_tpu.cache_forward(q, k_lbskh, v_lbskh, layer, qctx, qbid, kpos, kbid, live_tiles,
-                                       _encoded_visibility, out_dtype=out_dtype)
+                                       _encoded_visibility, out_dtype=out_dtype,
+                                       interpret=platform == "tpu_interpret")
     if platform == "gpu":
         block_k = min(block_k, fk.GPU_TILE_CAP.get(jnp.dtype(q.dtype).name, 32))
     return flash_decode.decode_forward(q, k_lbskh, v_lbskh, layer, qctx, qbid, kpos, kbid, _encoded_visibility,

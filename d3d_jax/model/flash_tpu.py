@@ -27,16 +27,20 @@ TPU_TILE = 512  # query and key tile cap (splash attention's default)
 LANES = 128
 
 
-def _params(*semantics):
-    return pltpu.CompilerParams(dimension_semantics=semantics)
+def _call_kw(interpret: bool, *semantics) -> dict:
+    """Mosaic compiler params, or the TPU interpreter (CPU tests of these very kernels)."""
+    if interpret:
+        return dict(interpret=pltpu.InterpretParams())
+    return dict(compiler_params=pltpu.CompilerParams(dimension_semantics=semantics))
 
 
 def _pad_keys(x, tile, value=0):
-    extra = -x.shape[-2 if x.ndim == 4 else 1] % tile
+    """Pad the key axis (axis 1) to whole tiles: a copy, for a ragged key length only."""
+    extra = -x.shape[1] % tile
     if not extra:
         return x
     widths = [(0, 0)] * x.ndim
-    widths[-2 if x.ndim == 4 else 1] = (0, extra)
+    widths[1] = (0, extra)
     return jnp.pad(x, widths, constant_values=value)
 
 
@@ -72,7 +76,7 @@ def _fwd_kernel(tiles_ref, count_ref, q_ref, k_ref, v_ref, qctx_ref, qbid_ref, k
         lse_ref[...] = lse
 
 
-def _forward_call(q, k, v, layer, qctx, qbid, kpos, kbid, tiles, count, *, bq, bk, h, out_dtype):
+def _forward_call(q, k, v, layer, qctx, qbid, kpos, kbid, tiles, count, *, bq, bk, h, out_dtype, interpret):
     """``q [B,T,N*H]``; ``k``/``v`` ``[B,S,K*H]`` (layer None) or ``[L,B,S,K*H]``."""
     b, t, nh = q.shape
     n, kh = nh // h, k.shape[-1] // h
@@ -92,7 +96,7 @@ def _forward_call(q, k, v, layer, qctx, qbid, kpos, kbid, tiles, count, *, bq, b
     out, lse = pl.pallas_call(
         _fwd_kernel, grid_spec=spec, name="d3d_flash_fwd",
         out_shape=[jax.ShapeDtypeStruct((b, t, nh), out_dtype), jax.ShapeDtypeStruct((b, n, t, 1), jnp.float32)],
-        compiler_params=_params("parallel", "parallel", "parallel", "arbitrary"),
+        **_call_kw(interpret, "parallel", "parallel", "parallel", "arbitrary"),
     )(tiles, count, q, k, v, _col(qctx), _col(qbid), _row(kpos), _row(kbid))
     return out, lse[..., 0]
 
@@ -101,17 +105,19 @@ def _padded_keys(k, v, kpos, kbid, bk):
     return (_pad_keys(k, bk), _pad_keys(v, bk), _pad_keys(kpos, bk, fk.INT_MAX), _pad_keys(kbid, bk, fk.K_NO_BLOCK))
 
 
-def forward(q, k, v, qctx, qbid, kpos, kbid, tiles, count, *, bq, bk, out_dtype):
+def forward(q, k, v, qctx, qbid, kpos, kbid, tiles, count, *, bq, bk, out_dtype, interpret=False):
     """``(out [B,T,N,H], lse [B,N,T])``, as :func:`~d3d_jax.model.flash_kernels.gpu_forward`."""
     b, t, n, h = q.shape
     k, v, kpos, kbid = _padded_keys(k, v, kpos, kbid, bk)  # a ragged key length only (prefill)
     s, kh = k.shape[1], k.shape[2]
     out, lse = _forward_call(q.reshape(b, t, n * h), k.reshape(b, s, kh * h), v.reshape(b, s, kh * h), None,
-                             qctx, qbid, kpos, kbid, tiles, count, bq=bq, bk=bk, h=h, out_dtype=out_dtype)
+                             qctx, qbid, kpos, kbid, tiles, count, bq=bq, bk=bk, h=h, out_dtype=out_dtype,
+                             interpret=interpret)
     return out.reshape(b, t, n, h), lse
 
 
-def cache_forward(q, k_lbskh, v_lbskh, layer, qctx, qbid, kpos, kbid, live_tiles, visibility, *, out_dtype):
+def cache_forward(q, k_lbskh, v_lbskh, layer, qctx, qbid, kpos, kbid, live_tiles, visibility, *, out_dtype,
+                  interpret=False):
     """``(out, lse)`` of ``q [B,T,N,H]`` over the first ``kpos.shape[1]`` slots of a stacked cache,
     read in place through the ``[L, B, S, K*H]`` view."""
     from d3d_jax.model.flash_attention import pad_rows, tile_size
@@ -130,7 +136,8 @@ def cache_forward(q, k_lbskh, v_lbskh, layer, qctx, qbid, kpos, kbid, live_tiles
     tiles, count = live_tiles(visibility(qctx, qbid, kpos, kbid, bq, bk))
     view = lambda x: x.reshape(l_, b, s_max, kh * h)
     out, lse = _forward_call(pad_rows(q, tp).reshape(b, tp, n * h), view(k_lbskh), view(v_lbskh), layer, qctx,
-                             qbid, kpos, kbid, tiles, count, bq=bq, bk=bk, h=h, out_dtype=out_dtype)
+                             qbid, kpos, kbid, tiles, count, bq=bq, bk=bk, h=h, out_dtype=out_dtype,
+                             interpret=interpret)
     return out.reshape(b, tp, n, h)[:, :t], lse[:, :, :t]
 
 
@@ -177,7 +184,7 @@ def _dkv_kernel(tiles_ref, count_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delt
         dv_ref[...] = dv_acc[...].astype(dv_ref.dtype)
 
 
-def backward(q, k, v, do, lse, delta, qctx, qbid, kpos, kbid, q_lists, k_lists, *, bq, bk):
+def backward(q, k, v, do, lse, delta, qctx, qbid, kpos, kbid, q_lists, k_lists, *, bq, bk, interpret=False):
     """``(dq float32, dk, dv)`` as :func:`~d3d_jax.model.flash_kernels.gpu_backward`."""
     b, t, n, h = q.shape
     s0 = k.shape[1]
@@ -200,7 +207,7 @@ def backward(q, k, v, do, lse, delta, qctx, qbid, kpos, kbid, q_lists, k_lists, 
             in_specs=[q_tile, kv, kv, q_tile, stat_col, stat_col, qcol, qcol, krow, krow], out_specs=q_tile,
             scratch_shapes=[pltpu.VMEM((bq, h), jnp.float32)]),
         out_shape=jax.ShapeDtypeStruct(qf.shape, jnp.float32),
-        compiler_params=_params("parallel", "parallel", "parallel", "arbitrary"),
+        **_call_kw(interpret, "parallel", "parallel", "parallel", "arbitrary"),
     )(q_tiles, q_count, qf, kf, vf, dof, lse[..., None], delta[..., None], _col(qctx), _col(qbid), _row(kpos),
       _row(kbid))
     # dK/dV: grid (row, kv head, key tile, (group head, live query tile) pair), summed over the group
@@ -219,7 +226,7 @@ def backward(q, k, v, do, lse, delta, qctx, qbid, kpos, kbid, q_lists, k_lists, 
             out_specs=[k_tile, k_tile],
             scratch_shapes=[pltpu.VMEM((bk, h), jnp.float32), pltpu.VMEM((bk, h), jnp.float32)]),
         out_shape=[jax.ShapeDtypeStruct(kf.shape, k.dtype)] * 2,
-        compiler_params=_params("parallel", "parallel", "parallel", "arbitrary"),
+        **_call_kw(interpret, "parallel", "parallel", "parallel", "arbitrary"),
     )(k_tiles, k_count, qf, kf, vf, dof, lse[:, :, None, :], delta[:, :, None, :], _row(qctx), _row(qbid),
       _col(kpos), _col(kbid))
     unflat = lambda x, length: x.reshape(b, -1, x.shape[-1] // h, h)[:, :length]
