@@ -17,8 +17,6 @@ Backends (``ModelConfig.attention_backend``; validated in :mod:`d3d_jax.config.m
   flash-decoding (:mod:`~d3d_jax.model.flash_decode`: GQA heads stacked into rows, keys split
   across CTAs) and, given as a :class:`CacheLayer`, is read in place (no copy of the span).
   On TPU the same tile math runs as Mosaic kernels (:mod:`~d3d_jax.model.flash_tpu`);
-* ``"cudnn"`` – ``jax.nn.dot_product_attention`` with a dense bool mask (fused softmax, but the
-  mask is [B, T, S]): a maintained GPU kernel for the short-query kinds (verify, branch pack).
 
 A fully masked query row (padding) returns 0 in every backend.
 """
@@ -83,8 +81,6 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, q_meta: TokenMeta, k_meta: 
     segments = ([prefix] if prefix is not None else []) + [(k, v, k_meta)]
     if backend == "xla":
         return _xla(q, q_meta, segments)
-    if backend == "cudnn":
-        return _dense_fused(q, q_meta, segments, "cudnn")
     check_attention_backend(backend, "attention backend")  # raises: unknown or unavailable
     raise AssertionError(backend)
 
@@ -154,18 +150,6 @@ def merge_partials(parts: Sequence[tuple[jax.Array, jax.Array]]) -> jax.Array:
     weights = jnp.transpose(weights, (0, 1, 3, 2))[..., None]  # [P, B, T, N, 1]
     total = sum(w * o.astype(jnp.float32) for w, (o, _) in zip(weights, parts))
     return total / jnp.sum(weights, axis=0)
-
-
-def _dense_fused(q: jax.Array, q_meta: TokenMeta, segments: Sequence[Segment], implementation: str
-                 ) -> jax.Array:
-    """``jax.nn.dot_product_attention`` over the concatenated segments with a dense bool mask."""
-    dt = q.dtype
-    k = jnp.concatenate([s[0].astype(dt) for s in segments], axis=1)
-    v = jnp.concatenate([s[1].astype(dt) for s in segments], axis=1)
-    mask = jnp.concatenate([attention_mask(q_meta, s[2]) for s in segments], axis=-1)  # [B, T, S]
-    out = jax.nn.dot_product_attention(q, k, v, mask=mask[:, None], scale=q.shape[-1] ** -0.5,
-                                       implementation=implementation)
-    return jnp.where(jnp.any(mask, axis=-1)[:, :, None, None], out, 0).astype(dt)
 
 
 def _per_shard(fn, q: jax.Array, q_meta: TokenMeta, own: Segment, prefix: Prefix | None) -> jax.Array:
