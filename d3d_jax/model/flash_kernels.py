@@ -192,8 +192,8 @@ def _store(ref, x, start, length):
 # --------------------------------------------------------------------------------------
 # GPU pallas_calls
 # --------------------------------------------------------------------------------------
-# Per dtype, from the compiled PTX of the training pack (H200, head 128; see
-# d3d_jax/bench/kernel_facts.py): bfloat16 64-row tiles reach wgmma with pipelined loads and no
+# Per dtype, from the compiled PTX of the training pack (H200, head 128; ``infer/bench.py
+# compile``, d3d_jax/bench/compile_facts.py): bfloat16 64-row tiles reach wgmma with pipelined loads and no
 # spills; float32 dots run at full precision (IEEE FMA, no tensor cores), which spills at 64-row
 # tiles (64 KB) and fits at 32-row tiles on 8 warps.
 GPU_TILE_CAP = {"bfloat16": 64, "float16": 64, "float32": 32}
