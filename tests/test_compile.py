@@ -278,3 +278,15 @@ def test_train_step_compiles_for_tpu_and_counts_the_hand_flops(tmp_path):
     assert params / dev.chips <= mem["argument"]  # float32 master weights, sharded over 8 chips
     hand = built.facts["hand_flops"]["total"] / dev.chips
     assert abs(cf.xla_cost(c)["flops"] / hand - 1) < 0.10
+
+
+def test_fused_kernel_compiles_for_tpu_as_mosaic_calls(tmp_path):
+    """The same kernel source lowers for a TPU: forward, dQ and dK/dV are Mosaic kernels
+    (``tpu_custom_call``) in the compiled v5e program."""
+    _need("tpu-v5e-8")
+    dev = ct.device("tpu-v5e-8")
+    mesh = ct.mesh(ct.topology(dev), (dev.chips,), ("x",))
+    built = cp.flash_kernels(cp.KernelShape(length=1024, heads=4, kv_heads=2), mesh, platform="tpu")
+    with jax.set_mesh(mesh):
+        c = built.fn.trace(*built.args).lower().compile()
+    assert cf.tpu_custom_calls(c.as_text()) == 3

@@ -203,14 +203,15 @@ class KernelShape:
     dtype: str = "bfloat16"
 
 
-def flash_kernels(shape: KernelShape, mesh) -> Built:
+def flash_kernels(shape: KernelShape, mesh, platform: str = "gpu") -> Built:
     """Forward and backward of the fused kernels (``d3d_flash_fwd``, ``_dq``, ``_dkv``) over a
-    causal pack: the PTX facts of all three come from one compile."""
+    causal pack: the PTX facts of all three come from one compile (``platform="tpu"``: the
+    Mosaic kernels; trace under ``jax.set_mesh(mesh)``, Mosaic asks it which TPU it is)."""
     from d3d_jax.model.flash_attention import flash_attention
     from d3d_jax.model.masks import causal_meta
 
     def loss(q, k, v, pos):
-        out, _ = flash_attention(q, k, v, causal_meta(pos), causal_meta(pos), platform="gpu")
+        out, _ = flash_attention(q, k, v, causal_meta(pos), causal_meta(pos), platform=platform)
         return jnp.sum(out.astype(jnp.float32))
 
     t, dt = shape.length, jnp.dtype(shape.dtype)
