@@ -48,8 +48,10 @@ def visible_t(kpos, kbid, qctx, qbid):
 
 
 def _prec(x):
-    # float32 dots at full precision: the default lowers to TF32 on a GPU (~1e-3 error)
-    return lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
+    # float32 dots at full precision: the default lowers to TF32 on a GPU (~1e-3 error).  Other
+    # dtypes explicitly at the default, whatever jax_default_matmul_precision says: Mosaic
+    # rejects a float32 contraction of bfloat16 operands ("Bad lhs type").
+    return lax.Precision.HIGHEST if x.dtype == jnp.float32 else lax.Precision.DEFAULT
 
 
 def dot_nt(a, b):  # a @ b.T in float32
