@@ -219,9 +219,11 @@ def _kernel_summary(calls: list[dict]) -> list[dict]:
     """Kernel calls grouped by name and shapes (a call per layer and span bucket otherwise)."""
     groups: dict = {}
     for c in calls:
-        key = (c["name"], str(kernel_cost.qkv(c)), c["in_branch"])
+        # all operands: a decode call's K/V are the whole stacked cache, its span is in the metadata
+        key = (c["name"], str(c["operands"]), c["in_branch"])
+        span = [f"S={kernel_cost.dims(c)['s']}"] if c["estimated"] else []
         g = groups.setdefault(key, {"name": c["name"], "target": c["target"], "calls": 0,
-                                    "operands": [f"{dt}{list(s)}" for dt, s in kernel_cost.qkv(c)],
+                                    "operands": [f"{dt}{list(s)}" for dt, s in kernel_cost.qkv(c)] + span,
                                     "in_branch": c["in_branch"], "estimated": c["estimated"],
                                     "flops_each": c["flops"], "bytes_each": c["bytes"],
                                     "issued_bytes_each": c["issued_bytes"]})
