@@ -20,8 +20,8 @@ from flax import nnx
 from d3d_jax.config import ConfigError, DataConfig, ModelConfig, ObjectiveConfig, TrainRunConfig, load_config
 from d3d_jax.decoding.branches import BranchLayout, correction_alternatives, pack_branches
 from d3d_jax.model import kv_cache as kvc
-from d3d_jax.model.attention import _dense_fused, attend
-from d3d_jax.model.flash_attention import tile_visibility
+from d3d_jax.model.attention import CacheLayer, attend
+from d3d_jax.model.flash_attention import flash_attention, live_tiles, tile_visibility
 from d3d_jax.model.masks import (TokenMeta, attention_mask, block_meta, cache_key_meta, causal_meta,
                                  concat_meta, packed_training_meta)
 from d3d_jax.model.qwen3 import init_model, remat_policy
@@ -161,15 +161,6 @@ def test_pallas_gradients_equal_xla(kind):
     _assert_grads_close(got, want)
 
 
-def test_cudnn_wrapper_masks_like_xla():
-    """The cuDNN backend's mask and zeroed rows, through jax.nn's XLA implementation on CPU."""
-    args, kw = _run_case("branch_pack", "float32")
-    q, k, v, q_meta, k_meta = args
-    segments = [kw["prefix"], (k, v, k_meta)]
-    got = _dense_fused(q, q_meta, segments, implementation="xla")
-    np.testing.assert_allclose(got, _jitted("xla")(*args, **kw), atol=1e-5, rtol=1e-5)
-
-
 # --------------------------------------------------------------------------------------
 # Tile skipping
 # --------------------------------------------------------------------------------------
@@ -199,6 +190,61 @@ def test_skipped_cache_tiles_are_never_read():
     want = _jitted("xla")(*args, prefix=(k_pad, v_pad, m_pad))
     assert bool(jnp.isfinite(got).all())
     np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_live_tile_lists_walk_exactly_the_visible_tiles_in_order():
+    """The kernels' loop bounds: per query tile the live key tiles ascending, then repeats of the
+    last one (a TPU grid re-requests the same block); per key tile likewise for dK/dV."""
+    rows = [packed_training_meta(64, np.array([3, 20, 41, 45]), 16, 128, 60, np.array([1, 1, 1, 0], bool)),
+            packed_training_meta(64, np.array([0, 9]), 16, 128, 5)]
+    vis = np.asarray(tile_visibility(_meta(rows), _meta(rows), 16, 16))
+    for v in (vis, vis.transpose(0, 2, 1)):
+        tiles, count = map(np.asarray, live_tiles(jnp.asarray(v)))
+        for b, m in np.ndindex(v.shape[:2]):
+            live = np.flatnonzero(v[b, m])
+            assert count[b, m] == len(live)
+            assert list(tiles[b, m, :len(live)]) == list(live)
+            assert (tiles[b, m, len(live):] == (live[-1] if len(live) else 0)).all()
+    assert 0 < vis.mean() < 0.6  # the causal triangle and the other blocks are not visited
+
+
+def test_cache_layer_is_read_in_place_within_its_span():
+    """A CacheLayer prefix: the decode kernel gets the whole stacked cache (no slice copy) and
+    reads only its layer's first ``span`` slots (NaN elsewhere cannot reach the output)."""
+    args, kw = _run_case("verify", "float32")
+    k_c, v_c, meta_c = kw["prefix"]  # 40-slot span
+    stack = lambda x: jnp.stack([jnp.full((3, 56) + x.shape[2:], jnp.nan), jnp.pad(
+        x, ((0, 0), (0, 16), (0, 0), (0, 0)), constant_values=jnp.nan)])  # layer 1 = the cache
+    prefix = CacheLayer(stack(k_c), stack(v_c), meta_c, 1)
+    run = jax.jit(lambda *a, prefix: attend(*a, backend=PALLAS, prefix=prefix, tiles=TILES))
+    got = run(*args, prefix=prefix)
+    np.testing.assert_allclose(got, _jitted("xla")(*args, prefix=kw["prefix"]), atol=1e-5, rtol=1e-5)
+    jaxpr = jax.make_jaxpr(lambda *a: attend(*a, backend=PALLAS, prefix=prefix, tiles=TILES))(*args).jaxpr
+    calls = [e for e in jaxpr.eqns if e.primitive.name == "pallas_call" and e.params["name"] == "d3d_flash_decode"]
+    assert len(calls) == 1 and (2, 3, 56, KV_HEADS, HEAD_DIM) in [v.aval.shape for v in calls[0].invars]
+
+
+def test_tpu_kernels_equal_xla_in_the_tpu_interpreter():
+    """The Mosaic kernels (keys on the grid, scalar-prefetched tile lists, 128-lane heads), run by
+    the TPU interpreter on CPU: forward and dq/dk/dv on a training pack with a GQA pair."""
+    rows = [packed_training_meta(128, np.array([3, 40, 70, 100]), 32, 256, 120, np.array([1, 1, 0, 1], bool))]
+    meta = _meta(rows)
+    rng = np.random.default_rng(3)
+    q, k, v = (_normal(rng, (1, 256, n, 128), jnp.float32) for n in (2, 1, 1))
+    weights = _normal(rng, q.shape, jnp.float32)
+
+    def loss(tpu, q, k, v):
+        if tpu:
+            out = flash_attention(q * 128 ** -0.5, k, v, meta, meta, platform="tpu_interpret", block_q=128,
+                                  block_k=128)[0]
+        else:
+            out = attend(q, k, v, meta, meta, backend="xla")
+        return jnp.sum(jnp.sin(out) * weights)
+
+    got = jax.jit(jax.value_and_grad(functools.partial(loss, True), argnums=(0, 1, 2)))(q, k, v)
+    want = jax.jit(jax.value_and_grad(functools.partial(loss, False), argnums=(0, 1, 2)))(q, k, v)
+    assert abs(float(got[0]) - float(want[0])) <= 1e-5 * abs(float(want[0]))
+    _assert_grads_close(got[1], want[1])
 
 
 # --------------------------------------------------------------------------------------
@@ -352,7 +398,7 @@ def test_backend_config_is_validated_and_not_an_hf_key():
     with pytest.raises(ConfigError, match=r"unknown attention backend 'flash'.*available on cpu: xla, "
                                           r"pallas_interpret"):
         ModelConfig(attention_backend="flash").validate()
-    with pytest.raises(ConfigError, match=r"'pallas' needs gpu, this is cpu; available on cpu"):
+    with pytest.raises(ConfigError, match=r"'pallas' needs gpu or tpu, this is cpu; available on cpu"):
         load_config(TrainRunConfig, [], ["model.attention_backend=pallas"])
     with pytest.raises(ConfigError, match="remat_policy"):
         load_config(TrainRunConfig, [], ["train.remat_policy=sometimes"])

@@ -20,6 +20,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from d3d_jax.bench import compile_facts as cf
+from d3d_jax.bench import compile_report
 from d3d_jax.bench import compile_programs as cp
 from d3d_jax.bench import compile_targets as ct
 
@@ -81,12 +82,12 @@ def test_walk_takes_the_largest_branch_per_figure():
 
 %small (p: f32[1]) -> f32[1] {
   %p = f32[1]{0} parameter(0)
-  %k1 = (bf16[1,16,4,64]{3,2,1,0}, f32[1,4,16]{2,1,0}) custom-call(%p), custom_call_target="__gpu$xla.gpu.triton", operand_layout_constraints={bf16[1,16,4,64]{3,2,1,0}, bf16[1,128,2,64]{3,2,1,0}, bf16[1,128,2,64]{3,2,1,0}}, api_version=API_VERSION_TYPED_FFI, backend_config={grid_x = 1 : i32, grid_y = 4 : i32, grid_z = 1 : i32, name = "d3d_flash_fwd"}
+  %k1 = (bf16[1,16,4,64]{3,2,1,0}, f32[1,4,16]{2,1,0}) custom-call(%p), custom_call_target="__gpu$xla.gpu.triton", operand_layout_constraints={s32[1,1,2]{2,1,0}, s32[1,1]{1,0}, bf16[1,16,4,64]{3,2,1,0}, bf16[1,128,2,64]{3,2,1,0}, bf16[1,128,2,64]{3,2,1,0}, s32[1,16]{1,0}, s32[1,16]{1,0}, s32[1,128]{1,0}, s32[1,128]{1,0}}, api_version=API_VERSION_TYPED_FFI, backend_config={grid_x = 1 : i32, grid_y = 4 : i32, grid_z = 1 : i32, name = "d3d_flash_fwd"}
 }
 
 %large (p: f32[1]) -> f32[1] {
   %p = f32[1]{0} parameter(0)
-  %k2 = (bf16[1,16,4,64]{3,2,1,0}, f32[1,4,16]{2,1,0}) custom-call(%p), custom_call_target="__gpu$xla.gpu.triton", operand_layout_constraints={bf16[1,16,4,64]{3,2,1,0}, bf16[1,512,2,64]{3,2,1,0}, bf16[1,512,2,64]{3,2,1,0}}, api_version=API_VERSION_TYPED_FFI, backend_config={grid_x = 1 : i32, grid_y = 4 : i32, grid_z = 1 : i32, name = "d3d_flash_fwd"}
+  %k2 = (bf16[1,16,4,64]{3,2,1,0}, f32[1,4,16]{2,1,0}) custom-call(%p), custom_call_target="__gpu$xla.gpu.triton", operand_layout_constraints={s32[1,1,8]{2,1,0}, s32[1,1]{1,0}, bf16[1,16,4,64]{3,2,1,0}, bf16[1,512,2,64]{3,2,1,0}, bf16[1,512,2,64]{3,2,1,0}, s32[1,16]{1,0}, s32[1,16]{1,0}, s32[1,512]{1,0}, s32[1,512]{1,0}}, api_version=API_VERSION_TYPED_FFI, backend_config={grid_x = 1 : i32, grid_y = 4 : i32, grid_z = 1 : i32, name = "d3d_flash_fwd"}
 }
 
 ENTRY %main (i: s32[], p: f32[1]) -> f32[1] {
@@ -97,18 +98,27 @@ ENTRY %main (i: s32[], p: f32[1]) -> f32[1] {
 """
     extras, calls = cf.walk(hlo)
     assert len(calls) == 2 and all(c["in_branch"] for c in calls)
-    q, out = 16 * 4 * 64 * 2, 16 * 4 * 64 * 2 + 4 * 16 * 4
-    assert extras.kernel_bytes == q + 2 * 512 * 2 * 64 * 2 + out  # the 512-key branch, not the sum
+    # operands: the live-tile list and count, q, k, v, the queries' and the keys' metadata
+    lists, q, meta, out = 4 * 8 + 4, 16 * 4 * 64 * 2, 2 * 16 * 4 + 2 * 512 * 4, 16 * 4 * 64 * 2 + 4 * 16 * 4
+    assert extras.kernel_bytes == lists + q + 2 * 512 * 2 * 64 * 2 + meta + out  # the 512-key branch, not the sum
     assert extras.kernel_flops == 4 * 4 * 16 * 512 * 64  # 4 flops per (query, key, head dim), 4 heads
 
 
-def _flash(q_len, s_len, dtype, tiles):
-    from d3d_jax.model.flash_attention import flash_attention
+def _raw_forward(q_len, s_len, dtype, tiles):
+    """The forward kernel called with the given tiles as they are (``flash_attention`` would cap
+    and round them to what fits)."""
+    from d3d_jax.model import flash_attention as fa
+    from d3d_jax.model import flash_kernels as fk
     from d3d_jax.model.masks import causal_meta
 
+    bq, bk = tiles
+
     def f(q, k, v, qpos, kpos):
-        return flash_attention(q, k, v, causal_meta(qpos), causal_meta(kpos), interpret=False,
-                               block_q=tiles[0], block_k=tiles[1])
+        qctx, qbid = fa.encode_queries(causal_meta(qpos))
+        kp, kb = fa.encode_keys(causal_meta(kpos))
+        lists = fa.live_tiles(fa.tile_visibility(causal_meta(qpos), causal_meta(kpos), bq, bk))
+        return fk.gpu_forward(q, k, v, qctx, qbid, kp, kb, *lists, bq=bq, bk=bk, out_dtype=q.dtype,
+                              interpret=False)
 
     n, kh, h = 8, 2, 64
     args = (jax.ShapeDtypeStruct((1, q_len, n, h), dtype), jax.ShapeDtypeStruct((1, s_len, kh, h), dtype),
@@ -118,7 +128,7 @@ def _flash(q_len, s_len, dtype, tiles):
 
 
 def test_flash_kernel_compiles_with_its_grid_and_ptx_facts(h200, tmp_path):
-    fn, args = _flash(256, 512, jnp.bfloat16, (64, 64))
+    fn, args = _raw_forward(256, 512, jnp.bfloat16, (64, 64))
     c = _compile(fn, args, h200, tmp_path)
     (k,) = cf.gpu_kernels(tmp_path, ("d3d_flash",))
     assert k["symbol"] == "d3d_flash_fwd" and k["target"].startswith("sm_90")
@@ -134,9 +144,85 @@ def test_flash_kernel_compiles_with_its_grid_and_ptx_facts(h200, tmp_path):
     (jnp.bfloat16, (48, 64), "power of 2"),
 ])
 def test_a_tile_the_h200_cannot_take_fails_to_compile(h200, tmp_path, dtype, tiles, error):
-    fn, args = _flash(512, 512, dtype, tiles)
+    fn, args = _raw_forward(512, 512, dtype, tiles)
     with pytest.raises(Exception, match=error):
         _compile(fn, args, h200, tmp_path)
+
+
+# --------------------------------------------------------------------------------------
+# H200: the PTX bars of the kernels (pipelined loads, wgmma, no spills, CTAs for decode)
+# --------------------------------------------------------------------------------------
+SMALL_PACK = cp.KernelShape(length=256, heads=8, kv_heads=2)
+
+
+def _failed(checks):
+    return [(c["check"], c["value"]) for c in checks if not c["met"]]
+
+
+def test_training_kernels_pipeline_their_loads_without_spills(h200, tmp_path):
+    """fwd, dq, dkv: cp.async > 0 (loop bounds, no branch around the loads), wgmma in the
+    forward (64-row bf16 tiles), 0 spill bytes, each from its own PTX entry."""
+    built = cp.flash_kernels(SMALL_PACK, h200)
+    built.fn.trace(*built.args).lower().compile(compiler_options={"xla_dump_to": str(tmp_path)})
+    kernels = cf.gpu_kernels(tmp_path, ("d3d_flash",))
+    assert {k["symbol"] for k in kernels} == {"d3d_flash_fwd", "d3d_flash_dq", "d3d_flash_dkv"}
+    assert _failed(compile_report.ptx_checks(kernels, "pack", training=True)) == []
+
+
+def _cond_around_loads(tiles_ref, count_ref, q_ref, k_ref, v_ref, qctx_ref, qbid_ref, kpos_ref, kbid_ref,
+                       o_ref, lse_ref, *, bk, s_len):
+    """The forward as it was before the live-tile lists: every tile visited, a ``cond`` around
+    its loads (so Triton cannot prefetch them)."""
+    from jax import lax
+
+    from d3d_jax.model import flash_kernels as fk
+
+    q, qctx, qbid, count = q_ref[...], qctx_ref[...], qbid_ref[...], count_ref[...]
+
+    def body(j, carry):
+        def step(c):
+            k, v, kpos, kbid = fk._key_tile((k_ref, v_ref, kpos_ref, kbid_ref), tiles_ref[j] * bk, bk, s_len)
+            return fk.fwd_step(c, q, k, v, fk.visible(qctx, qbid, kpos, kbid))
+        return lax.cond(j < count, step, lambda c: c, carry)
+
+    out, lse = fk.fwd_finish(lax.fori_loop(0, tiles_ref.shape[0], body, fk.fwd_init(*q.shape)))
+    o_ref[...] = out.astype(o_ref.dtype)
+    lse_ref[...] = lse.reshape(lse.shape[0])
+
+
+def test_a_kernel_with_a_branch_around_its_loads_fails_the_ptx_check(h200, tmp_path, monkeypatch):
+    from d3d_jax.model import flash_kernels as fk
+
+    monkeypatch.setattr(fk, "gpu_fwd_kernel", _cond_around_loads)
+    built = cp.flash_kernels(SMALL_PACK, h200)
+    built.fn.trace(*built.args).lower().compile(compiler_options={"xla_dump_to": str(tmp_path)})
+    failed = _failed(compile_report.ptx_checks(cf.gpu_kernels(tmp_path, ("d3d_flash",)), "broken", training=True))
+    assert ("broken: d3d_flash_fwd async_copies", 0) in failed  # the backward kernels still pass
+    assert all(name.startswith("broken: d3d_flash_fwd") for name, _ in failed)
+
+
+def test_decode_and_verify_fill_the_h200_at_8b_heads(h200, tmp_path):
+    """Batch 1, Qwen3-8B's heads (32 over 8, head 128) over one layer of a 2048-slot cache read
+    in place: the key splits give every one of the 132 SMs a CTA, for 1 and for 16 queries."""
+    from d3d_jax.model.flash_attention import flash_decode_cache
+    from d3d_jax.model.masks import causal_meta
+
+    def f(q1, q16, k, v, kpos):
+        outs = []
+        for q in (q1, q16):
+            qpos = 2048 - q.shape[1] + jnp.arange(q.shape[1])[None]
+            outs.append(flash_decode_cache(q, k, v, 0, causal_meta(qpos), causal_meta(kpos), platform="gpu")[0])
+        return outs
+
+    bf = jnp.bfloat16
+    cache = jax.ShapeDtypeStruct((2, 1, 2048, 8, 128), bf)
+    args = (jax.ShapeDtypeStruct((1, 1, 32, 128), bf), jax.ShapeDtypeStruct((1, 16, 32, 128), bf), cache, cache,
+            jax.ShapeDtypeStruct((1, 2048), jnp.int32))
+    _compile(jax.jit(f), args, h200, tmp_path)
+    runs = cf.launches(tmp_path, ("d3d_flash_decode",))
+    assert len(runs) == 2 and all(r["ctas"] >= 132 for r in runs), runs
+    kernels = cf.gpu_kernels(tmp_path, ("d3d_flash",))
+    assert _failed(compile_report.ptx_checks(kernels, "decode", min_ctas=132)) == []
 
 
 # --------------------------------------------------------------------------------------
@@ -193,3 +279,16 @@ def test_train_step_compiles_for_tpu_and_counts_the_hand_flops(tmp_path):
     assert params / dev.chips <= mem["argument"]  # float32 master weights, sharded over 8 chips
     hand = built.facts["hand_flops"]["total"] / dev.chips
     assert abs(cf.xla_cost(c)["flops"] / hand - 1) < 0.10
+
+
+def test_fused_kernel_compiles_for_tpu_as_mosaic_calls(tmp_path):
+    """The same kernel source lowers for a TPU: forward, dQ and dK/dV are Mosaic kernels
+    (``tpu_custom_call``) in the compiled v5e program."""
+    _need("tpu-v5e-8")
+    topo = ct.topology(ct.device("tpu-v5e-8"))
+    # one chip: a Mosaic kernel is not partitioned automatically (the model shard_maps it)
+    mesh = jax.sharding.Mesh(np.asarray(topo.devices[:1]), ("x",))
+    built = cp.flash_kernels(cp.KernelShape(length=1024, heads=4, kv_heads=2), mesh, platform="tpu")
+    with jax.set_mesh(mesh):
+        c = built.fn.trace(*built.args).lower().compile()
+    assert cf.tpu_custom_calls(c.as_text()) == 3

@@ -3,9 +3,10 @@ a device that is not there, on a CPU host (``JAX_PLATFORMS=cpu``).
 
 Programs (full shapes; ``--small`` gives 2-layer models and a 256-slot cache, as the suite uses):
 
-* ``h200``: the Qwen3-8B target and the D3D-1.7B drafter on one H200, cache 2048, batch 1,
-  B = 16, C = 12, F = 2: the plain step, the async round's target side (verify + commit of a
-  16-token block), the sync round, the async drafter side (branch pack of N_async = 384 tokens,
+* ``h200``: the fused kernels alone, forward and backward over a 6144-token pack with the 8B
+  drafter's heads (the PTX facts of ``d3d_flash_fwd``, ``_dq`` and ``_dkv``); the Qwen3-8B
+  target and the D3D-1.7B drafter on one H200, cache 2048, batch 1, B = 16, C = 12, F = 2: the
+  plain step, the async round's target side (verify + commit of a 16-token block), the sync round, the async drafter side (branch pack of N_async = 384 tokens,
   and the selection); the branch pack of the drafter-size table's 4B and 31-layer 8B drafters;
   the D3D-1.7B train step on 8 x H200 (``configs/train/d3d-1.7b.yaml``'s mesh and batch);
 * ``tpu-v5p-128`` (64 chips): the D3D-8B train step with its own mesh (1 x 16 x 4, batch 16 x
@@ -38,6 +39,7 @@ from typing import Callable
 from d3d_jax.bench import compile_facts as cf
 from d3d_jax.bench import compile_programs as cp
 from d3d_jax.bench import compile_targets as ct
+from d3d_jax.bench import kernel_cost
 
 DEFAULT_OUT = "runs/bench_compile"
 TARGET = cp.ModelSpec("Qwen3-8B", "qwen3-8b")
@@ -55,7 +57,7 @@ class Program:
     device: str  # a compile_targets.DEVICES key
     backend: str
     build: Callable  # mesh -> Built
-    kind: str  # "decode" | "pack" | "train"
+    kind: str  # "kernels" | "decode" | "pack" | "train"
     options: tuple = ()  # XLA compiler options (name, value)
     mesh_shape: Callable | None = None  # chips -> (sizes, axes); default: one flat axis
 
@@ -66,7 +68,11 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="attention backends of the decoding programs (comma-separated); the plain step "
                         "and the verify round get each, the rest the last one")
     p.add_argument("--train-backend", default="xla", help="attention backend of the train steps")
-    p.add_argument("--only", default="", help="run only programs whose name contains this text")
+    p.add_argument("--only", default="", help="run only programs whose name contains one of these "
+                   "comma-separated texts (=NAME: that name exactly)")
+    p.add_argument("--train-layers", type=int, default=0,
+                   help="layers of the train steps' models (0: the config's); a pod step at full depth "
+                        "takes 15-25 min on 2 cores, so its memory is extrapolated from two depths")
     p.add_argument("--small", action="store_true", help="2-layer models, cache 256 (the suite's shapes)")
     p.add_argument("--cache-len", type=int, default=2048)
     p.add_argument("--keep-dumps", action="store_true", help="keep the XLA dumps under OUT/dumps")
@@ -107,9 +113,17 @@ def _train_mesh(config: str):
     return sizes
 
 
+def kernel_program(small: bool) -> Program:
+    """The fused kernels alone, forward and backward, on a training pack (their PTX facts)."""
+    shape = cp.KernelShape(length=512 if small else 6144)
+    return Program(f"flash kernels, {shape.length}-token pack fwd+bwd", "h200", "pallas",
+                   lambda m: cp.flash_kernels(shape, m), "kernels")
+
+
 def train_program(name: str, config: str, device: str, backend: str, small: bool,
-                  options: tuple = ()) -> Program:
-    overrides = (f"model.attention_backend={backend}",) + (("model.num_layers=2",) if small else ())
+                  options: tuple = (), layers: int = 0) -> Program:
+    layers = 2 if small and not layers else layers
+    overrides = (f"model.attention_backend={backend}",) + ((f"model.num_layers={layers}",) if layers else ())
     if small:  # short rows, few anchors: the suite's compile
         overrides += ("data.packed_length=512", "data.num_anchors=16")
     return Program(name, device, backend, lambda m: cp.train_step(config, m, overrides), "train",
@@ -120,23 +134,26 @@ def programs(args) -> list[Program]:
     from d3d_jax.config.base import CONFIG_DIR
 
     small, backends = args.small, [b for b in args.backends.split(",") if b]
-    tb = args.train_backend
+    tb, tl = args.train_backend, args.train_layers
     c17, c8 = str(CONFIG_DIR / "train/d3d-1.7b.yaml"), str(CONFIG_DIR / "train/d3d-8b.yaml")
     plat = {
-        "h200": decode_programs(backends, small, 256 if small else args.cache_len)
-        + [train_program("D3D-1.7B train step", c17, "8xh200", tb, small)],
-        "tpu-v5p-128": [train_program("D3D-8B train step", c8, "tpu-v5p-128", tb, small),
+        "h200": [kernel_program(small)] + decode_programs(backends, small, 256 if small else args.cache_len)
+        + [train_program("D3D-1.7B train step", c17, "8xh200", tb, small, layers=tl)],
+        "tpu-v5p-128": [train_program("D3D-8B train step", c8, "tpu-v5p-128", tb, small, layers=tl),
                         train_program("D3D-8B train step, flops", c8, "tpu-v5p-128", tb, small,
-                                      NO_WINDOWED_EINSUM)],
-        "tpu-v5e-8": [train_program("D3D-1.7B train step", c17, "tpu-v5e-8", tb, small)],
+                                      NO_WINDOWED_EINSUM, layers=tl)],
+        "tpu-v5e-8": [train_program("D3D-1.7B train step", c17, "tpu-v5e-8", tb, small, layers=tl)],
     }
     chosen = [p for k, ps in plat.items() if args.platform in (k, "all") for p in ps]
-    chosen = [p for p in chosen if args.only.lower() in p.name.lower()]
+    only = [o.strip().lower() for o in args.only.split(",")]
+    chosen = [p for p in chosen if any(p.name.lower() == o[1:] if o.startswith("=") else o in p.name.lower()
+                                       for o in only)]
     # what issue 20's checks read comes first: a run cut short keeps those rows (JSON per program)
     return sorted(chosen, key=lambda p: next((i for i, k in enumerate(FIRST) if k(p)), len(FIRST)))
 
 
-FIRST = (lambda p: p.kind == "decode" and p.backend == "pallas" and p.name.startswith(("plain", "verify")),
+FIRST = (lambda p: p.kind == "kernels",
+         lambda p: p.kind == "decode" and p.backend == "pallas" and p.name.startswith(("plain", "verify")),
          lambda p: p.name == "branch pack, 1.7B drafter",
          lambda p: "D3D-8B" in p.name)
 
@@ -202,9 +219,11 @@ def _kernel_summary(calls: list[dict]) -> list[dict]:
     """Kernel calls grouped by name and shapes (a call per layer and span bucket otherwise)."""
     groups: dict = {}
     for c in calls:
-        key = (c["name"], str(c["operands"][:2]), c["in_branch"])
+        # all operands: a decode call's K/V are the whole stacked cache, its span is in the metadata
+        key = (c["name"], str(c["operands"]), c["in_branch"])
+        span = [f"S={kernel_cost.dims(c)['s']}"] if c["estimated"] else []
         g = groups.setdefault(key, {"name": c["name"], "target": c["target"], "calls": 0,
-                                    "operands": [f"{dt}{list(s)}" for dt, s in c["operands"][:3]],
+                                    "operands": [f"{dt}{list(s)}" for dt, s in kernel_cost.qkv(c)] + span,
                                     "in_branch": c["in_branch"], "estimated": c["estimated"],
                                     "flops_each": c["flops"], "bytes_each": c["bytes"],
                                     "issued_bytes_each": c["issued_bytes"]})
@@ -216,6 +235,8 @@ def ideal(res: dict, facts: dict) -> dict:
     """The program's ideal and its ratios: a decode step reads every weight once (minus the
     embedding table, of which it reads its rows) and the whole cache; a train step's flops are
     the hand count."""
+    if res["kind"] == "kernels":
+        return {}
     if res["kind"] == "train":
         hand = facts["hand_flops"]["total"] / res["chips"]
         return {"hand_flops_per_chip": hand, "flops_over_hand": res["flops"] / hand,

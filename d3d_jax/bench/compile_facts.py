@@ -7,9 +7,10 @@
 * :func:`walk` reads the optimized HLO text with the same rules and adds what that analysis
   misses: each kernel's own estimate (:mod:`~d3d_jax.bench.kernel_cost`) and the over-count of an
   embedding lookup that ``gather`` charges with the whole table;
-* GPU kernels' machine facts from the dump (``--xla_dump_to``): per PTX entry the async copies
-  (``cp.async``, TMA included), ``wgmma`` and ``mma.sync`` counts, registers and spills
-  (``ptxas -v``), and per launch the grid (CTAs) and shared memory from the thunk sequence.
+* GPU kernels' machine facts from the dump (``--xla_dump_to``): per PTX entry, counted in that
+  entry's body, the async copies (``cp.async``, TMA included, commits and waits not), ``wgmma``
+  and ``mma.sync``; registers and spills (``ptxas -v``); per launch the grid (CTAs) and shared
+  memory from the thunk sequence.  The one source of PTX facts (tests, ``bench compile``).
 """
 
 from __future__ import annotations
@@ -189,18 +190,41 @@ def launches(dump: Path, names: tuple[str, ...]) -> list[dict]:
     return out
 
 
+# PTX instruction prefixes per fact, and what a prefix match must not be: a commit or a wait of
+# an async-copy group is bookkeeping, not a copy.
+_PTX_OPS = {
+    "async_copies": ("cp.async.", ("cp.async.commit", "cp.async.wait", "cp.async.bulk.commit",
+                                   "cp.async.bulk.wait")),
+    "wgmma": ("wgmma.mma_async", ()),
+    "mma_sync": ("mma.sync", ()),
+}
+
+
+def ptx_counts(ptx: str, symbol: str) -> dict:
+    """Instruction counts of one entry's body (not the whole file: a module may hold several):
+    async copies (``cp.async``, TMA's ``cp.async.bulk`` included; commits and waits excluded),
+    Hopper ``wgmma.mma_async`` and Ampere-style ``mma.sync``."""
+    body = ptx.split(f".entry {symbol}(", 1)[1]
+    body = body.split(".entry ", 1)[0]
+    out = {}
+    for fact, (prefix, exclude) in _PTX_OPS.items():
+        ops = re.findall(rf"^\s*(?:@!?%p\d+\s+)?({re.escape(prefix)}[\w.:]*)", body, re.M)
+        out[fact] = sum(not op.startswith(exclude) for op in ops) if exclude else len(ops)
+    return out
+
+
 def ptx_entries(dump: Path, names: tuple[str, ...]) -> dict[str, dict]:
     """PTX facts per entry (symbol) whose name starts with one of ``names``."""
     out = {}
     for path in sorted(Path(dump).glob("*.ptx")):
         text = path.read_text(errors="replace")
-        for sym in re.findall(r"\.entry ([\w.\-]+)\(", text):
-            if sym.startswith(names) and sym not in out:
-                out[sym] = {"file": path.name, "target": _first(r"\.target (\w+)", text),
-                            "async_copies": len(re.findall(r"\bcp\.async\b", text)),
-                            "wgmma": len(re.findall(r"\bwgmma\.mma_async\b", text)),
-                            "mma_sync": len(re.findall(r"\bmma\.sync\b", text)),
-                            **ptxas_facts(path, sym)}
+        syms = [s for s in re.findall(r"\.entry ([\w.\-]+)\(", text) if s.startswith(names) and s not in out]
+        if not syms:
+            continue
+        target = _first(r"\.target (\w+)", text) or "sm_90a"
+        report = ptxas_report(path, target)
+        for sym in syms:
+            out[sym] = {"file": path.name, "target": target, **ptx_counts(text, sym), **ptxas_facts(report, sym)}
     return out
 
 
@@ -209,17 +233,21 @@ def _first(pattern: str, text: str) -> str:
     return m.group(1) if m else ""
 
 
-def ptxas_facts(path: Path, symbol: str) -> dict:
-    """Registers and spill bytes of one entry, from ``ptxas -v`` on its PTX (no GPU needed)."""
-    target = _first(r"\.target (\w+)", Path(path).read_text(errors="replace")) or "sm_90a"
+def ptxas_report(path: Path, target: str) -> str:
+    """``ptxas -v``'s report of one PTX file (no GPU needed); an error text starts with ``!``."""
     try:
         res = subprocess.run(["ptxas", f"-arch={target}", "-v", str(path), "-o", "/dev/null"],
                              capture_output=True, text=True, timeout=300)
     except (OSError, subprocess.TimeoutExpired) as e:
-        return {"ptxas_error": str(e)}
-    block = res.stderr.split(f"Compiling entry function '{symbol}'")
-    if len(block) < 2:
-        return {"ptxas_error": res.stderr.strip()[-300:] or "entry not found"}
+        return f"!{e}"
+    return res.stderr if res.returncode == 0 else f"!{res.stderr.strip()[-300:]}"
+
+
+def ptxas_facts(report: str, symbol: str) -> dict:
+    """Registers and spill bytes of one entry from its file's ``ptxas -v`` report."""
+    block = report.split(f"Compiling entry function '{symbol}'")
+    if report.startswith("!") or len(block) < 2:
+        return {"ptxas_error": report[1:] if report.startswith("!") else "entry not found"}
     info = block[1].split("Compiling entry function")[0]
     regs = re.search(r"Used (\d+) registers", info)
     spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", info)

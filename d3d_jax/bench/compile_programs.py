@@ -192,6 +192,36 @@ def select_step(shape: DecodeShape, backend: str, mesh) -> Built:
     return Built(fn, args, {**facts, "rows": shape.block_size})
 
 
+@dataclasses.dataclass(frozen=True)
+class KernelShape:
+    """One training pack through the fused kernels alone (the D3D-8B drafter's heads)."""
+
+    length: int = 6144
+    heads: int = 32
+    kv_heads: int = 8
+    head_dim: int = 128
+    dtype: str = "bfloat16"
+
+
+def flash_kernels(shape: KernelShape, mesh, platform: str = "gpu") -> Built:
+    """Forward and backward of the fused kernels (``d3d_flash_fwd``, ``_dq``, ``_dkv``) over a
+    causal pack: the PTX facts of all three come from one compile (``platform="tpu"``: the
+    Mosaic kernels; trace under ``jax.set_mesh(mesh)``, Mosaic asks it which TPU it is)."""
+    from d3d_jax.model.flash_attention import flash_attention
+    from d3d_jax.model.masks import causal_meta
+
+    def loss(q, k, v, pos):
+        out, _ = flash_attention(q, k, v, causal_meta(pos), causal_meta(pos), platform=platform)
+        return jnp.sum(out.astype(jnp.float32))
+
+    t, dt = shape.length, jnp.dtype(shape.dtype)
+    q = jax.ShapeDtypeStruct((1, t, shape.heads, shape.head_dim), dt)
+    kv = jax.ShapeDtypeStruct((1, t, shape.kv_heads, shape.head_dim), dt)
+    pos = jax.ShapeDtypeStruct((1, t), jnp.int32)
+    fn = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+    return Built(fn, on_mesh((q, kv, kv, pos), mesh), {"rows": t, "tables": set()})
+
+
 # --------------------------------------------------------------------------------------
 # Training (a mesh of many devices)
 # --------------------------------------------------------------------------------------

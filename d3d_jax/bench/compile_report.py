@@ -49,13 +49,67 @@ def checks(progs: list[dict]) -> list[dict]:
     train = _find(progs, "D3D-8B train step")
     if train:
         gib = train["memory"]["peak"] / GIB
-        out.append(_check(f"D3D-8B train step ({train['backend']}): GiB per chip / {TRAIN_XLA_GIB}",
+        layers = train["facts"].get("model_layers", "?")
+        out.append(_check(f"D3D-8B train step ({train['backend']}, {layers} layers): GiB per chip / {TRAIN_XLA_GIB}",
                           gib / TRAIN_XLA_GIB, TRAIN_MEMORY_BAR))
+    return out + _ptx_program_checks(progs)
+
+
+# What the PTX of the new kernels must show: pipelined loads in all three training kernels,
+# Hopper tensor cores in the forward, no spills anywhere, and enough CTAs to fill the SMs in
+# batch-1 decode and verify.
+ASYNC_KERNELS = ("d3d_flash_fwd", "d3d_flash_dq", "d3d_flash_dkv")
+WGMMA_KERNELS = ("d3d_flash_fwd",)
+DECODE_KERNEL, MIN_DECODE_CTAS = "d3d_flash_decode", 132
+
+
+def ptx_checks(kernels: list[dict], where: str = "", training: bool = False,
+               min_ctas: int | None = None) -> list[dict]:
+    """The PTX bars over one compile's ``compile_facts.gpu_kernels`` rows (each: figure, bar,
+    met): 0 spill bytes summed over every entry; ``training``: async copies in the three
+    training kernels and ``wgmma`` in the forward (a kernel missing is a failed check, not a
+    silent pass; the decoding programs' 16-row forwards are below wgmma's 64 rows);
+    ``min_ctas``: the decode kernel's largest launch."""
+    by = {k["symbol"]: k for k in kernels}
+    out = []
+    for fact, names in (("async_copies", ASYNC_KERNELS), ("wgmma", WGMMA_KERNELS)):
+        for name in names if training else ():
+            n = by.get(name, {}).get(fact, 0)
+            out.append({"check": f"{where}: {name} {fact}", "value": n, "bar": "> 0", "met": n > 0})
+    unknown = [k["symbol"] for k in kernels if k.get("spill_stores") is None or k.get("spill_loads") is None]
+    spills = sum((k.get("spill_stores") or 0) + (k.get("spill_loads") or 0) for k in kernels)
+    out.append({"check": f"{where}: spill bytes, {len(kernels)} PTX entries", "bar": "0",
+                "value": spills if not unknown else f"? ({', '.join(unknown[:3])})",
+                "met": bool(kernels) and not unknown and spills == 0})
+    if min_ctas is not None:  # one PTX entry per layer and span bucket: the full span's launch
+        ctas = max((k.get("ctas") or 0 for k in kernels if _base(k["symbol"]) == DECODE_KERNEL), default=0)
+        out.append({"check": f"{where}: {DECODE_KERNEL} CTAs (largest launch)", "value": ctas,
+                    "bar": f">= {min_ctas}", "met": ctas >= min_ctas})
+    return out
+
+
+def _base(symbol: str) -> str:
+    """A PTX entry's kernel name: XLA suffixes ``__N`` to each specialisation (layer, span)."""
+    return symbol.split("__", 1)[0]
+
+
+def _ptx_program_checks(progs: list[dict]) -> list[dict]:
+    out = []
+    for r in progs:
+        if not r.get("compiled") or "gpu_kernels" not in r:
+            continue
+        decode = r["backend"] == "pallas" and r["program"].startswith(("plain step", "verify round"))
+        out += ptx_checks(r["gpu_kernels"], r["program"], training=r["kind"] == "kernels",
+                          min_ctas=MIN_DECODE_CTAS if decode else None)
     return out
 
 
 def _check(what: str, value: float, bar: float) -> dict:
     return {"check": what, "value": value, "bar": bar, "met": bool(value <= bar)}
+
+
+def _num(x) -> str:
+    return f"{x:.4g}" if isinstance(x, float) else str(x)
 
 
 def _ms(s: float) -> str:
@@ -64,6 +118,8 @@ def _ms(s: float) -> str:
 
 def _ratio(r: dict) -> str:
     i = r.get("ideal", {})
+    if r["kind"] == "kernels":
+        return "kernels alone"
     if r["kind"] == "train":
         plan = r["facts"].get("plan_GiB")
         return f"flops / hand {i['flops_over_hand']:.3f}; plan {plan:.2f} GiB" if plan else \
@@ -96,15 +152,23 @@ def program_rows(progs: list[dict]) -> list[str]:
 
 
 def kernel_rows(progs: list[dict]) -> list[str]:
-    head = ["| program | kernel (PTX entry) | launches | CTAs | smem KB | registers | spills (st/ld B) "
+    """One row per kernel and identical facts: XLA compiles a kernel per layer and span bucket
+    (``name__N``), which differ only in their grid."""
+    head = ["| program | kernel (PTX entries) | launches | CTAs | smem KB | registers | spills (st/ld B) "
             "| cp.async | wgmma | mma.sync |", "|---|---|---|---|---|---|---|---|---|---|"]
     rows = []
     for r in progs:
+        groups: dict = {}
         for k in r.get("gpu_kernels", []):
-            smem = "" if k["shared_memory"] is None else f"{k['shared_memory'] / 1024:.0f}"
-            rows.append(f"| {r['program']} ({r['backend']}) | {k['symbol']} | {k['launches']} | {k['ctas']} "
-                        f"| {smem} | {k.get('registers')} | {k.get('spill_stores')}/{k.get('spill_loads')} "
-                        f"| {k['async_copies']} | {k['wgmma']} | {k['mma_sync']} |")
+            key = (_base(k["symbol"]), k.get("registers"), k.get("spill_stores"), k.get("spill_loads"),
+                   k["async_copies"], k["wgmma"], k["mma_sync"])
+            groups.setdefault(key, []).append(k)
+        for (name, regs, st, ld, cpa, wg, mma), ks in groups.items():
+            ctas = sorted({k["ctas"] for k in ks if k["ctas"] is not None})
+            smem = [k["shared_memory"] for k in ks if k["shared_memory"] is not None]
+            span = "" if not ctas else str(ctas[0]) if len(ctas) == 1 else f"{ctas[0]}-{ctas[-1]}"
+            rows.append(f"| {r['program']} ({r['backend']}) | {name} ({len(ks)}) | {sum(k['launches'] for k in ks)} "
+                        f"| {span} | {max(smem) / 1024 if smem else 0:.0f} | {regs} | {st}/{ld} | {cpa} | {wg} | {mma} |")
     return head + rows if rows else []
 
 
@@ -137,6 +201,6 @@ def markdown(result: dict) -> str:
             lines += [f"## {title}", ""] + rows + [""]
     if result.get("checks"):
         lines += ["## Issue 20 checks", "", "| check | value | bar | met |", "|---|---|---|---|"]
-        lines += [f"| {c['check']} | {c['value']:.4g} | {c['bar']:.4g} | {'yes' if c['met'] else '**no**'} |"
+        lines += [f"| {c['check']} | {_num(c['value'])} | {_num(c['bar'])} | {'yes' if c['met'] else '**no**'} |"
                   for c in result["checks"]] + [""]
     return "\n".join(lines)

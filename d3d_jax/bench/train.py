@@ -211,8 +211,6 @@ def attention_activation_bytes(mc, b: int, L: int) -> dict:
     if mc.attention_backend in ("pallas", "pallas_interpret"):
         # O(L): q, k, v, output, log-sum-exp and delta, float32 dq and per-head dk/dv in the backward
         return {"total": qkv_out + 2 * b * N * L * 4 + 3 * b * L * N * H * 4, "batch_dots": 0}
-    if mc.attention_backend == "cudnn":  # fused softmax, but a dense [b, L, L] mask / bias
-        return {"total": qkv_out + b * L * L * (act + 1) + b * N * L * 4, "batch_dots": 0}
     scores = b * N * L * L * 4  # float32 scores and probs in the compute dtype, plus the bool mask
     return {"total": qkv_out + b * N * L * L * (4 + act) + b * L * L, "batch_dots": scores + b * L * N * H * act}
 

@@ -21,8 +21,7 @@ from d3d_jax.config.rope import RopeScaling, rope_to_hf
 ATTENTION_BACKENDS: dict[str, tuple[str, ...]] = {
     "xla": ("cpu", "gpu", "tpu"),  # the reference: dense scores, every platform
     "pallas_interpret": ("cpu", "gpu", "tpu"),  # the fused kernel run as plain JAX (tests; slow)
-    "pallas": ("gpu",),  # the fused kernel compiled by Triton
-    "cudnn": ("gpu",),  # jax.nn.dot_product_attention's cuDNN path with a dense mask
+    "pallas": ("gpu", "tpu"),  # the fused kernel compiled by Triton (GPU) or Mosaic (TPU)
 }
 # Layer rematerialisation policies (names of jax.checkpoint_policies, see qwen3.remat_policy).
 REMAT_POLICIES = ("none", "full", "save_dots", "save_dots_no_batch", "save_attention")
@@ -126,13 +125,13 @@ class ModelConfig:
     def _validate_attention(self, prefix: str) -> None:
         key, h = f"{prefix}.attention_backend", self.head_dim
         check_attention_backend(self.attention_backend, key)
-        if self.attention_backend == "pallas":  # Triton tiles: power-of-two widths, dots >= 16
+        if self.attention_backend != "pallas":
+            return
+        if _platform() == "tpu":  # one head is a column block of 128 lanes
+            _require(h % 128 == 0, key, f"'pallas' on tpu needs head_dim a multiple of 128, got {h}")
+        else:  # Triton tiles: power-of-two widths, dots >= 16
             _require(h >= 16 and h & (h - 1) == 0, key, f"'pallas' needs a power-of-two head_dim >= 16, "
                      f"got {h}")
-        if self.attention_backend == "cudnn":
-            _require(self.dtype in ("bfloat16", "float16"), key,
-                     f"'cudnn' needs model.dtype bfloat16 or float16, got {self.dtype}")
-            _require(h % 8 == 0 and h <= 256, key, f"'cudnn' needs head_dim a multiple of 8 <= 256, got {h}")
 
     @property
     def layer_remat(self) -> str:

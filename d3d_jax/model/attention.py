@@ -12,25 +12,27 @@ Backends (``ModelConfig.attention_backend``; validated in :mod:`d3d_jax.config.m
 
 * ``"xla"`` – the reference and the default: dense ``[B, N, T, S]`` scores, mask, softmax;
 * ``"pallas"`` / ``"pallas_interpret"`` – :mod:`~d3d_jax.model.flash_attention`, the fused
-  kernel that builds the mask per tile and skips masked tiles, O(L) memory in the backward;
-  segments (cache, new keys) run separately and merge by log-sum-exp, so the cache is not copied;
-* ``"cudnn"`` – ``jax.nn.dot_product_attention`` with a dense bool mask (fused softmax, but the
-  mask is [B, T, S]): a maintained GPU kernel for the short-query kinds (verify, branch pack).
+  kernel that builds the mask per tile and visits only live tiles, O(L) memory in the backward;
+  segments (cache, new keys) run separately and merge by log-sum-exp.  A cache prefix runs as
+  flash-decoding (:mod:`~d3d_jax.model.flash_decode`: GQA heads stacked into rows, keys split
+  across CTAs) and, given as a :class:`CacheLayer`, is read in place (no copy of the span).
+  On TPU the same tile math runs as Mosaic kernels (:mod:`~d3d_jax.model.flash_tpu`);
 
 A fully masked query row (padding) returns 0 in every backend.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-from typing import Sequence
+from typing import Sequence, Union
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from d3d_jax.config import check_attention_backend
-from d3d_jax.model.flash_attention import flash_attention
+from d3d_jax.model.flash_attention import flash_attention, flash_decode_cache
 from d3d_jax.model.masks import TokenMeta, attention_mask
 from d3d_jax.parallel import sharding as shd
 
@@ -43,24 +45,47 @@ _BIG_NEG = -1e30
 _IN_PLACE_ROWS = 8
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class CacheLayer:
+    """The first ``span`` slots of layer ``layer`` of a stacked KV cache, as an attention prefix.
+
+    The fused kernel reads them in place from the whole ``[L, B, S_max, K, H]`` arrays; a slice
+    (what the other backends take) would be a copy of the span per layer and call.
+    """
+
+    k_lbskh: jax.Array
+    v_lbskh: jax.Array
+    meta: TokenMeta  # of the span's slots, [B, span]
+    layer: int = dataclasses.field(metadata=dict(static=True))
+
+    def segment(self) -> Segment:
+        span = self.meta.shape[1]
+        return self.k_lbskh[self.layer, :, :span], self.v_lbskh[self.layer, :, :span], self.meta
+
+
+Prefix = Union[Segment, CacheLayer]
+
+
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, q_meta: TokenMeta, k_meta: TokenMeta, *,
-           backend: str = "xla", prefix: Segment | None = None, tiles: tuple[int, int] = (64, 64)
+           backend: str = "xla", prefix: Prefix | None = None, tiles: tuple[int, int] = (64, 64)
            ) -> jax.Array:
     """Softmax attention ``[B, T, N, H]`` (``q``'s dtype) of ``q [B, T, N, H]`` over ``[prefix | k]``.
 
     ``q`` carries RoPE but no scaling (``H ** -0.5`` is applied here).  ``k``/``v`` are
     ``[B, S, K, H]`` with ``N`` a multiple of ``K`` (grouped-query attention); ``prefix`` is an
-    optional earlier key segment (the KV cache span) with its own metadata.  ``tiles`` are the
+    optional earlier key segment (the KV cache span) with its own metadata, a
+    ``(k, v, meta)`` tuple or a :class:`CacheLayer`.  ``tiles`` are the
     fused kernel's largest (query, key) tiles (powers of two >= 16; shorter inputs get smaller).
     """
+    if backend in ("pallas", "pallas_interpret"):
+        run = functools.partial(_pallas, platform=kernel_platform(backend), tiles=tiles)
+        return _per_shard(run, q, q_meta, (k, v, k_meta), prefix)
+    if isinstance(prefix, CacheLayer):
+        prefix = prefix.segment()
     segments = ([prefix] if prefix is not None else []) + [(k, v, k_meta)]
     if backend == "xla":
         return _xla(q, q_meta, segments)
-    if backend in ("pallas", "pallas_interpret"):
-        run = functools.partial(_pallas, interpret=backend == "pallas_interpret", tiles=tiles)
-        return _per_shard(run, q, q_meta, segments)
-    if backend == "cudnn":
-        return _dense_fused(q, q_meta, segments, "cudnn")
     check_attention_backend(backend, "attention backend")  # raises: unknown or unavailable
     raise AssertionError(backend)
 
@@ -105,16 +130,34 @@ def _xla(q: jax.Array, q_meta: TokenMeta, segments: Sequence[Segment]) -> jax.Ar
     return out.astype(dt).reshape(b, t, n, h)
 
 
-def _pallas(q: jax.Array, q_meta: TokenMeta, segments: Sequence[Segment], *, interpret: bool,
+def kernel_platform(backend: str) -> str:
+    """The platform the fused kernel lowers for: the active mesh's devices (a compile-only
+    topology on a CPU host included), else the default backend; ``interpret`` for the test path."""
+    if backend == "pallas_interpret":
+        return "interpret"
+    mesh = shd.active_mesh()
+    platform = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
+    return "tpu" if platform == "tpu" else "gpu"
+
+
+def _pallas(q: jax.Array, q_meta: TokenMeta, own: Segment, prefix: Prefix | None, *, platform: str,
             tiles: tuple[int, int]) -> jax.Array:
+    """The new keys by the flash kernel, a cache prefix by flash-decoding, merged by log-sum-exp."""
     dt = q.dtype
     q = q * jnp.asarray(q.shape[-1] ** -0.5, dt)
-    kw = dict(interpret=interpret, block_q=tiles[0], block_k=tiles[1])
-    if len(segments) == 1:
-        k, v, k_meta = segments[0]
+    kw = dict(platform=platform, block_q=tiles[0], block_k=tiles[1])
+    k, v, k_meta = own
+    if prefix is None:
         return flash_attention(q, k.astype(dt), v.astype(dt), q_meta, k_meta, **kw)[0]
-    parts = [flash_attention(q, k.astype(dt), v.astype(dt), q_meta, k_meta, out_dtype=jnp.float32, **kw)
-             for k, v, k_meta in segments]
+    if isinstance(prefix, CacheLayer):
+        cached = flash_decode_cache(q, prefix.k_lbskh.astype(dt), prefix.v_lbskh.astype(dt), prefix.layer,
+                                    q_meta, prefix.meta, platform=platform, out_dtype=jnp.float32,
+                                    block_k=tiles[1])
+    else:
+        pk, pv, p_meta = prefix
+        cached = flash_attention(q, pk.astype(dt), pv.astype(dt), q_meta, p_meta, out_dtype=jnp.float32,
+                                 decode=True, **kw)
+    parts = [cached, flash_attention(q, k.astype(dt), v.astype(dt), q_meta, k_meta, out_dtype=jnp.float32, **kw)]
     return merge_partials(parts).astype(dt)
 
 
@@ -127,19 +170,7 @@ def merge_partials(parts: Sequence[tuple[jax.Array, jax.Array]]) -> jax.Array:
     return total / jnp.sum(weights, axis=0)
 
 
-def _dense_fused(q: jax.Array, q_meta: TokenMeta, segments: Sequence[Segment], implementation: str
-                 ) -> jax.Array:
-    """``jax.nn.dot_product_attention`` over the concatenated segments with a dense bool mask."""
-    dt = q.dtype
-    k = jnp.concatenate([s[0].astype(dt) for s in segments], axis=1)
-    v = jnp.concatenate([s[1].astype(dt) for s in segments], axis=1)
-    mask = jnp.concatenate([attention_mask(q_meta, s[2]) for s in segments], axis=-1)  # [B, T, S]
-    out = jax.nn.dot_product_attention(q, k, v, mask=mask[:, None], scale=q.shape[-1] ** -0.5,
-                                       implementation=implementation)
-    return jnp.where(jnp.any(mask, axis=-1)[:, :, None, None], out, 0).astype(dt)
-
-
-def _per_shard(fn, q: jax.Array, q_meta: TokenMeta, segments: Sequence[Segment]) -> jax.Array:
+def _per_shard(fn, q: jax.Array, q_meta: TokenMeta, own: Segment, prefix: Prefix | None) -> jax.Array:
     """Run ``fn`` per device under the active mesh: rows and heads are independent in attention.
 
     A kernel call is opaque to XLA's partitioner, so it gets ``shard_map`` with the batch on its
@@ -148,13 +179,20 @@ def _per_shard(fn, q: jax.Array, q_meta: TokenMeta, segments: Sequence[Segment])
     """
     mesh = shd.active_mesh()
     if mesh is None:
-        return fn(q, q_meta, segments)
+        return fn(q, q_meta, own, prefix)
     spec = lambda name, size: shd.logical_to_spec((name,), (size,), mesh)[0]
     rows = spec("batch", q.shape[0])
-    heads, kv_heads = spec("act_heads", q.shape[2]), spec("act_kv_heads", segments[-1][0].shape[2])
+    heads, kv_heads = spec("act_heads", q.shape[2]), spec("act_kv_heads", own[0].shape[2])
     if heads != kv_heads:
         heads = kv_heads = None
     q_spec, kv_spec, meta_spec = P(rows, None, heads, None), P(rows, None, kv_heads, None), P(rows, None)
-    in_specs = (q_spec, meta_spec, [(kv_spec, kv_spec, meta_spec) for _ in segments])
+    seg_spec = (kv_spec, kv_spec, meta_spec)
+    if isinstance(prefix, CacheLayer):
+        cache_spec = P(None, rows, None, kv_heads, None)
+        prefix_spec = CacheLayer(cache_spec, cache_spec, meta_spec, prefix.layer)
+    else:
+        prefix_spec = None if prefix is None else seg_spec
+        prefix = None if prefix is None else tuple(prefix)
+    in_specs = (q_spec, meta_spec, seg_spec, prefix_spec)
     return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=q_spec, check_vma=False)(
-        q, q_meta, [tuple(s) for s in segments])
+        q, q_meta, tuple(own), prefix)

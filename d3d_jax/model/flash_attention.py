@@ -7,17 +7,20 @@ metadata of a query tile and a key tile are four int32 vectors, encoded so that
     visible(q, k) = kpos[k] < qctx[q]  OR  kbid[k] == qbid[q]
 
 (:func:`encode_queries` / :func:`encode_keys` fold ``valid`` and the causal/block split into the
-sentinels), and a whole key tile is skipped when the tile's min/max show no pair can pass.
+sentinels).  Before the kernel, XLA turns the tiles' min/max into a compacted list of the *live*
+key tiles of every query tile (and of the live query tiles of every key tile, for dK/dV): the
+kernels visit only those, with loop bounds from the list, never a branch around the loads.  The
+list is exact at tile granularity for any layout (training pack, verify, branch pack, prefill).
 
 Flash attention with online softmax over key tiles (forward) and the FlashAttention-2 backward
-with recomputation (one kernel for dQ over key tiles, one for dK/dV over query tiles).  Saved
-for the backward: q, k, v, the output and the log-sum-exp, all O(L), never an [L, L] array.
+with recomputation (dQ over key tiles; dK/dV over query tiles, summed over the GQA group inside
+the kernel).  Saved for the backward: q, k, v, the output and the log-sum-exp, all O(L).
 Fully masked query rows give output 0 and log-sum-exp ``NEG`` (a finite -inf stand-in, so two
 segments' results merge by log-sum-exp without NaNs).
 
-Written for the Triton lowering (2-D dots >= 16 wide, power-of-two tiles, ``lax.cond`` to skip
-a tile) and run on CPU with ``interpret=True``.  The head dim is not padded: on GPU it must be
-a power of two >= 16 (``ModelConfig.validate`` checks).
+Platforms: ``gpu`` (Triton; :mod:`~d3d_jax.model.flash_kernels`), ``tpu`` (Mosaic, keys on the
+grid; :mod:`~d3d_jax.model.flash_tpu`), ``interpret`` (the GPU kernels run as plain JAX, CPU
+tests).  The tile math is one source for all three.
 """
 
 from __future__ import annotations
@@ -27,17 +30,14 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.experimental import pallas as pl
 
+from d3d_jax.model import flash_decode
+from d3d_jax.model import flash_kernels as fk
 from d3d_jax.model.masks import CAUSAL, TokenMeta
 
-NEG = -1e30  # masked score / log-sum-exp of a fully masked row
-_INT_MAX = int(jnp.iinfo(jnp.int32).max)
-_INT_MIN = int(jnp.iinfo(jnp.int32).min)
-_Q_NO_BLOCK = -3  # query sentinel: never equal to a key's block id
-_K_NO_BLOCK = -2  # key sentinel: never equal to a query's block id
-_BWD_TILE = 32
+NEG = fk.NEG
+PLATFORMS = ("gpu", "tpu", "interpret", "tpu_interpret")  # *interpret: the kernels run on a CPU
 
 
 # --------------------------------------------------------------------------------------
@@ -45,217 +45,115 @@ _BWD_TILE = 32
 # --------------------------------------------------------------------------------------
 def encode_queries(meta: TokenMeta) -> tuple[jax.Array, jax.Array]:
     """``(qctx, qbid)`` [B, T]: an invalid query has context -inf and no block."""
-    qctx = jnp.where(meta.valid, meta.context_end, _INT_MIN).astype(jnp.int32)
-    qbid = jnp.where(meta.valid & (meta.block_ids != CAUSAL), meta.block_ids, _Q_NO_BLOCK)
+    qctx = jnp.where(meta.valid, meta.context_end, fk.INT_MIN).astype(jnp.int32)
+    qbid = jnp.where(meta.valid & (meta.block_ids != CAUSAL), meta.block_ids, fk.Q_NO_BLOCK)
     return qctx, qbid.astype(jnp.int32)
 
 
 def encode_keys(meta: TokenMeta) -> tuple[jax.Array, jax.Array]:
     """``(kpos, kbid)`` [B, S]: only a valid causal key has a position, only a valid block key a block."""
     causal = meta.block_ids == CAUSAL
-    kpos = jnp.where(meta.valid & causal, meta.positions, _INT_MAX).astype(jnp.int32)
-    kbid = jnp.where(meta.valid & ~causal, meta.block_ids, _K_NO_BLOCK).astype(jnp.int32)
+    kpos = jnp.where(meta.valid & causal, meta.positions, fk.INT_MAX).astype(jnp.int32)
+    kbid = jnp.where(meta.valid & ~causal, meta.block_ids, fk.K_NO_BLOCK).astype(jnp.int32)
     return kpos, kbid
 
 
-def _mask(qctx, qbid, kpos, kbid):
-    return (kpos[None, :] < qctx[:, None]) | (kbid[None, :] == qbid[:, None])
+def _tiles(x, n, fill):
+    """``[B, L] -> [B, ceil(L/n), n]``, a ragged last tile filled with a sentinel."""
+    extra = -x.shape[1] % n
+    x = jnp.pad(x, ((0, 0), (0, extra)), constant_values=fill) if extra else x
+    return x.reshape(x.shape[0], -1, n)
 
 
-def _query_summary(qctx, qbid):
-    """(latest context end, lowest and highest block id) of a query tile."""
-    return jnp.max(qctx), jnp.min(jnp.where(qbid >= 0, qbid, _INT_MAX)), jnp.max(qbid)
+def _encoded_visibility(qctx, qbid, kpos, kbid, block_q: int, block_k: int) -> jax.Array:
+    """``[B, nq, nk]``: False only where no (query, key) pair of the two tiles can be visible."""
+    def summary(x, n, fill, drop):  # per tile: min, max, min over x >= 0 (block ids)
+        t = _tiles(x, n, fill)
+        return t.min(-1), t.max(-1), jnp.where(t >= 0, t, fk.INT_MAX).min(-1) if drop else None
 
-
-def _tile_visible(qsum, kpos, kbid):
-    """False only when no (query, key) pair of the two tiles can be visible."""
-    ctx_hi, qb_lo, qb_hi = qsum
-    kb_lo = jnp.min(jnp.where(kbid >= 0, kbid, _INT_MAX))
-    causal = jnp.min(kpos) < ctx_hi
-    same_block = jnp.maximum(qb_lo, kb_lo) <= jnp.minimum(qb_hi, jnp.max(kbid))
+    _, ctx_hi, _ = summary(qctx, block_q, fk.INT_MIN, False)
+    _, qb_hi, qb_lo = summary(qbid, block_q, fk.Q_NO_BLOCK, True)
+    kpos_lo, _, _ = summary(kpos, block_k, fk.INT_MAX, False)
+    _, kb_hi, kb_lo = summary(kbid, block_k, fk.K_NO_BLOCK, True)
+    causal = kpos_lo[:, None, :] < ctx_hi[:, :, None]
+    same_block = (jnp.maximum(qb_lo[:, :, None], kb_lo[:, None, :])
+                  <= jnp.minimum(qb_hi[:, :, None], kb_hi[:, None, :]))
     return causal | same_block
 
 
 def tile_visibility(q_meta: TokenMeta, k_meta: TokenMeta, block_q: int, block_k: int) -> jax.Array:
-    """``[B, T/block_q, S/block_k]``: which tiles the kernel computes (the rest it skips)."""
-    qctx, qbid = encode_queries(q_meta)
-    kpos, kbid = encode_keys(k_meta)
-    tiles = lambda x, n: x.reshape(x.shape[0], -1, n)
-    qsum = jax.vmap(jax.vmap(_query_summary))(tiles(qctx, block_q), tiles(qbid, block_q))
-    per_k = jax.vmap(_tile_visible, in_axes=(None, 0, 0))  # one query tile, every key tile
-    per_qk = jax.vmap(per_k, in_axes=(0, None, None))
-    return jax.vmap(per_qk)(qsum, tiles(kpos, block_k), tiles(kbid, block_k))
+    """``[B, ceil(T/block_q), ceil(S/block_k)]``: which tiles the kernel computes (it skips the rest)."""
+    return _encoded_visibility(*encode_queries(q_meta), *encode_keys(k_meta), block_q, block_k)
 
 
-def _dot_nt(a, b):  # a @ b.T in float32
-    return lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+def live_tiles(vis: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Compacted live-tile lists of ``vis [B, M, N]``: ``(tiles [B, M, N] int32, count [B, M])``.
 
-
-def _dot_tn(a, b):  # a.T @ b in float32
-    return lax.dot_general(a, b, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
-
-
-def _dot(a, b):
-    return lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
-
-
-def _probs(q, k, lse, mask):
-    """Recomputed softmax probabilities of a tile from the saved log-sum-exp."""
-    return jnp.where(mask, jnp.exp(_dot_nt(q, k) - lse[:, None]), 0.0)
+    ``tiles[b, m, :count]`` are the live tiles in increasing order; entries past the count repeat
+    the last live one (a grid that walks the list then re-requests the same block: no new DMA).
+    """
+    n = vis.shape[-1]
+    order = jnp.argsort(~vis, axis=-1, stable=True).astype(jnp.int32)
+    count = vis.sum(-1, dtype=jnp.int32)
+    last = jnp.take_along_axis(order, jnp.maximum(count - 1, 0)[..., None], axis=-1)
+    return jnp.where(jnp.arange(n) < count[..., None], order, last), count
 
 
 # --------------------------------------------------------------------------------------
-# Kernels (one grid point: one row, one query head, one query or key tile)
-# --------------------------------------------------------------------------------------
-def _fwd_kernel(q_ref, k_ref, v_ref, qctx_ref, qbid_ref, kpos_ref, kbid_ref, o_ref, lse_ref, *, block_k):
-    q, qctx, qbid = q_ref[...], qctx_ref[...], qbid_ref[...]
-    qsum = _query_summary(qctx, qbid)
-
-    def body(j, carry):
-        sl = pl.ds(j * block_k, block_k)
-        kpos, kbid = kpos_ref[sl], kbid_ref[sl]
-
-        def visit(c):
-            acc, m, l = c
-            mask = _mask(qctx, qbid, kpos, kbid)
-            s = _dot_nt(q, k_ref[sl, :])
-            m_new = jnp.maximum(m, jnp.max(jnp.where(mask, s, NEG), axis=1))
-            alpha = jnp.exp(m - m_new)
-            p = jnp.where(mask, jnp.exp(s - m_new[:, None]), 0.0)
-            v = v_ref[sl, :]
-            return acc * alpha[:, None] + _dot(p.astype(v.dtype), v), m_new, l * alpha + jnp.sum(p, axis=1)
-
-        return lax.cond(_tile_visible(qsum, kpos, kbid), visit, lambda c: c, carry)
-
-    bq, h = q.shape
-    init = (jnp.zeros((bq, h), jnp.float32), jnp.full((bq,), NEG, jnp.float32), jnp.zeros((bq,), jnp.float32))
-    acc, m, l = lax.fori_loop(0, k_ref.shape[0] // block_k, body, init)
-    seen = l > 0.0
-    o_ref[...] = (acc / jnp.where(seen, l, 1.0)[:, None]).astype(o_ref.dtype)
-    lse_ref[...] = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), NEG)
-
-
-def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qctx_ref, qbid_ref, kpos_ref, kbid_ref,
-               dq_ref, *, block_k):
-    q, do, lse, delta = q_ref[...], do_ref[...], lse_ref[...], delta_ref[...]
-    qctx, qbid = qctx_ref[...], qbid_ref[...]
-    qsum = _query_summary(qctx, qbid)
-
-    def body(j, dq):
-        sl = pl.ds(j * block_k, block_k)
-        kpos, kbid = kpos_ref[sl], kbid_ref[sl]
-
-        def visit(dq):
-            k, v = k_ref[sl, :], v_ref[sl, :]
-            p = _probs(q, k, lse, _mask(qctx, qbid, kpos, kbid))
-            ds = p * (_dot_nt(do, v) - delta[:, None])
-            return dq + _dot(ds.astype(k.dtype), k)
-
-        return lax.cond(_tile_visible(qsum, kpos, kbid), visit, lambda d: d, dq)
-
-    dq = lax.fori_loop(0, k_ref.shape[0] // block_k, body, jnp.zeros(q.shape, jnp.float32))
-    dq_ref[...] = dq.astype(dq_ref.dtype)
-
-
-def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qctx_ref, qbid_ref, kpos_ref, kbid_ref,
-                dk_ref, dv_ref, *, block_q):
-    k, v, kpos, kbid = k_ref[...], v_ref[...], kpos_ref[...], kbid_ref[...]
-
-    def body(i, carry):
-        sl = pl.ds(i * block_q, block_q)
-        qctx, qbid = qctx_ref[sl], qbid_ref[sl]
-
-        def visit(c):
-            dk, dv = c
-            q, do, lse, delta = q_ref[sl, :], do_ref[sl, :], lse_ref[sl], delta_ref[sl]
-            p = _probs(q, k, lse, _mask(qctx, qbid, kpos, kbid))
-            ds = p * (_dot_nt(do, v) - delta[:, None])
-            return dk + _dot_tn(ds.astype(q.dtype), q), dv + _dot_tn(p.astype(do.dtype), do)
-
-        visible = _tile_visible(_query_summary(qctx, qbid), kpos, kbid)
-        return lax.cond(visible, visit, lambda c: c, carry)
-
-    zero = jnp.zeros(k.shape, jnp.float32)
-    dk, dv = lax.fori_loop(0, q_ref.shape[0] // block_q, body, (zero, zero))
-    dk_ref[...] = dk.astype(dk_ref.dtype)
-    dv_ref[...] = dv.astype(dv_ref.dtype)
-
-
-# --------------------------------------------------------------------------------------
-# pallas_call wrappers
+# The differentiable call
 # --------------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class FlashOptions:
-    """Static kernel options: tile sizes, output dtype and interpret mode (CPU)."""
+    """Static kernel options: tiles, output dtype and the platform the kernels lower for."""
 
     block_q: int
     block_k: int
     out_dtype: str
-    interpret: bool
-
-
-def _call(kernel, name, opts: FlashOptions, grid, in_specs, out_specs, out_shape):
-    params = None
-    if not opts.interpret:
-        from jax.experimental.pallas import triton as plgpu  # deferred: only the GPU path needs it
-
-        params = plgpu.CompilerParams(num_warps=4, num_stages=2)
-    return pl.pallas_call(kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
-                          interpret=opts.interpret, compiler_params=params, name=name)
-
-
-def _specs(t, s, h, g, bq, bk):
-    """BlockSpecs by role; grid (row, query head, tile); kv head = query head // g (GQA)."""
-    return dict(
-        q_tile=pl.BlockSpec((None, bq, None, h), lambda b, n, i: (b, i, n, 0)),
-        q_all=pl.BlockSpec((None, t, None, h), lambda b, n, i: (b, 0, n, 0)),
-        kv_tile=pl.BlockSpec((None, bk, None, h), lambda b, n, i: (b, i, n // g, 0)),
-        kv_all=pl.BlockSpec((None, s, None, h), lambda b, n, i: (b, 0, n // g, 0)),
-        dkv_tile=pl.BlockSpec((None, bk, None, h), lambda b, n, i: (b, i, n, 0)),
-        qm_tile=pl.BlockSpec((None, bq), lambda b, n, i: (b, i)),
-        qm_all=pl.BlockSpec((None, t), lambda b, n, i: (b, 0)),
-        km_tile=pl.BlockSpec((None, bk), lambda b, n, i: (b, i)),
-        km_all=pl.BlockSpec((None, s), lambda b, n, i: (b, 0)),
-        row_tile=pl.BlockSpec((None, None, bq), lambda b, n, i: (b, n, i)),
-        row_all=pl.BlockSpec((None, None, t), lambda b, n, i: (b, n, 0)),
-    )
+    platform: str
+    decode: bool = False  # forward by flash_decode (GQA rows stacked, keys split across CTAs)
 
 
 def _forward(q, k, v, qctx, qbid, kpos, kbid, opts: FlashOptions):
-    (b, t, n, h), s, g = q.shape, k.shape[1], q.shape[2] // k.shape[2]
-    sp = _specs(t, s, h, g, opts.block_q, opts.block_k)
-    out_shape = [jax.ShapeDtypeStruct((b, t, n, h), jnp.dtype(opts.out_dtype)),
-                 jax.ShapeDtypeStruct((b, n, t), jnp.float32)]
-    in_specs = [sp["q_tile"], sp["kv_all"], sp["kv_all"], sp["qm_tile"], sp["qm_tile"], sp["km_all"], sp["km_all"]]
-    fn = _call(functools.partial(_fwd_kernel, block_k=opts.block_k), "d3d_flash_fwd", opts,
-               (b, n, t // opts.block_q), in_specs, [sp["q_tile"], sp["row_tile"]], out_shape)
-    return tuple(fn(q, k, v, qctx, qbid, kpos, kbid))
+    tpu = opts.platform.startswith("tpu")
+    if opts.decode and not tpu:
+        return flash_decode.decode_forward(q, k[None], v[None], 0, qctx, qbid, kpos, kbid, _encoded_visibility,
+                                           block_k=opts.block_k, out_dtype=jnp.dtype(opts.out_dtype),
+                                           interpret=opts.platform == "interpret")
+    vis = _encoded_visibility(qctx, qbid, kpos, kbid, opts.block_q, opts.block_k)
+    tiles, count = live_tiles(vis)
+    kw = dict(bq=opts.block_q, bk=opts.block_k, out_dtype=jnp.dtype(opts.out_dtype))
+    if tpu:
+        from d3d_jax.model import flash_tpu
+
+        return flash_tpu.forward(q, k, v, qctx, qbid, kpos, kbid, tiles, count,
+                                 interpret=opts.platform == "tpu_interpret", **kw)
+    return fk.gpu_forward(q, k, v, qctx, qbid, kpos, kbid, tiles, count, interpret=opts.platform == "interpret",
+                          **kw)
 
 
 def _backward(opts: FlashOptions, res, cts):
     q, k, v, qctx, qbid, kpos, kbid, out, lse = res
     do, dlse = cts
-    (b, t, n, h), s, kh = q.shape, k.shape[1], k.shape[2]
-    g = n // kh
     # d lse / d score = p, so a log-sum-exp cotangent just shifts delta.
     delta = jnp.einsum("btnh,btnh->bnt", out.astype(jnp.float32), do.astype(jnp.float32)) - dlse
     do = do.astype(q.dtype)
-    # Smaller tiles than the forward (as jax's Pallas GPU attention): the backward holds two
-    # float32 accumulators per tile.  Lengths are multiples of the forward tiles, so of these too.
-    bq, bk = min(opts.block_q, _BWD_TILE), min(opts.block_k, _BWD_TILE)
-    sp = _specs(t, s, h, g, bq, bk)
-    args = (q, k, v, do, lse, delta, qctx, qbid, kpos, kbid)
-    dq = _call(functools.partial(_dq_kernel, block_k=bk), "d3d_flash_dq", opts, (b, n, t // bq),
-               [sp["q_tile"], sp["kv_all"], sp["kv_all"], sp["q_tile"], sp["row_tile"], sp["row_tile"],
-                sp["qm_tile"], sp["qm_tile"], sp["km_all"], sp["km_all"]],
-               sp["q_tile"], jax.ShapeDtypeStruct(q.shape, jnp.float32))(*args)
-    per_head = jax.ShapeDtypeStruct((b, s, n, h), jnp.float32)  # summed over each GQA group below
-    dk, dv = _call(functools.partial(_dkv_kernel, block_q=bq), "d3d_flash_dkv", opts, (b, n, s // bk),
-                   [sp["q_all"], sp["kv_tile"], sp["kv_tile"], sp["q_all"], sp["row_all"], sp["row_all"],
-                    sp["qm_all"], sp["qm_all"], sp["km_tile"], sp["km_tile"]],
-                   [sp["dkv_tile"], sp["dkv_tile"]], [per_head, per_head])(*args)
-    group = lambda x: x.reshape(b, s, kh, g, h).sum(axis=3).astype(k.dtype)
-    return dq.astype(q.dtype), group(dk), group(dv), None, None, None, None
+    t = q.shape[1]
+    tp = -(-t // opts.block_q) * opts.block_q  # a decode forward ran on unpadded queries
+    q, do, qctx = pad_rows(q, tp), pad_rows(do, tp), pad_rows(qctx, tp, fk.INT_MIN)
+    qbid = pad_rows(qbid, tp, fk.Q_NO_BLOCK)
+    lse, delta = (jnp.pad(x, ((0, 0), (0, 0), (0, tp - t))) for x in (lse, delta))
+    vis = _encoded_visibility(qctx, qbid, kpos, kbid, opts.block_q, opts.block_k)
+    lists = (live_tiles(vis), live_tiles(jnp.swapaxes(vis, 1, 2)))
+    kw = dict(bq=opts.block_q, bk=opts.block_k)
+    if opts.platform.startswith("tpu"):
+        from d3d_jax.model import flash_tpu
+
+        dq, dk, dv = flash_tpu.backward(q, k, v, do, lse, delta, qctx, qbid, kpos, kbid, *lists,
+                                        interpret=opts.platform == "tpu_interpret", **kw)
+    else:
+        dq, dk, dv = fk.gpu_backward(q, k, v, do, lse, delta, qctx, qbid, kpos, kbid, *lists,
+                                     interpret=opts.platform == "interpret", **kw)
+    return dq[:, :t].astype(q.dtype), dk, dv, None, None, None, None
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
@@ -281,33 +179,68 @@ def save_flash_forward(prim, *_, **params) -> bool:
 
 
 # --------------------------------------------------------------------------------------
-# Entry point: padding to whole tiles
+# Entry point
 # --------------------------------------------------------------------------------------
-def _tile(length: int, cap: int) -> int:
-    """Power-of-two tile >= 16 (Triton's smallest dot), at most ``cap``."""
-    return max(16, min(cap, pl.next_power_of_2(length)))
+def tile_size(length: int, cap: int, floor: int = 16) -> int:
+    """Power-of-two tile >= ``floor`` (Triton's smallest dot: 16), at most ``cap``."""
+    return max(floor, min(cap, pl.next_power_of_2(length)))
 
 
-def _pad(x, length: int, value=0):
+def pad_rows(x, length: int, value=0):
+    """Pad axis 1 to ``length``."""
     extra = length - x.shape[1]
     if extra == 0:
         return x
     return jnp.pad(x, [(0, 0), (0, extra)] + [(0, 0)] * (x.ndim - 2), constant_values=value)
 
 
-def flash_attention(q, k, v, q_meta: TokenMeta, k_meta: TokenMeta, *, interpret: bool,
-                    out_dtype=None, block_q: int = 64, block_k: int = 64) -> tuple[jax.Array, jax.Array]:
+def flash_attention(q, k, v, q_meta: TokenMeta, k_meta: TokenMeta, *, platform: str = "interpret",
+                    out_dtype=None, block_q: int = 64, block_k: int = 64, decode: bool = False
+                    ) -> tuple[jax.Array, jax.Array]:
     """``(out [B,T,N,H], lse [B,N,T])`` of softmax attention, no scaling (scale ``q`` first).
 
     ``k``/``v`` are ``[B,S,K,H]`` with ``N % K == 0`` (query head n reads kv head n // (N/K)).
-    Lengths are padded to whole tiles with invalid tokens and the padding is cut off again.
+    Keys are read in place.  ``decode`` runs the forward as flash-decoding (few queries, long
+    keys: :mod:`~d3d_jax.model.flash_decode`) on unpadded queries; otherwise queries are padded
+    to whole tiles with invalid tokens (cut off again).  Differentiable either way.
     """
+    if platform not in PLATFORMS:
+        raise ValueError(f"flash_attention: unknown platform {platform!r} (known: {', '.join(PLATFORMS)})")
     (_, t, _, _), s = q.shape, k.shape[1]
-    bq, bk = _tile(t, block_q), _tile(s, block_k)
-    tp, sp = -(-t // bq) * bq, -(-s // bk) * bk
+    tpu = platform.startswith("tpu")
+    floor = 128 if tpu else 16  # TPU: a key tile is a 128-lane row of metadata
+    if platform == "tpu":  # Mosaic: large tiles (VMEM holds one key tile at a time)
+        from d3d_jax.model.flash_tpu import TPU_TILE
+
+        block_q, block_k = TPU_TILE, TPU_TILE
+    if platform == "gpu":  # what the compiled PTX says fits (float32 tiles spill at 64)
+        cap = fk.GPU_TILE_CAP.get(jnp.dtype(q.dtype).name, 32)
+        block_q, block_k = min(block_q, cap), min(block_k, cap)
+    bq, bk = tile_size(t, block_q, floor), tile_size(s, block_k, floor)
+    decode = decode and not tpu  # the TPU kernel has keys on its grid already
+    tp = t if decode else -(-t // bq) * bq
     qctx, qbid = encode_queries(q_meta)
     kpos, kbid = encode_keys(k_meta)
-    opts = FlashOptions(bq, bk, jnp.dtype(out_dtype or q.dtype).name, bool(interpret))
-    out, lse = _flash(_pad(q, tp), _pad(k, sp), _pad(v, sp), _pad(qctx, tp, _INT_MIN),
-                      _pad(qbid, tp, _Q_NO_BLOCK), _pad(kpos, sp, _INT_MAX), _pad(kbid, sp, _K_NO_BLOCK), opts)
+    opts = FlashOptions(bq, bk, jnp.dtype(out_dtype or q.dtype).name, platform, decode)
+    out, lse = _flash(pad_rows(q, tp), k, v, pad_rows(qctx, tp, fk.INT_MIN), pad_rows(qbid, tp, fk.Q_NO_BLOCK),
+                      kpos, kbid, opts)
     return out[:, :t], lse[:, :, :t]
+
+
+def flash_decode_cache(q, k_lbskh, v_lbskh, layer: int, q_meta: TokenMeta, k_meta: TokenMeta, *,
+                       platform: str, out_dtype=None, block_k: int = 64) -> tuple[jax.Array, jax.Array]:
+    """``(out, lse)`` of ``q`` over layer ``layer`` of a stacked cache ``[L, B, S_max, K, H]``,
+    read in place: only the ``S = k_meta.shape[1]`` first slots, no slice copy (forward only)."""
+    out_dtype = jnp.dtype(out_dtype or q.dtype)
+    qctx, qbid = encode_queries(q_meta)
+    kpos, kbid = encode_keys(k_meta)
+    if platform.startswith("tpu"):
+        from d3d_jax.model import flash_tpu
+
+        return flash_tpu.cache_forward(q, k_lbskh, v_lbskh, layer, qctx, qbid, kpos, kbid, live_tiles,
+                                       _encoded_visibility, out_dtype=out_dtype,
+                                       interpret=platform == "tpu_interpret")
+    if platform == "gpu":
+        block_k = min(block_k, fk.GPU_TILE_CAP.get(jnp.dtype(q.dtype).name, 32))
+    return flash_decode.decode_forward(q, k_lbskh, v_lbskh, layer, qctx, qbid, kpos, kbid, _encoded_visibility,
+                                       block_k=block_k, out_dtype=out_dtype, interpret=platform == "interpret")

@@ -30,7 +30,7 @@ from flax import nnx
 
 from d3d_jax.config import ModelConfig
 from d3d_jax.model import kv_cache as kvc
-from d3d_jax.model.attention import attend
+from d3d_jax.model.attention import CacheLayer, attend
 from d3d_jax.model.flash_attention import save_flash_forward
 from d3d_jax.model.masks import TokenMeta, cache_key_meta, default_meta
 from d3d_jax.model.rope import frequencies as rope_frequencies
@@ -97,8 +97,7 @@ class Attention(nnx.Module):
         self.k_norm = RMSNorm(h, cfg.rms_norm_eps, pd)
         self.cfg = cfg
 
-    def __call__(self, x_btd: jax.Array, meta: TokenMeta, cache_k: jax.Array | None,
-                 cache_v: jax.Array | None, cache_meta: TokenMeta | None):
+    def __call__(self, x_btd: jax.Array, meta: TokenMeta, prefix: CacheLayer | None):
         cfg = self.cfg
         dt = x_btd.dtype
         q = jnp.einsum("btd,dnh->btnh", x_btd, self.q_proj.kernel[...].astype(dt))
@@ -110,7 +109,6 @@ class Attention(nnx.Module):
         k = shard(k, ("batch", "length", "act_kv_heads", "head_dim"))
         v = shard(v, ("batch", "length", "act_kv_heads", "head_dim"))
 
-        prefix = None if cache_k is None else (cache_k, cache_v, cache_meta)
         out = attend(q, k, v, meta, meta, backend=cfg.attention_backend, prefix=prefix)
         y = jnp.einsum("btnh,nhd->btd", out, self.o_proj.kernel[...].astype(dt))
         return y, k, v
@@ -143,15 +141,15 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, pd)
         self.mlp = MLP(cfg, rngs)
 
-    def __call__(self, x, meta, cache_k, cache_v, cache_meta):
-        attn, k, v = self.self_attn(self.input_layernorm(x), meta, cache_k, cache_v, cache_meta)
+    def __call__(self, x, meta, prefix):
+        attn, k, v = self.self_attn(self.input_layernorm(x), meta, prefix)
         x = x + attn
         x = x + self.mlp(self.post_attention_layernorm(x))
         return shard(x, ("batch", "length", "act_embed")), k, v
 
 
-def _layer_forward(layer, x, meta, cache_k, cache_v, cache_meta):
-    return layer(x, meta, cache_k, cache_v, cache_meta)
+def _layer_forward(layer, x, meta, prefix):
+    return layer(x, meta, prefix)
 
 
 def remat_policy(name: str):
@@ -235,9 +233,9 @@ class Qwen3(nnx.Module):
         if self.config.layer_remat != "none":
             fwd = nnx.remat(_layer_forward, prevent_cse=True, policy=remat_policy(self.config.layer_remat))
         for i, layer in enumerate(self.layers):
-            ck = cache.k_lbskh[i, :, :span] if cache is not None else None
-            cv = cache.v_lbskh[i, :, :span] if cache is not None else None
-            x, k, v = fwd(layer, x, meta, ck, cv, cache_meta)
+            # the whole stacked cache and the layer: a fused kernel reads the span in place
+            prefix = None if cache is None else CacheLayer(cache.k_lbskh, cache.v_lbskh, cache_meta, i)
+            x, k, v = fwd(layer, x, meta, prefix)
             if cache is not None:
                 new_k.append(k)
                 new_v.append(v)
