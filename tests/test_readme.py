@@ -123,22 +123,36 @@ def test_readme_commands_run_as_written():
                 log.append(f"README.md:{line} skipped ({reason}): {cmd[:70]}")
                 continue
             if lang == "bash" and cmd.startswith("python infer/serve.py"):
+                t0 = time.time()
                 server = _start_server(cmd, env, line)
+                log.append(f"README.md:{line} READY in {time.time() - t0:.0f}s: {cmd[:70]}")
                 continue
+            if server is not None and not _talks_to_server(cmd):
+                # the server's background warm-up would compile on beside the later commands
+                _stop(server)
+                server = None
             argv = ["bash", "-c", cmd] if lang == "bash" else [sys.executable, "-c", cmd]
             t0 = time.time()
             r = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
             tail = (r.stdout + r.stderr)[-3000:]
             assert r.returncode == 0, f"README.md:{line}: exit {r.returncode}: {cmd}\n{tail}"
-            if "curl " in cmd or "OpenAI(" in cmd:
+            if _talks_to_server(cmd):
                 assert r.stdout.strip(), f"README.md:{line}: no output from the server: {cmd}"
             log.append(f"README.md:{line} ok in {time.time() - t0:.0f}s: {cmd[:70]}")
     finally:
         if server is not None:
-            server.terminate()
-            server.wait(timeout=60)
+            _stop(server)
         print("\n".join(log))
     assert _git_status() == before, "a README command changed the checkout"
+
+
+def _talks_to_server(cmd: str) -> bool:
+    return "curl " in cmd or "OpenAI(" in cmd
+
+
+def _stop(server: subprocess.Popen) -> None:
+    server.terminate()
+    server.wait(timeout=60)
 
 
 def _start_server(cmd: str, env: dict, line: int) -> subprocess.Popen:
