@@ -15,7 +15,10 @@ import pytest
 
 from d3d_jax.config import ConfigError, ModelConfig
 from d3d_jax.decoding import async_engine as A
-from d3d_jax.decoding.engine import SamplingParams, generate
+from d3d_jax.decoding.engine import SamplingParams
+from gen_util import Generator
+
+generate = Generator()
 from d3d_jax.model.qwen3 import init_model
 
 VOCAB = 32

@@ -22,6 +22,7 @@ class ServerMetrics:
         self.counters = collections.Counter()
         self.requests = collections.Counter()  # by outcome: stop, length, cancelled, error
         self.http_errors = collections.Counter()  # by status code
+        self.decisions: dict = {}  # the decoder's rounds per geometry (serving.mode_metrics)
 
     def record_round(self, rows: int, tokens: int, accepted: int, hits: int = 0, misses: int = 0,
                      seconds: float = 0.0) -> None:
@@ -101,4 +102,7 @@ class ServerMetrics:
                [(f'{{outcome="{k}"}}', v) for k, v in sorted(s["requests"].items())])
         metric("http_errors_total", "counter", "error responses by status",
                [(f'{{status="{k}"}}', v) for k, v in sorted(s["http_errors"].items())])
+        from d3d_jax.serving import mode_metrics
+
+        lines += mode_metrics.render(self.decisions)
         return "\n".join(lines) + "\n"
