@@ -335,7 +335,7 @@ def test_training_temp_memory_grows_linearly_with_pallas_quadratically_with_xla(
 
 @pytest.mark.slow
 def test_sync_greedy_decoding_with_pallas_equals_xla():
-    from gen_util import Generator
+    from d3d_jax.bench.generator import Generator
 
     generate = Generator()
 

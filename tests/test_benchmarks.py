@@ -4,7 +4,7 @@ import json
 
 import numpy as np
 import pytest
-from gen_util import Generator
+from d3d_jax.bench.generator import Generator
 
 from d3d_jax.evaluation import benchmarks as B
 from d3d_jax.evaluation import plots

@@ -20,7 +20,7 @@ from d3d_jax.config import ConfigError, ModelConfig
 from d3d_jax.decoding import async_loop
 from d3d_jax.decoding.decoder import (DecoderConfig, Request, RequestError, SlotError, SpecDecoder,
                                       StepOutput)
-from gen_util import Generator
+from d3d_jax.bench.generator import Generator
 
 generate = Generator()
 from d3d_jax.decoding.verify import SamplingParams

@@ -20,7 +20,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 from d3d_jax.config import ModelConfig
 from d3d_jax.decoding import verify as V
 from d3d_jax.decoding.engine import ReplayDrafter, SamplingParams
-from gen_util import Generator
+from d3d_jax.bench.generator import Generator
 
 generate = Generator()
 from d3d_jax.io.hf import load_qwen3

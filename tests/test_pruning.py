@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from gen_util import Generator
+from d3d_jax.bench.generator import Generator
 from flax import nnx
 
 from d3d_jax.config import ModelConfig

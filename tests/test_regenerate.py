@@ -4,7 +4,7 @@ import json
 import random
 
 import pytest
-from gen_util import Generator
+from d3d_jax.bench.generator import Generator
 
 from d3d_jax.training import regenerate as rg
 

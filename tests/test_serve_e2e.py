@@ -146,7 +146,7 @@ async def _load(url: str, key: str, jobs, timeout_s: float):
 @pytest.mark.slow
 def test_load_200_requests_with_cancellations(models, tmp_path):
     from d3d_jax.bench.serve import ServerProcess
-    from gen_util import Generator
+    from d3d_jax.bench.generator import Generator
 
     generate = Generator()
     from d3d_jax.io.hf import eos_token_ids, load_tokenizer

@@ -82,7 +82,7 @@ def models():
 
 def test_engine_measures_the_simulated_tau_with_a_real_drafter(models):
     from d3d_jax.decoding.engine import summarize_outputs
-    from gen_util import Generator
+    from d3d_jax.bench.generator import Generator
 
     generate = Generator()
 
@@ -107,7 +107,7 @@ def test_engine_measures_the_simulated_tau_with_a_real_drafter(models):
 @pytest.mark.slow
 def test_async_decoding_measures_the_simulated_tau_and_hit_rate(models):
     from d3d_jax.decoding.engine import summarize_outputs
-    from gen_util import Generator
+    from d3d_jax.bench.generator import Generator
 
     generate = Generator()
 

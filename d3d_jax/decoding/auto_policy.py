@@ -25,6 +25,7 @@ EMA = 0.25  # weight of a new measurement in a round cost
 SWITCH_MARGIN = 0.03  # another plan must be this much better to replace the current one
 PLAIN_MARGIN = 0.15  # a request runs plain once speculation pays this much less than plain
 MIN_ROUNDS_TO_SET_ASIDE = 3  # of the request's own speculative rounds
+EXPLORE_EVERY = 32  # plain rounds in a row after which one speculative round is tried
 
 
 def geometric_rate(tau: float, width: int) -> float:
@@ -131,6 +132,7 @@ class Policy:
         self.buckets = buckets
         self.costs = Costs()
         self.last: tuple = ()
+        self.plain_run = 0  # plain rounds in a row: plain rounds teach nothing about acceptance
 
     def bucket(self, n: int) -> int:
         return next(b for b in self.buckets if b >= n)
@@ -160,6 +162,10 @@ class Policy:
         current = next((p for p in plans if p.key == self.last), None)
         if current is not None and current.rate >= best.rate * (1 - SWITCH_MARGIN):
             best = current  # hysteresis: no switch for a gain within noise
+        self.plain_run = self.plain_run + 1 if best.key == (self.plain.label,) else 0
+        if self.plain_run > EXPLORE_EVERY and boundary > 0:  # a pessimistic prior must not stick
+            spec = [p for p in plans[:len(self.geometries)] if p.key != (self.plain.label,)]
+            best, self.plain_run = max(spec, key=lambda p: p.rate), 0
         self.last = best.key
         return best
 

@@ -155,6 +155,8 @@ class SpecDecoder:
             d_leaves, d_tree = jax.tree.flatten(self._d_place(d.params))
             if self._trees[1] is not None and d_tree != self._trees[1]:
                 raise ConfigError("drafter: its parameters differ in structure from the loaded ones")
+            # same signature, same traced programs; the host side (request data) is the new one's
+            self.drafter = d
         self._trees = [t_tree, d_tree]
         self._params = (t_leaves, d_leaves)
 

@@ -69,7 +69,7 @@ def cache_len_for(prompts: Sequence[Sequence[int]], max_new_tokens: int, block_s
                   max_cache_len: int | None = None) -> int:
     """The cache length a call needs (the longest prompt + max_new_tokens + a block, rounded up
     to 16), or ``max_cache_len`` checked against it."""
-    longest = max(len(p) for p in prompts)
+    longest = max((len(p) for p in prompts), default=0)
     need = longest + int(max_new_tokens) + int(block_size)
     if max_cache_len is None:
         return _round_up(need, 16)
