@@ -22,7 +22,7 @@ from d3d_jax.config import ModelConfig
 from d3d_jax.decoding.async_replay import CostedReplayDrafter
 from d3d_jax.decoding.auto_policy import Acceptance, Geometry, Plan, Policy, geometric_rate
 from d3d_jax.decoding.decoder import DecoderConfig, Request, SpecDecoder
-from d3d_jax.decoding.drafting import ModelDrafter, ReplayDrafter
+from d3d_jax.decoding.drafting import ModelDrafter
 from d3d_jax.decoding.placement import RowPlacement
 from d3d_jax.model.qwen3 import init_model
 
@@ -58,7 +58,7 @@ def setup():
                                   seed=1, mask_token_id=MASK)
     cfg = DecoderConfig(mode="auto", num_slots=SLOTS, max_cache_len=CACHE, block_size=BLOCK)
     return dict(target=target, drafter_model=drafter_model, prompts=prompts, solo=solo,
-                auto=SpecDecoder(target, drafter, cfg))
+                drafter=drafter, auto=SpecDecoder(target, drafter, cfg))
 
 
 class Cycle:
@@ -126,63 +126,62 @@ def test_auto_greedy_equals_plain_in_every_mix_of_modes(setup, monkeypatch):
 def test_the_drafter_cache_stays_exact_across_plain_rounds(setup, monkeypatch):
     """After plain rounds (no drafter) and a sync round, the drafter's cache holds exactly the
     K/V a fresh prefill of the committed tokens writes, position by position."""
-    s = setup
-    cfg = DecoderConfig(mode="auto", num_slots=2, max_cache_len=CACHE, block_size=BLOCK)
-    dec = SpecDecoder(s["target"], s["drafter_model"], cfg)
+    s, dec = setup, setup["auto"]
     policy = dec.strategy.policy
     plain = next(g for g in policy.geometries if g.label == "plain")
     sync = next(g for g in policy.geometries if g.label == "sync/4")
-    order = iter([plain] * 9 + [sync] + [plain] * 21 + [sync])
+    order = itertools.chain([plain] * 9 + [sync] + [plain] * 21 + [sync], itertools.repeat(plain))
     monkeypatch.setattr(policy, "choose", lambda rows, b: Plan([(0, len(rows), next(order))], 0, 1))
     for slot, i in enumerate((1, 3)):
-        dec.insert(dec.prefill(Request(s["prompts"][i], 40, index=i)), slot)
-    for _ in range(10):
-        dec.step()
-    dec._drain()
-    _check_cache_equals_prefill(dec, s["drafter_model"])
-    for _ in range(22):
-        dec.step()
-    dec._drain()
-    _check_cache_equals_prefill(dec, s["drafter_model"])
+        dec.insert(dec.prefill(Request(s["prompts"][i], 60, index=i)), slot)
+    for steps in (10, 22):
+        for _ in range(steps):
+            dec.step()
+        dec._drain()
+        _check_cache_equals_prefill(dec, s["drafter_model"])
+    dec.free(dec.active_slots())
 
 
 def _check_cache_equals_prefill(dec, drafter_model):
     st = jax.device_get(dec.carry.state)
+    cache = st.drafter_state["cache"]  # the costed replay drafter's real model cache
     md = ModelDrafter(drafter_model)
     for slot in dec.active_slots():
         row = dec.placement.row_of[slot]
-        n = int(st.drafter_state.lengths[row])
+        n = int(cache.lengths[row])
         assert n >= int(st.prompt_len[row]) + 8  # the plain rounds' tokens were caught up
         ref = md.prefill(md.params, None, np.asarray(st.seq[row: row + 1, :n]), np.asarray([n]))
-        np.testing.assert_allclose(np.asarray(st.drafter_state.k_lbskh[:, row, :n]),
-                                   np.asarray(ref.k_lbskh[:, 0, :n]), atol=2e-5)
-        np.testing.assert_allclose(np.asarray(st.drafter_state.v_lbskh[:, row, :n]),
-                                   np.asarray(ref.v_lbskh[:, 0, :n]), atol=2e-5)
+        for got, want in ((cache.k_lbskh, ref.k_lbskh), (cache.v_lbskh, ref.v_lbskh)):
+            np.testing.assert_allclose(np.asarray(got[:, row, :n]), np.asarray(want[:, 0, :n]),
+                                       atol=2e-5)
 
 
 def test_mixed_quality_useless_requests_get_plain_rounds(setup, monkeypatch):
     """A drafter that knows half the requests (replay of their output) and not the other half
     (a replay of something else): auto's own choice gives the useless half plain rounds and the
     others speculative ones, and every output is still the plain one."""
-    s = setup
+    s, dec = setup, setup["auto"]
     good = [0, 2, 4]
     cont = [s["solo"][i] if i in good else s["solo"][(i + 3) % 6][::-1] for i in range(6)]
-    cfg = DecoderConfig(mode="auto", num_slots=6, max_cache_len=CACHE, block_size=BLOCK,
-                        prior_tau=6.0)
-    dec = SpecDecoder(s["target"], ReplayDrafter(cont, VOCAB), cfg)
-    costs = dec.strategy.policy.costs  # a device where a round costs its tokens (no overhead)
-    for rows in cfg.buckets:
-        costs.calibrate("plain", rows, 0.01 * rows)
-        costs.calibrate("sync/4", rows, 0.025 * rows)
-        costs.calibrate("async/4x2", rows, 0.05 * rows)
+    # the same drafter structure as the fixture's: the decoder is rebound, nothing recompiles
+    dec.load(s["target"], CostedReplayDrafter(cont, VOCAB, s["drafter_model"], error_rate=0.25,
+                                              hit_rate=0.6, seed=1, mask_token_id=MASK))
+    policy = dec.strategy.policy
+    monkeypatch.setattr(dec.strategy, "prior_rate", geometric_rate(6.0, 16))
+    costs = policy.costs  # a device where a round costs its tokens (no overhead)
+    for rows in dec.config.buckets:
+        monkeypatch.setitem(costs.seconds, ("plain", rows), 0.01 * rows)
+        monkeypatch.setitem(costs.seconds, ("sync/4", rows), 0.02 * rows)
+        monkeypatch.setitem(costs.seconds, ("async/4x2", rows), 0.05 * rows)
     monkeypatch.setattr(costs, "measured", lambda *a: None)
     reqs = [Request(p, n, index=i) for i, (p, n) in enumerate(zip(s["prompts"], MAX_NEW))]
     tokens, _, metrics = _serve(dec, reqs, schedule=[0] * 6)
+    dec.load(s["target"], s["drafter"])
     for i in range(6):
         assert tokens[i] == s["solo"][i][: MAX_NEW[i]], i
         modes = metrics[i]["modes"]
         plain_share = modes.get("plain", 0) / sum(modes.values())
-        assert (plain_share < 0.2) if i in good else (plain_share > 0.7), (i, modes)
+        assert (plain_share < 0.2) if i in good else (plain_share > 0.6), (i, modes)
 
 
 def test_policy_expected_tokens_and_choice():

@@ -380,6 +380,12 @@ def test_prometheus_metrics(make_server, mode):
     misses = sum(o.model_extra["spec_metrics"]["misses"] for o in outs)
     expect_hit = hits / (hits + misses) if mode == "async" else 0.0
     assert _metric(text, "async_hit_rate") == pytest.approx(expect_hit, rel=1e-5)
+    # the decoder's rounds per mode and geometry (issue 25), and each request's mode mix
+    labels = f'{{mode="{mode}",geometry="4"}}'
+    assert _metric(text, "mode_rounds_total", labels) == snap["counters"]["rounds"]
+    assert _metric(text, "mode_tokens_total", labels) == 32
+    assert [o.model_extra["spec_metrics"]["modes"] for o in outs] == \
+        [{f"{mode}/4": o.model_extra["spec_metrics"]["rounds"]} for o in outs]
 
 
 # --------------------------------------------------------------------------------------------

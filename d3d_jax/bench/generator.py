@@ -32,7 +32,7 @@ class Generator:
         from d3d_jax.decoding.drafting import as_drafter
 
         cache = engine.cache_len_for(prompts, max_new_tokens, block_size, max_cache_len)
-        slots = len(prompts) if batch_size is None else int(batch_size)
+        slots = max(len(prompts), 1) if batch_size is None else int(batch_size)
         if drafter is not None:
             drafter = as_drafter(drafter, target.config.vocab_size, mask_token_id)
         key = (nnx.graphdef(target), None if drafter is None else drafter.signature, mode, slots,

@@ -68,7 +68,7 @@ class AutoStrategy(Strategy):
         self.geometry = {g.label: g for g in geoms}
         self.policy = Policy(geoms, cfg.buckets)
         tau = DEFAULT_PRIOR_TAU if cfg.prior_tau is None else float(cfg.prior_tau)
-        self.prior_rate = geometric_rate(tau, cfg.block_size)
+        self.prior_rate = geometric_rate(tau, max(16, cfg.block_size))  # τ as trained: 16 tokens
         self._sync = jax.jit(self._sync_fn, static_argnames=("label", "rows"), donate_argnums=2)
         self._plain = jax.jit(self._plain_fn, static_argnames="rows", donate_argnums=2)
         self._async = jax.jit(self._async_fn, static_argnames=("label", "rows"), donate_argnums=2)

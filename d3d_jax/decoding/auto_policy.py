@@ -48,12 +48,14 @@ class Acceptance:
         self.accepted = [0] * width
         self.prior = prior_rate
         self.rounds = 0
+        self._curve: list[float] | None = None  # expected tokens by width (until a new record)
 
     def record(self, width: int, accepted: int) -> None:
         """A round of ``width`` tokens fed (``width - 1`` drafts) that accepted ``accepted``."""
         if width < 2:
             return
         self.rounds += 1
+        self._curve = None
         for k in range(1, min(accepted, width - 1) + 1):
             self.tested[k] += 1
             self.accepted[k] += 1
@@ -65,10 +67,14 @@ class Acceptance:
 
     def expected(self, width: int, left: int | None = None) -> float:
         """Expected tokens committed by a round of ``width`` (at most ``left``)."""
-        total, p = 1.0, 1.0
-        for k in range(1, width):
-            p *= self.rate(k)
-            total += p
+        if self._curve is None:  # 1 + Σ_{k<w} Π_{j≤k} c_j for every w, once per record
+            curve, total, p = [0.0, 1.0], 1.0, 1.0
+            for k in range(1, len(self.tested)):
+                p *= self.rate(k)
+                total += p
+                curve.append(total)
+            self._curve = curve
+        total = self._curve[min(width, len(self._curve) - 1)]
         return total if left is None else min(total, max(float(left), 1.0))
 
 

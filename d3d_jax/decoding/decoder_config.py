@@ -75,7 +75,9 @@ class DecoderConfig:
     # auto's menu: sync block sizes b and async (C, F); None: the defaults that fit block_size
     auto_sync_blocks: tuple[int, ...] | None = None
     auto_async: tuple[tuple[int, int], ...] | None = None
-    prior_tau: float | None = None  # auto: the drafter's offline τ, prior of every request's τ
+    # auto: the drafter's offline τ (of a block of max(16, block_size), as trained), the prior
+    # of every request's acceptance
+    prior_tau: float | None = None
 
     def __post_init__(self):
         if self.branch_positions is None:  # the default C fits every block size
@@ -153,8 +155,9 @@ class DecoderConfig:
                               f"{self.auto_sync_blocks}")
         for c, f in self.auto_async:
             br.BranchLayout(b, c, f).validate(prefix="decoder.auto_async")
-        if self.prior_tau is not None and not 1.0 <= float(self.prior_tau) <= b:
-            raise ConfigError(f"decoder.prior_tau: must be in [1, block_size {b}], got {self.prior_tau}")
+        if self.prior_tau is not None and not 1.0 <= float(self.prior_tau) <= max(b, 16):
+            raise ConfigError(f"decoder.prior_tau: must be in [1, {max(b, 16)}] (τ of a block of "
+                              f"max(16, block_size) tokens), got {self.prior_tau}")
 
     def _validate_override(self) -> None:
         o = self.acceptance_override

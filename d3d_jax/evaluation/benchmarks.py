@@ -283,7 +283,8 @@ def _cell(v, fmt: str) -> str:
     return fmt.format(v) if v is not None else "–"
 
 
-def table1(results: dict[str, dict[str, dict]], methods: Sequence[str] = ("plain", "sync", "async", "hf_assisted"),
+def table1(results: dict[str, dict[str, dict]],
+           methods: Sequence[str] = ("plain", "sync", "async", "auto", "hf_assisted"),
            title: str = "") -> str:
     """A markdown table shaped like the paper's Table 1: one row per method, per benchmark
     ``speedup×`` and ``τ``, then the averages, target forwards per token (1/τ: the gain no
@@ -351,6 +352,7 @@ class EvalSettings:
     max_cache_len: int = 1024
     modes: tuple[str, ...] = ("plain", "sync", "async")
     async_options: dict = dataclasses.field(default_factory=dict)
+    auto_options: dict = dataclasses.field(default_factory=dict)  # mode auto: e.g. prior_tau
     concurrency: int = 1  # > 1: requests in flight in one long-lived decoder per mode
     async_timeline: bool = True  # time async rounds' parts (overlap fraction, drafter share)
     drafter_share_samples: int = 1  # sync: samples re-run with the host loop to split draft/verify
@@ -377,7 +379,8 @@ def make_generate_fn(target, drafter, settings: EvalSettings, eos_token_ids: Seq
     def fn(prompts, mode):
         key = (mode, tuple(sorted(extra.items())))
         if key not in decoders:
-            opts = dict(settings.async_options if mode == "async" else {}, **extra)
+            opts = dict({"async": settings.async_options, "auto": settings.auto_options}.get(mode, {}),
+                        **extra)
             decoders[key] = engine.make_decoder(
                 target, None if mode == "plain" else drafter, mode=mode, num_slots=1,
                 max_cache_len=settings.max_cache_len, block_size=settings.block_size,

@@ -27,7 +27,8 @@ def make_generate_fn(target, drafter, settings, eos_token_ids: Sequence[int], *,
 
         cfg = decoder_config(mode, num_slots=settings.concurrency, max_cache_len=settings.max_cache_len,
                              block_size=settings.block_size, eos_token_ids=tuple(eos_token_ids),
-                             **(settings.async_options if mode == "async" else {}))
+                             **{"async": settings.async_options,
+                                "auto": getattr(settings, "auto_options", {})}.get(mode, {}))
         return SpecDecoder(target, None if mode == "plain" else drafter, cfg)
 
     def fn(prompts, mode):
@@ -65,6 +66,6 @@ def run_mode(generate_fn: Callable, tokenizer, samples, mode: str, encode_fn: Ca
             conversations[i].append({"role": "assistant",
                                      "content": tokenizer.decode(out.token_ids, skip_special_tokens=True)})
     flat = [o for per in outputs for o in per]
-    drop = () if mode == "async" else ("hits", "misses", "hit_rate")  # no branch pack, no hit rate
+    drop = () if mode in ("async", "auto") else ("hits", "misses", "hit_rate")  # no branch pack
     metrics = [{k: v for k, v in (o.metrics or {}).items() if k not in drop} for o in flat]
     return ModeRun(mode, [list(o.token_ids) for o in flat], seconds, metrics)

@@ -30,6 +30,10 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--drafter", default=None, help="drafter checkpoint (modes sync, async, auto)")
     p.add_argument("--mode", default=None, choices=("plain", "sync", "async", "auto"),
                    help="default: auto with --drafter (plain, sync or async picked every round), else plain")
+    p.add_argument("--auto-sync-blocks", default=None, metavar="B1,B2",
+                   help="auto: sync block sizes to choose from (default 4,8,16 up to the block size)")
+    p.add_argument("--auto-async", default=None, metavar="CxF,...",
+                   help="auto: async geometries to choose from (default 4x2,12x2; 'none': no async)")
     p.add_argument("--prior-tau", type=float, default=None,
                    help="auto: the drafter's τ before a request has any history (default: the offline "
                         "τ in the drafter's result.json, else 2)")
@@ -91,9 +95,27 @@ def decoder_config(args, target_cfg, drafter_cfg):
     if args.mode == "auto":
         from d3d_jax.decoding.auto import offline_tau
 
-        extra = dict(prior_tau=args.prior_tau if args.prior_tau is not None else offline_tau(args.drafter))
+        extra = dict(prior_tau=args.prior_tau if args.prior_tau is not None else offline_tau(args.drafter),
+                     auto_sync_blocks=_ints(args.auto_sync_blocks), auto_async=_geometries(args.auto_async))
     return build(args.mode, num_slots=args.num_slots, max_cache_len=max_len, block_size=block,
                  eos_token_ids=(), **extra)
+
+
+def _ints(text: str | None):
+    return None if text is None else tuple(int(x) for x in text.split(",") if x)
+
+
+def _geometries(text: str | None):
+    if text is None:
+        return None
+    if text == "none":
+        return ()
+    try:
+        return tuple(tuple(int(v) for v in g.split("x")) for g in text.split(",") if g)
+    except ValueError:
+        from d3d_jax.config import ConfigError
+
+        raise ConfigError(f"--auto-async: expected CxF,CxF (e.g. 4x2,12x2), got {text!r}") from None
 
 
 def load(args):
