@@ -33,6 +33,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
                 "a round's cost with few requests in many slots against as many slots as requests"),
     "gpu": ("d3d_jax.bench.gpu",
             "everything of issue 16 on the present accelerator: roofline, sync/async, parts, drafter sizes"),
+    "compile": ("d3d_jax.bench.compile",
+                "every hot program compiled for an H200 / TPU pod without one: memory, flops, bytes, PTX facts"),
     "eval": ("d3d_jax.evaluation.cli",
              "Table 1 for a target + drafter: τ, speedup, tokens/s, hit rate per benchmark, plots"),
 }

@@ -14,7 +14,7 @@ import jax
 import pytest
 
 from d3d_jax.config import ConfigError, ModelConfig
-from d3d_jax.decoding import async_engine as A
+from d3d_jax.decoding import async_replay as A
 from d3d_jax.decoding.engine import SamplingParams
 from d3d_jax.bench.generator import Generator
 

@@ -73,19 +73,6 @@ def _build_models(args):
 _CLOCK = {"cpu": time.process_time, "wall": time.perf_counter}
 
 
-def _best_time(fn, repeats: int, clock: str) -> float:
-    """Minimum time over ``repeats`` runs.  ``clock="cpu"`` (process CPU time, single-threaded
-    runs) measures the work itself on a CPU host shared with other jobs, where wall time mostly
-    measures the scheduler."""
-    times = []
-    now = _CLOCK[clock]
-    for _ in range(repeats):
-        t0 = now()
-        fn()
-        times.append(now() - t0)
-    return min(times)
-
-
 def target_step_fn(model, width: int, context_len: int, cache_len: int, iters: int = 32):
     """A callable running ``iters`` cached target forwards over ``width`` tokens after
     ``context_len`` cached ones, in one ``fori_loop`` (no dispatch overhead); blocks until done."""

@@ -45,7 +45,7 @@ from d3d_jax.decoding.decoder_config import (DecoderConfig, Request, RequestErro
                                              StepOutput, request_problem)
 from d3d_jax.decoding.drafting import as_drafter
 from d3d_jax.decoding.placement import RowPlacement, placer, resolve_slices
-from d3d_jax.decoding.strategies import Context
+from d3d_jax.decoding.strategies import LOGPROB_KEYS, Context
 from d3d_jax.decoding.verify import SamplingParams
 
 __all__ = ["SpecDecoder", "DecoderConfig", "Request", "Prefix", "StepOutput", "RequestError",
@@ -81,6 +81,15 @@ class _Round:
     snapshot: list  # row -> (slot, SlotInfo) when dispatched
     t_dispatch: float
     clean: bool  # no admission ran just before it (its time is the round's own)
+
+
+def _logprobs(row: dict, n: int, top: int) -> list | None:
+    """One row's emitted tokens' log-probabilities (and ``top`` alternatives) from a round read."""
+    if top < 0:
+        return None
+    return [(float(row["logprob"][k]),
+             [(int(i), float(lp)) for i, lp in zip(row["top_ids"][k, :top], row["top_logprobs"][k, :top])])
+            for k in range(n)]
 
 
 OPS_PER_DISPATCH = 64  # row operations per row-ops dispatch (fixed shape; more: several)
@@ -326,7 +335,11 @@ class SpecDecoder:
         return self._read(self._pending.popleft())
 
     def _read(self, rnd: _Round) -> dict[int, StepOutput]:
-        host = jax.device_get([p.out for p in rnd.parts])
+        wants = any(info is not None and info.request.sampling.logprobs >= 0
+                    for _, info in rnd.snapshot)
+        host = jax.device_get([p.out if wants else
+                               {k: v for k, v in p.out.items() if k not in LOGPROB_KEYS}
+                               for p in rnd.parts])
         now = time.perf_counter()
         seconds = now - max(rnd.t_dispatch, self._last_read) if rnd.clean else None
         self._last_read = now
@@ -358,7 +371,7 @@ class SpecDecoder:
         info.misses += bool(row.get("miss", False))
         info.modes[label] += 1
         return StepOutput([int(t) for t in row["tokens"][:n]], reason is not None, reason,
-                          accepted, hit)
+                          accepted, hit, _logprobs(row, n, info.request.sampling.logprobs))
 
     def _drain(self) -> None:
         while self._pending:

@@ -10,7 +10,8 @@ placement and the contract, and never asks which strategy it holds.
 
 A round's outcome is a list of :class:`Part` s (one per dispatched window), each with per-row
 device arrays in ``out`` (``tokens``, ``count``, ``finish``, ``accepted``, and whatever else a
-strategy reports: ``hit`` for async, log-probs later), read by the decoder in one copy.
+strategy reports: ``hit`` for async), read by the decoder in one copy; the target's log-probs
+(``LOGPROB_KEYS``) ride along in every mode and are copied only when some request asked.
 """
 
 from __future__ import annotations
@@ -82,8 +83,12 @@ class Context:
         return min(lo, self.config.num_slots - rows), rows
 
 
+LOGPROB_KEYS = ("logprob", "top_ids", "top_logprobs")  # read only when some row asked
+
+
 def result_out(res: RoundResult) -> dict:
-    return dict(tokens=res.tokens, count=res.count, finish=res.finish, accepted=res.accepted)
+    return dict(tokens=res.tokens, count=res.count, finish=res.finish, accepted=res.accepted,
+                logprob=res.logprob, top_ids=res.top_ids, top_logprobs=res.top_logprobs)
 
 
 def mark_done(state: DecodeState, row: jax.Array, flag: jax.Array) -> DecodeState:
@@ -283,8 +288,8 @@ class CoreStrategy(Strategy):
 
         def verify(v):
             fed = drafts if drafts is not None else jnp.zeros((rows, core.width - 1), jnp.int32)
-            accepted, nxt, cache = core.verify(tp, v, fed, fed, probs)
-            return core.commit(v, fed, accepted, nxt, cache)
+            accepted, nxt, cache, logprobs = core.verify(tp, v, fed, fed, probs)
+            return core.commit(v, fed, accepted, nxt, cache, logprobs)
 
         return windowed(verify, rows, state, start, lo, hi)[0]
 
