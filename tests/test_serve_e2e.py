@@ -154,9 +154,9 @@ async def _load(url: str, key: str, jobs, timeout_s: float):
 def test_load_200_requests_with_cancellations(models, tmp_path):
     from d3d_jax.bench.serve import ServerProcess
     from d3d_jax.bench.generator import Generator
+    from d3d_jax.io.hf import eos_token_ids, load_tokenizer
 
     generate = Generator()
-    from d3d_jax.io.hf import eos_token_ids, load_tokenizer
 
     target, _ = models
     tok = load_tokenizer(TOKENIZER)[0]
