@@ -17,9 +17,10 @@ from d3d_jax.config import ConfigError, ModelConfig
 from d3d_jax.decoding import async_replay as A
 from d3d_jax.decoding.engine import SamplingParams
 from d3d_jax.bench.generator import Generator
+from d3d_jax.model.qwen3 import init_model
+from tiny_models import tiny_configs
 
 generate = Generator()
-from d3d_jax.model.qwen3 import init_model
 
 VOCAB = 32
 MASK = VOCAB - 1
@@ -32,10 +33,7 @@ DRAWS = 8000  # χ² sample size (test_engine uses 20k; pooled cells keep the ap
 
 @pytest.fixture(scope="module")
 def setup():
-    tcfg = ModelConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_layers=2,
-                       num_heads=4, num_kv_heads=2, head_dim=8, mask_token_id=MASK)
-    dcfg = ModelConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_layers=1,
-                       num_heads=2, num_kv_heads=1, head_dim=16, mask_token_id=MASK)
+    tcfg, dcfg = tiny_configs(VOCAB, MASK)
     target = init_model(tcfg, seed=0)
     # sharpen the target so greedy output is varied, not a fixed point
     target.embed_tokens.embedding[...] = target.embed_tokens.embedding[...] * 8.0
