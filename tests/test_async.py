@@ -14,9 +14,13 @@ import jax
 import pytest
 
 from d3d_jax.config import ConfigError, ModelConfig
-from d3d_jax.decoding import async_engine as A
-from d3d_jax.decoding.engine import SamplingParams, generate
+from d3d_jax.decoding import async_replay as A
+from d3d_jax.decoding.engine import SamplingParams
+from d3d_jax.bench.generator import Generator
 from d3d_jax.model.qwen3 import init_model
+from tiny_models import tiny_configs
+
+generate = Generator()
 
 VOCAB = 32
 MASK = VOCAB - 1
@@ -29,10 +33,7 @@ DRAWS = 8000  # χ² sample size (test_engine uses 20k; pooled cells keep the ap
 
 @pytest.fixture(scope="module")
 def setup():
-    tcfg = ModelConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_layers=2,
-                       num_heads=4, num_kv_heads=2, head_dim=8, mask_token_id=MASK)
-    dcfg = ModelConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_layers=1,
-                       num_heads=2, num_kv_heads=1, head_dim=16, mask_token_id=MASK)
+    tcfg, dcfg = tiny_configs(VOCAB, MASK)
     target = init_model(tcfg, seed=0)
     # sharpen the target so greedy output is varied, not a fixed point
     target.embed_tokens.embedding[...] = target.embed_tokens.embedding[...] * 8.0
@@ -188,7 +189,7 @@ def test_verify_and_packed_forward_in_flight_together_on_two_devices():
     (dict(target_devices="01", drafter_devices="12"), ConfigError, "overlap"),
     (dict(target_devices=5, drafter_devices=5), ConfigError, "devices exist"),
     (dict(sample_drafts=True, sampling=SamplingParams(temperature=1.0)), ValueError, "sample_drafts"),
-    (dict(branch_fan_out=2), ValueError, "unknown mode options"),
+    (dict(branch_fan_out=2), ValueError, "unknown decoder options"),
 ])
 def test_bad_inputs_fail_clearly(setup, kw, err, msg):
     kw = dict(kw)
@@ -307,7 +308,7 @@ def test_all_accept_hits_with_a_model_drafter():
     sync = generate(target, prompts, mode="sync", drafter=drafter, **kw)
     tl = []
     asy = generate(target, prompts, mode="async", drafter=drafter, branch_positions=B4,
-                   branch_fanout=2, timeline=tl, verbose=False, **kw)
+                   branch_fanout=2, timeline=tl, **kw)
     assert [o.token_ids for o in sync] == [o.token_ids for o in asy] == plain
     for row, (prompt, s_out, a_out) in enumerate(zip(prompts, sync, asy)):
         for out, asynchronous in ((s_out, False), (a_out, True)):

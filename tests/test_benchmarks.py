@@ -4,6 +4,7 @@ import json
 
 import numpy as np
 import pytest
+from d3d_jax.bench.generator import Generator
 
 from d3d_jax.evaluation import benchmarks as B
 from d3d_jax.evaluation import plots
@@ -233,10 +234,47 @@ def test_hf_assisted_generation_peer(tiny_pair):
 
     target, _, root = tiny_pair
     prompts = [[5, 6, 7, 8, 9], [10, 11, 12]]
-    ours = [o.token_ids for o in engine.generate(target, prompts, max_new_tokens=10)]
+    ours = [o.token_ids for o in Generator()(target, prompts, max_new_tokens=10)]
     res = hf_assisted_generation(str(root / "target"), str(root / "drafter"), prompts, max_new_tokens=10,
                                  eos_token_ids=[60], reference_outputs=ours)
     assert res["plain"]["equals_engine_plain"], "transformers greedy must equal our plain greedy"
     assert res["hf_assisted"]["equals_hf_plain"] and res["hf_assisted"]["equals_engine_plain"]
     assert res["plain"]["tau"] == pytest.approx(1.0)  # plain decoding: one token per target forward
     assert res["hf_assisted"]["tau"] >= 1.0 and res["hf_assisted"]["speedup"] > 0
+
+
+def test_serve_projection_is_the_roofline_arithmetic(tmp_path):
+    """``infer/bench.py serve --project``: tokens/s per mode from compiled (bytes, flops) points,
+    against the hand-written round costs (memory-bound: weights once + bytes per token, at a
+    per-slot acceptance of 1/2, so τ at B = 16 is 2 − 2⁻¹⁵ and a block of w gives 2 − 2¹⁻ʷ)."""
+    from d3d_jax.bench import serve_projection as SP
+
+    bw, peak = 1000.0, 1e6  # bytes/s and flop/s: every program is memory-bound
+
+    def prog(name, tokens, weights, per_token, kind):
+        b, f = weights + per_token * tokens, float(tokens)
+        return dict(program=name, compiled=True, device="dev", bytes=b, flops=f,
+                    roofline=dict(flops_s=f / peak, bytes_s=b / bw), facts={f"{kind}_weights_bytes": weights})
+
+    budget = 16 * (11 * 2 + 2)  # the (12, 2) pack's drafter tokens
+    progs = [prog("plain step", 1, 1000.0, 10.0, "target"),
+             prog("verify round (async target side)", 16, 1000.0, 10.0, "target"),
+             prog("branch pack, tiny drafter", budget, 100.0, 1.0, "drafter")]
+    path = tmp_path / "costs.json"
+    path.write_text(json.dumps({"programs": progs}))
+    p = SP.project(str(path), [1, 8], tau=2 - 2 ** -15, hit_rate=0.5)
+    target = lambda t: (1000 + 10 * t) / bw  # noqa: E731
+    drafter = lambda t: (100 + t) / bw  # noqa: E731
+    tokens = lambda w: 2 - 2.0 ** (1 - w)  # noqa: E731
+    for n in (1, 8):
+        rates = {"plain": n / target(n)}
+        rates.update({f"sync/{b}": n * tokens(b) / (drafter(2 * b * n) + target(b * n)) for b in (4, 8, 16)})
+        for c, nb in ((4, 16 * 8), (12, budget)):
+            rates[f"async/{c}x2"] = n * tokens(16) / (target(16 * n) + drafter(nb * n) + 0.5 * drafter(32 * n))
+        got = p["levels"][str(n)]
+        want = dict(plain=rates["plain"], sync=rates["sync/16"], async_=rates["async/12x2"], auto=max(rates.values()))
+        for mode, v in want.items():
+            assert got["tokens_per_s"][mode.rstrip("_")] == pytest.approx(v, rel=1e-6), (n, mode)
+        assert got["auto_picks"] == max(rates, key=rates.get)
+        assert got["tpot_ms"]["plain"] == pytest.approx(1e3 * target(n), rel=1e-6)
+    assert p["projection"] and "Projection** (not measured)" in SP.markdown(p, [1, 8])

@@ -14,15 +14,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
-from d3d_jax.config import ConfigError, ModelConfig
+from d3d_jax.bench.generator import Generator
+from d3d_jax.config import ConfigError
 from d3d_jax.decoding import async_loop
-from d3d_jax.decoding.decoder import (DecoderConfig, Request, RequestError, SlotError, SpecDecoder,
-                                      StepOutput)
-from d3d_jax.decoding.engine import generate
+from d3d_jax.decoding.decoder import DecoderConfig, Request, RequestError, SlotError, SpecDecoder
 from d3d_jax.decoding.verify import SamplingParams
-from d3d_jax.model.qwen3 import init_model
+from tiny_models import serve, tiny_pair
+
+generate = Generator()
 
 VOCAB = 32
 MASK = VOCAB - 1
@@ -32,25 +32,9 @@ SLOTS = 3
 MAX_NEW = (9, 14, 6, 12, 20, 11)
 
 
-def _randomized(model, seed: int, std: float):
-    """Every matrix redrawn at ``std`` (norm scales kept): the default 0.02 init makes a tiny
-    model repeat one token, which would hide ordering bugs."""
-    graphdef, state = nnx.split(model)
-    leaves, tree = jax.tree.flatten(state)
-    keys = jax.random.split(jax.random.key(seed), len(leaves))
-    leaves = [x if x.ndim == 1 else std * jax.random.normal(k, x.shape, x.dtype)
-              for k, x in zip(keys, leaves)]
-    return nnx.merge(graphdef, jax.tree.unflatten(tree, leaves))
-
-
 @pytest.fixture(scope="module")
 def setup():
-    tcfg = ModelConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_layers=2,
-                       num_heads=4, num_kv_heads=2, head_dim=8, mask_token_id=MASK)
-    dcfg = ModelConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_layers=1,
-                       num_heads=2, num_kv_heads=1, head_dim=16, mask_token_id=MASK)
-    target = _randomized(init_model(tcfg, seed=0), 0, 0.6)
-    drafter = _randomized(init_model(dcfg, seed=7), 7, 0.3)
+    target, drafter = tiny_pair(VOCAB, MASK)
     rng = np.random.default_rng(3)
     prompts = [rng.integers(0, MASK, n).tolist() for n in (1, 9, 4, 7, 2, 5)]
     # solo references: each prompt alone (batch 1), one compile for all of them
@@ -72,35 +56,15 @@ def _decoder(s, mode, **kw) -> SpecDecoder:
     return dec
 
 
-def _serve(dec, requests, schedule, cancel=None, metrics=None):
-    """Drive ``dec`` like a server: ``schedule[i]`` = round at which request i arrives (then it
-    waits for a free slot); ``cancel`` = {request: round} frees it mid-way.  Returns each
-    request's tokens and finish reason (and fills ``metrics[i]`` with its slot metrics)."""
-    tokens = {i: [] for i in range(len(requests))}
-    reasons, slot_of, queue = {}, {}, []
-    rnd = 0
-    while len(reasons) < len(requests):
-        queue += [i for i, at in enumerate(schedule) if at == rnd]
-        for i, at in (cancel or {}).items():
-            if at == rnd and i in slot_of:
-                dec.free(slot_of.pop(i))
-                reasons[i] = "cancelled"
-        while queue and dec.free_slots():
-            i = queue.pop(0)
-            slot_of[i] = dec.free_slots()[-1]
-            dec.insert(dec.prefill(requests[i]), slot_of[i])
-        outs = dec.step()
-        for i, slot in list(slot_of.items()):
-            out: StepOutput = outs[slot]
-            tokens[i] += out.token_ids
+def _drive(dec, tokens: dict) -> dict:
+    """Step until every slot of ``tokens`` finished; their tokens."""
+    done: set = set()
+    while len(done) < len(tokens):
+        for slot, out in dec.step().items():
+            tokens[slot] += out.token_ids
             if out.finished:
-                reasons[i] = out.finish_reason
-                if metrics is not None:
-                    metrics[i] = dec.slot_metrics(slot)
-                dec.free(slot_of.pop(i))
-        rnd += 1
-        assert rnd < 200
-    return tokens, reasons
+                done.add(slot)
+    return tokens
 
 
 @pytest.mark.parametrize("mode", ["plain", "sync", "async"])
@@ -110,7 +74,7 @@ def test_continuous_batching_equals_solo_greedy(setup, mode):
     s = setup
     dec = _decoder(s, mode)
     reqs = [Request(p, max_new_tokens=n, index=i) for i, (p, n) in enumerate(zip(s["prompts"], MAX_NEW))]
-    tokens, reasons = _serve(dec, reqs, schedule=[0, 0, 1, 2, 2, 5], cancel={1: 3})
+    tokens, reasons = serve(dec, reqs, schedule=[0, 0, 1, 2, 2, 5], cancel={1: 3})
     assert reasons[1] == "cancelled"
     assert 0 < len(tokens[1]) < MAX_NEW[1] and tokens[1] == s["solo"][1][: len(tokens[1])]
     for i in (0, 2, 3, 4, 5):
@@ -129,7 +93,7 @@ def test_eos_and_stop_per_request(setup):
     reqs = [Request(s["prompts"][4], 20, eos_token_ids=(ref[j],), index=0),
             Request(s["prompts"][4], 20, stop_token_ids=(ref[j],), index=1),
             Request(s["prompts"][4], 20, index=2)]
-    tokens, reasons = _serve(dec, reqs, schedule=[0, 0, 0])
+    tokens, reasons = serve(dec, reqs, schedule=[0, 0, 0])
     assert tokens[0] == tokens[1] == ref[: j + 1] and tokens[2] == ref[:20]
     assert (reasons[0], reasons[1], reasons[2]) == ("eos", "stop", "length")
 
@@ -146,20 +110,21 @@ def test_mixed_sampling_in_one_batch_equals_each_alone(setup, mode):
     dec = _decoder(s, mode)
     reqs = [Request(s["prompts"][i], 12, sampling=sp, seed=40 + i, index=i)
             for i, sp in enumerate(SAMPLINGS)]
-    together, _ = _serve(dec, reqs, schedule=[0, 0, 0, 1, 1])
+    together, _ = serve(dec, reqs, schedule=[0, 0, 0, 1, 1])
     for i, req in enumerate(reqs):
-        alone, _ = _serve(dec, [req], schedule=[0])
+        alone, _ = serve(dec, [req], schedule=[0])
         assert together[i] == alone[0], (mode, i)
     assert together[0] == s["solo"][0][:12]  # the greedy request is plain greedy decoding
     sampled = [together[i] != s["solo"][i][:12] for i in range(1, len(reqs))]
     assert any(sampled)  # the sampling requests really sampled
-    other_seed, _ = _serve(dec, [dataclasses.replace(reqs[1], seed=7)], schedule=[0])
+    other_seed, _ = serve(dec, [dataclasses.replace(reqs[1], seed=7)], schedule=[0])
     assert other_seed[0] != together[1]
 
 
 def _row(dec, slot):
     """Every per-row field of ``slot`` (caches up to their valid length)."""
-    st = jax.device_get(dec._state)
+    st = jax.device_get(dec.carry.state)
+    slot = dec.placement.row_of[slot]
     n = int(st.target_cache.lengths[slot])
     d = st.drafter_state
     fields = dict(seq=st.seq[slot], anchor=st.anchor_pos[slot], plen=st.prompt_len[slot],
@@ -182,16 +147,15 @@ def test_freed_slot_is_reset(setup):
     for _ in range(3):
         dec.step()
     dec.free(0)
+    dec._drain()  # the round queued ahead ran too: its writes must not survive either
     new = Request(s["prompts"][3], 8, index=3)
     dec.insert(dec.prefill(new), 0)  # reused
     dec.insert(dec.prefill(new), 2)  # never used
+    dec._flush()  # admitted (the next round would do it first)
     a, b = _row(dec, 0), _row(dec, 2)
     for key in a:
         np.testing.assert_array_equal(np.asarray(a[key]), np.asarray(b[key]), err_msg=key)
-    tokens = {0: [], 2: []}
-    while dec._running():
-        for slot, out in dec.step().items():
-            tokens[slot] += out.token_ids
+    tokens = _drive(dec, {0: [], 2: []})
     assert tokens[0] == tokens[2] == s["solo"][3][:8]
 
 
@@ -205,10 +169,7 @@ def test_insert_into_busy_slot_is_a_clear_error(setup):
     with pytest.raises(SlotError, match="out of range"):
         dec.insert(prefix, SLOTS)
     dec.insert(prefix, 0)  # the decoder goes on serving
-    tokens = {0: [], 1: []}
-    while dec._running():
-        for slot, out in dec.step().items():
-            tokens[slot] += out.token_ids
+    tokens = _drive(dec, {0: [], 1: []})
     assert tokens == {0: s["solo"][2][:5], 1: s["solo"][0][:5]}
 
 
@@ -279,7 +240,7 @@ class Unchanged:
 
 def _run(dec, reqs):
     metrics = {}
-    tokens, _ = _serve(dec, reqs, schedule=[0] * len(reqs), metrics=metrics)
+    tokens, _ = serve(dec, reqs, schedule=[0] * len(reqs), metrics=metrics)
     return [dict(metrics[i], token_ids=tokens[i]) for i in range(len(reqs))]
 
 
@@ -323,14 +284,15 @@ def test_async_rounds_only_dispatch(setup, monkeypatch):
     log = []
 
     def counting(name, fn):
-        def wrapped(*args):
-            out = fn(*args)
+        def wrapped(*args, **kw):
+            out = fn(*args, **kw)
             log.append((name, out[1] if name == "verify" else None))
             return out
         return wrapped
 
+    strategy = dec.strategy
     for name, attr in (("verify", "_target_step"), ("packed", "_packed"), ("select", "_select")):
-        monkeypatch.setattr(dec, attr, counting(name, getattr(dec, attr)))
+        monkeypatch.setattr(strategy, attr, counting(name, getattr(strategy, attr)))
     host_value = ArrayImpl._value
 
     def logged(self):  # every device→host copy of an array ends here
@@ -341,7 +303,7 @@ def test_async_rounds_only_dispatch(setup, monkeypatch):
     monkeypatch.setattr(ArrayImpl, "_value", property(logged))
     timings = dec.run_until_done()
     monkeypatch.setattr(ArrayImpl, "_value", host_value)
-    rounds = timings["metrics"]["async_rounds"]
+    rounds = timings["async_rounds"]
     names = [n for n, _ in log]
     assert [n for n in names if n != "read"] == ["verify", "packed", "select"] * rounds
     decisions = [x for n, x in log if n == "verify"]
