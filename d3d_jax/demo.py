@@ -43,3 +43,64 @@ def chat_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
     if isinstance(ids, dict) or hasattr(ids, "keys"):
         ids = ids["input_ids"]
     return list(ids)
+
+
+MIN_DOCSTRING_CHARS = 40  # a one-line "Return x." docstring says too little to continue from
+
+
+def _stub_of(fn, lines: list[str], imports: str, max_chars: int) -> dict | None:
+    """HumanEval's shape for one function: imports, the signature and the docstring as the
+    prompt; the original body as the response (regeneration replaces it with the target's)."""
+    import ast
+
+    body = fn.body
+    doc = ast.get_docstring(fn, clean=False)
+    if not doc or len(doc.strip()) < MIN_DOCSTRING_CHARS or len(body) < 2:
+        return None
+    indent = fn.col_offset
+    seg = lines[fn.lineno - 1: body[0].end_lineno]
+    rest = lines[body[0].end_lineno: fn.end_lineno]
+    dedent = [ln[indent:] if ln[:indent].strip() == "" else ln.lstrip() for ln in seg + rest]
+    stub, tail = "".join(dedent[:len(seg)]), "".join(dedent[len(seg):])
+    prompt = (imports + "\n\n\n" if imports else "") + stub
+    if len(prompt) > max_chars or not tail.strip():
+        return None
+    return {"prompt": prompt, "response": tail}
+
+
+def function_stubs(text: str, max_chars: int = 1500) -> list[dict]:
+    """Every function and method of a module with a real docstring, as ``{"prompt",
+    "response"}`` (methods dedented to the top level, as HumanEval's stubs are)."""
+    import ast
+
+    try:
+        tree = ast.parse(text)
+    except (SyntaxError, ValueError):
+        return []
+    lines = text.splitlines(keepends=True)
+    imports = "\n".join(ast.get_source_segment(text, n) or "" for n in tree.body
+                        if isinstance(n, (ast.Import, ast.ImportFrom)))[:400].rsplit("\n", 1)[0]
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            stub = _stub_of(node, lines, imports if node.col_offset == 0 else "", max_chars)
+            if stub is not None:
+                out.append(stub)
+    return out
+
+
+def docstring_prompts(splits: Sequence[str] = ("prompts", "pretrain"), max_pairs: int | None = None,
+                      seed: int = 0, max_chars: int = 1500) -> list[dict]:
+    """``{"source": "stdlib_doc", "prompt", "response"}``: signature-and-docstring stubs of the
+    standard library's functions in ``splits`` (never ``eval``), shuffled with ``seed``.  They put
+    the code benchmark's prompt shape (HumanEval: imports, a signature, a docstring) into the
+    regeneration prompts without using any of its problems."""
+    if "eval" in splits:
+        raise ValueError("docstring_prompts: the eval split is held out of every training prompt")
+    pairs = []
+    for split in splits:
+        for path in corpus.stdlib_files(split):
+            for stub in function_stubs(path.read_text(encoding="utf-8", errors="replace"), max_chars):
+                pairs.append({"source": "stdlib_doc", **stub})
+    random.Random(seed).shuffle(pairs)
+    return pairs[:max_pairs] if max_pairs else pairs

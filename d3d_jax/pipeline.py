@@ -181,7 +181,9 @@ class Pipeline:
             model=model_cfg, mesh=C.MeshConfig(data=1, fsdp=1, tensor=1), data=data, objective=objective,
             optim=optim, num_devices=1,
             train=C.TrainConfig(steps=steps, init_from=init_from, seed=seed, out_dir=str(run_dir),
-                                log_every=25, eval_every=eval_every, checkpoint_every=0, keep_checkpoints=1,
+                                log_every=25, eval_every=eval_every, keep_checkpoints=1,
+                                # an interrupted stage resumes from its last tenth
+                                checkpoint_every=max(25, steps // 10),
                                 async_checkpointing=False, resume=True, export_params=False,
                                 export_hf=True, progress_bar=True, aot_compile=False))
         cfg.validate()
@@ -217,6 +219,8 @@ class Pipeline:
             pairs += demo.continuation_pairs("pretrain", passage_chars=c.passage_chars, seed=c.seed,
                                              max_pairs=c.regen_prompts - len(pairs),
                                              max_chars=c.pretrain_chars)
+        if c.regen_docstring_prompts:
+            pairs += demo.docstring_prompts(max_pairs=c.regen_docstring_prompts, seed=c.seed)
         prompts_path = self.out / "data" / "regen_prompts.jsonl"
         prompts_path.parent.mkdir(parents=True, exist_ok=True)
         with open(prompts_path, "w") as f:
@@ -262,8 +266,10 @@ class Pipeline:
                               final_learning_rate=c.drafter_learning_rate * 0.1, warmup_steps=20)
         objective = C.ObjectiveConfig(kind="d3d", gamma=c.drafter_gamma, ar_weight=v.ar_weight)
         steps = v.steps or c.drafter_steps
-        hf_dir, losses = self._train(f"drafter_{v.name}", mc, self.drafter_data(), objective, optim, steps,
-                                     init_from=str(init_dir) if init_dir else "", seed=c.seed,
+        seed = c.seed if v.seed is None else v.seed
+        data = dataclasses.replace(self.drafter_data(), seed=seed)
+        hf_dir, losses = self._train(f"drafter_{v.name}", mc, data, objective, optim, steps,
+                                     init_from=str(init_dir) if init_dir else "", seed=seed,
                                      eval_every=max(25, steps // 12))  # the dev-loss curve
         dest = self.drafter_dir(v.name)
         shutil.copytree(hf_dir, dest, dirs_exist_ok=True)

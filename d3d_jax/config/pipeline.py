@@ -40,6 +40,7 @@ class DrafterVariantConfig:
     init: str = "small"  # "small" (pretrained small model) | "target" (target's weights) | "random"
     ar_weight: float = 1.0
     steps: int | None = None  # None: the stage's steps
+    seed: int | None = None  # of the init, the data order and the anchors (None: the pipeline's)
 
     def validate(self, prefix: str = "drafter") -> None:
         _require(self.init in ("small", "target", "random"), f"{prefix}.init",
@@ -67,6 +68,9 @@ class PipelineConfig:
     regen_max_new_tokens: int = 128
     regen_greedy: bool = True
     regen_batch_size: int = 16
+    # signature-and-docstring stubs of stdlib functions (HumanEval's prompt shape, none of its
+    # problems) added to the regeneration prompts
+    regen_docstring_prompts: int = 0
     # (5) drafters
     block_size: int = 16
     drafter_steps: int = 300
@@ -113,7 +117,8 @@ class PipelineConfig:
                                        warmup_steps=min(self.target.warmup_steps, steps(self.target.steps) // 4)),
             small=dataclasses.replace(self.small, steps=steps(self.small.steps),
                                       warmup_steps=min(self.small.warmup_steps, steps(self.small.steps) // 4)),
-            regen_prompts=max(16, self.regen_prompts // 10), drafter_steps=steps(self.drafter_steps),
+            regen_prompts=max(16, self.regen_prompts // 10),
+            regen_docstring_prompts=self.regen_docstring_prompts // 10, drafter_steps=steps(self.drafter_steps),
             drafters=tuple(dataclasses.replace(d, steps=None if d.steps is None else steps(d.steps))
                            for d in self.drafters),
             prune_recover_steps=max(2, self.prune_recover_steps // 4),
@@ -124,6 +129,7 @@ class PipelineConfig:
         _require(self.vocab_size >= 300, f"{p}vocab_size", "must be >= 300")
         self.target.validate(f"{p}target")
         self.small.validate(f"{p}small")
+        _require(self.regen_docstring_prompts >= 0, f"{p}regen_docstring_prompts", "must be >= 0")
         for k in ("regen_prompts", "regen_max_new_tokens", "drafter_steps", "eval_samples",
                   "eval_max_new_tokens", "passage_chars"):
             _require(getattr(self, k) >= 1, f"{p}{k}", "must be >= 1")
