@@ -27,7 +27,7 @@ def main(argv=None) -> int:
     maybe_initialize_distributed()  # before the config: validating it may count devices (starts JAX)
     cfg, _ = parse_config_cli(PruneRunConfig, argv, __doc__)
 
-    from d3d_jax.training.pruning import run_pruning
+    from d3d_jax.training.prune_run import run_pruning
 
     report = run_pruning(cfg)
     rounds = report["rounds"]
