@@ -42,19 +42,31 @@ def test_mini_pipeline_end_to_end(tmp_path, capsys):
     # Every stage left its output.
     for p in ("tokenizer/tokenizer.json", "models/target/config.json", "models/small/config.json",
               "data/regenerated_train.jsonl", "data/regenerated_dev.jsonl", "drafters/small/result.json",
-              "drafters/small_l0/result.json", "drafters/small_pruned/config.json"):
+              "drafters/small_l0/result.json", "pruning/result.json", "pruning/pruning_report.json",
+              "pruning/recovery_curves.png", "online_tau.json"):
         assert (out / p).exists(), p
     # The benchmark writes under the work dir; the shipped results are left alone.
-    for p in ("results.json", "table.md", "acceptance_histogram.png", "tau_per_slot.png"):
+    for p in ("results.json", "table.md", "acceptance_histogram.png", "tau_per_slot.png", "dev_curves.png"):
         assert (tmp_path / "work" / "eval" / p).exists(), p
     assert not (out / "eval").exists()
     # Regeneration kept every prompt; responses are the target's own tokens.
     recs = [json.loads(x) for f in ("train", "dev")
             for x in (out / f"data/regenerated_{f}.jsonl").read_text().splitlines()]
     assert len(recs) == 12 and all(r["response_token_ids"] for r in recs)
-    # The pruned drafter lost a layer.
-    pruned = json.loads((out / "drafters/small_pruned/result.json").read_text())
-    assert (pruned["layers_before"], pruned["layers"]) == (2, 1)
+    # Pruning 2 -> 1 layer by both rules, each with its recovery curve (eval every step); the
+    # unshipped eval-less drafter's weights moved to the work dir after stage 7 measured them.
+    pruned = json.loads((out / "pruning/result.json").read_text())
+    (row,) = pruned["depths"]
+    assert pruned["initial_depth"] == 2 and row["depth"] == 1
+    for rule in ("acceptance", "shortgpt"):
+        assert len(row[rule]["layers"]) == 1 and 0 < row[rule]["retention"]
+        if not row[rule]["shared"]:
+            assert [c["step"] for c in row[rule]["recovery_curve"]] == [0, 1, 2]
+    online = json.loads((out / "online_tau.json").read_text())["drafters"]
+    assert set(online) == {"small", "small_l0", "small_acceptance_1", "small_shortgpt_1"}
+    assert all(r["shakespeare"]["equals_plain"] and 1.0 <= r["shakespeare"]["tau"] <= 4.0 for r in online.values())
+    assert not (out / "drafters/small_l0/model.safetensors").exists()
+    assert (tmp_path / "work" / "drafters/small_l0/model.safetensors").exists()
     # Benchmark: the equality check ran on real outputs and passed; τ is in range.
     res = report["drafters"]["small"]["results"]
     for suite in ("shakespeare",):
@@ -74,9 +86,11 @@ def test_mini_pipeline_end_to_end(tmp_path, capsys):
     # The target ships in bfloat16 with its tokenizer beside it (commands take the dir alone).
     tcfg = json.loads((out / "models/target/config.json").read_text())
     assert tcfg["torch_dtype"] == "bfloat16" and (out / "models/target/tokenizer.json").exists()
-    assert report["ablations"]["small_l0"]["online"]["shakespeare"]["equals_plain"] is True
+    assert report["built"]["online_tau"]["drafters"]["small_l0"]["shakespeare"]["equals_plain"] is True
+    assert set(report["drafter_latency"]["depth_ms"]) == {"2", "1"}
     printed = capsys.readouterr().out
-    assert "| sync |" in printed and "| sync_b3 |" in printed and "Ablations" in printed
+    assert "| sync |" in printed and "| sync_b3 |" in printed and "Ablation arms" in printed
+    assert "ShortGPT" in printed and "Drafting-forward latency" in printed
     assert "| overlap |" in printed
     # A rerun skips every build stage.
     capsys.readouterr()

@@ -83,7 +83,8 @@ class PipelineConfig:
     # (6) pruning
     prune_drafter: str = ""  # "" skips pruning
     prune_to_layers: int = 2
-    prune_recover_steps: int = 50
+    prune_recover_steps: int = 50  # per round, the same for both rules
+    prune_eval_every: int = 0  # offline τ every this many recovery steps: the recovery curve (0: none)
     prune_margin: float = 0.1
     # (7) benchmark
     eval_benchmarks: tuple[str, ...] = ("humaneval", "shakespeare")
@@ -122,6 +123,7 @@ class PipelineConfig:
             drafters=tuple(dataclasses.replace(d, steps=None if d.steps is None else steps(d.steps))
                            for d in self.drafters),
             prune_recover_steps=max(2, self.prune_recover_steps // 4),
+            prune_eval_every=max(1, self.prune_eval_every // 4) if self.prune_eval_every else 0,
             eval_samples=max(2, self.eval_samples // 2), async_sweep=self.async_sweep[:2], hf_peer=False)
 
     def validate(self, prefix: str = "") -> None:
@@ -144,8 +146,8 @@ class PipelineConfig:
         for i, d in enumerate(self.drafters):
             d.validate(f"{p}drafters[{i}]")
         for n in self.eval_drafters:
-            _require(n in names or n == f"{self.prune_drafter}_pruned", f"{p}eval_drafters",
-                     f"{n!r} is not a drafter name ({names}) nor '<prune_drafter>_pruned'")
+            _require(n in names, f"{p}eval_drafters", f"{n!r} is not a drafter name ({names})")
+        _require(self.prune_eval_every >= 0, f"{p}prune_eval_every", "must be >= 0")
         if self.prune_drafter:
             _require(self.prune_drafter in names, f"{p}prune_drafter", f"{self.prune_drafter!r} not in {names}")
 

@@ -1,4 +1,4 @@
-"""Building blocks of the embedded-default pipeline (``train/pipeline.py``): real text in, chat rows out.
+"""The demo's prompts: real text in, chat rows out (``train/pipeline.py`` builds on them).
 
 The demo target is a tiny Qwen3 pretrained here on Shakespeare and stdlib source.  So that the
 benchmark's chat-formatted prompts (HumanEval, held-out plays) mean something to it, pretraining
@@ -12,7 +12,7 @@ from __future__ import annotations
 import random
 from typing import Sequence
 
-from d3d_jax.io import tokenizer as corpus
+from d3d_jax.demo import corpus
 
 HEAD_FRACTION = 0.35  # share of a passage's lines that goes into the user turn
 
