@@ -1,6 +1,7 @@
 #!/usr/bin/env python
 """Run the embedded-default pipeline: tokenizer → target → small model → regeneration → D3D
-drafters (+ ablations) → pruning → benchmark (Table 1, plots, JSON).
+drafters (+ ablations) → pruning (τ-guided and ShortGPT) → online τ of every drafter →
+benchmark (Table 1, ablations, pruning, latency by depth; plots, JSON).
 
     python train/pipeline.py --config configs/pipelines/demo.yaml [key=value ...]
     python train/pipeline.py --config configs/pipelines/demo.yaml --rebuild   # from nothing

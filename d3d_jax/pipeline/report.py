@@ -38,7 +38,8 @@ def ablation_rows(built: dict, suites: list[str]) -> list[dict]:
     out = []
     for name, r in built.get("drafters", {}).items():
         v = r["variant"]
-        out.append({"name": name, "init": v["init"], "ar_weight": v["ar_weight"], "seed": r.get("seed", 0),
+        seed = r.get("seed", v.get("seed") or 0)  # (result.json files before issue 23 keep it in variant)
+        out.append({"name": name, "init": v["init"], "ar_weight": v["ar_weight"], "seed": seed,
                     "steps": r["steps"], "offline_tau": r["offline_tau_dev"]["tau"],
                     "online": _online(built, name, suites), "flattening": flattening(r.get("curve", []), r["steps"])})
     return out
@@ -115,6 +116,17 @@ def latency_table(lat: dict | None) -> str | None:
             + "\n".join(lines) + tail)
 
 
+def best_online(built: dict, suites: list[str]) -> dict | None:
+    """The drafter with the highest mean online τ over the suites (stage 7's measurements)."""
+    rows = built.get("online_tau", {}).get("drafters", {})
+    scored = {n: [r[s]["tau"] for s in suites if s in r] for n, r in rows.items()}
+    scored = {n: t for n, t in scored.items() if len(t) == len(suites)}
+    if not scored:
+        return None
+    name = max(scored, key=lambda n: float(np.mean(scored[n])))
+    return {"name": name, "block_size": built["online_tau"].get("block_size"), **dict(zip(suites, scored[name]))}
+
+
 def all_equal(out: dict) -> bool:
     ok = True
     for d in out["drafters"].values():
@@ -139,7 +151,7 @@ def dev_curves_plot(built: dict, path: Path) -> None:
         curve = [c for c in r.get("curve", []) if c.get("dev_loss") is not None]
         if curve:
             ax.plot([c["step"] for c in curve], [c["dev_loss"] for c in curve],
-                    "--" if r.get("seed", 0) else "-", label=name)
+                    "--" if (r.get("seed") or r["variant"].get("seed")) else "-", label=name)
     ax.set_xlabel("training step")
     ax.set_ylabel("dev loss (D3D objective)")
     ax.set_yscale("log")
@@ -152,7 +164,6 @@ def dev_curves_plot(built: dict, path: Path) -> None:
 
 def write(p: Pipeline, out: dict, suites: list[str]) -> dict:
     c, eval_dir = p.cfg, p.eval_dir
-    B.write_json(out, eval_dir / "results.json")
     methods = ("plain", "sync", *(f"sync_b{b}" for b in c.eval_compare_blocks), "async", "hf_assisted")
     tables = [B.table1(d["results"], methods=methods,
                        title=f"**Drafter `{name}` ({d['layers']} layers), B = {c.eval_block}**")
@@ -160,7 +171,12 @@ def write(p: Pipeline, out: dict, suites: list[str]) -> dict:
     built = out["built"]
     tables += [t for t in (ablation_table(built, suites), arm_table(built, suites),
                            pruning_table(built, suites), latency_table(out.get("drafter_latency"))) if t]
+    best = out["best_online"] = best_online(built, suites)
+    if best:
+        tables.append(f"Best drafter online (B = {best['block_size']}): `{best['name']}`, "
+                      + ", ".join(f"{s} τ {best[s]:.2f}" for s in suites))
     text = "\n\n".join(tables)
+    B.write_json(out, eval_dir / "results.json")
     (eval_dir / "table.md").write_text(text + "\n")
     res_main = out["drafters"][c.eval_drafters[0]]["results"]
     plots.acceptance_histogram(res_main, eval_dir / "acceptance_histogram.png")
