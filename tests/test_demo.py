@@ -87,20 +87,25 @@ def _window_hashes(ids: np.ndarray, n: int = WINDOW) -> np.ndarray:
 
 
 def shared_windows(eval_ids: list[list[int]], train_ids: list[list[int]], n: int = WINDOW) -> list[tuple[int, int]]:
-    """``(eval prompt, train text)`` pairs sharing an n-token window, confirmed token by token."""
+    """``(eval prompt, train text)`` pairs sharing an n-token window, confirmed token by token.
+
+    The training texts are hashed as one array with a separator between texts (windows that
+    span one are dropped), so the whole corpus costs n vector passes and one ``isin``."""
     index: dict[int, list[tuple[int, int]]] = {}
     for e, ids in enumerate(eval_ids):
         for pos, h in enumerate(_window_hashes(np.asarray(ids, np.int64), n).tolist()):
             index.setdefault(h, []).append((e, pos))
-    keys = np.fromiter(index, np.uint64, len(index))
+    sep = -1  # no token id
+    flat = np.concatenate([np.append(np.asarray(ids, np.int64), sep) for ids in train_ids])
+    owner = np.repeat(np.arange(len(train_ids)), [len(ids) + 1 for ids in train_ids])
+    hs = _window_hashes(flat, n)
+    crosses = np.convolve(flat == sep, np.ones(n, int), "valid") > 0
+    hits = np.nonzero(np.isin(hs, np.fromiter(index, np.uint64, len(index))) & ~crosses)[0]
     found = set()
-    for t, ids in enumerate(train_ids):
-        arr = np.asarray(ids, np.int64)
-        hs = _window_hashes(arr, n)
-        for i in np.nonzero(np.isin(hs, keys))[0]:
-            for e, pos in index[int(hs[i])]:
-                if list(arr[i:i + n]) == list(eval_ids[e][pos:pos + n]):
-                    found.add((e, t))
+    for i in hits:
+        for e, pos in index[int(hs[i])]:
+            if flat[i:i + n].tolist() == list(eval_ids[e][pos:pos + n]):
+                found.add((e, int(owner[i])))
     return sorted(found)
 
 

@@ -46,6 +46,7 @@ def chat_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
 
 
 MIN_DOCSTRING_CHARS = 40  # a one-line "Return x." docstring says too little to continue from
+MAX_IMPORT_CHARS = 400  # HumanEval's headers are an import line or two
 
 
 def _stub_of(fn, lines: list[str], imports: str, max_chars: int) -> dict | None:
@@ -79,7 +80,9 @@ def function_stubs(text: str, max_chars: int = 1500) -> list[dict]:
         return []
     lines = text.splitlines(keepends=True)
     imports = "\n".join(ast.get_source_segment(text, n) or "" for n in tree.body
-                        if isinstance(n, (ast.Import, ast.ImportFrom)))[:400].rsplit("\n", 1)[0]
+                        if isinstance(n, (ast.Import, ast.ImportFrom)))
+    if len(imports) > MAX_IMPORT_CHARS:  # a long import block: its first lines, cut at a line
+        imports = imports[:MAX_IMPORT_CHARS].rsplit("\n", 1)[0]
     out = []
     for node in ast.walk(tree):
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
