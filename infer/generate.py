@@ -72,6 +72,9 @@ def parse_args(argv=None):
     p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                    help="extra mode option passed to engine.generate (repeatable)")
     p.add_argument("--json", action="store_true", help="one JSON object per prompt")
+    p.add_argument("--show-special-tokens", action="store_true",
+                   help="keep special tokens (EOS, <|im_end|>...) in the text; by default they are "
+                        "skipped, as the server, OpenAI, vLLM and transformers' skip_special_tokens do")
     argv = sys.argv[1:] if argv is None else list(argv)
     # simulated acceptance fakes τ and hit rate: it exists for benchmarks and nowhere else
     def refuse(name):
@@ -227,7 +230,8 @@ def main(argv=None):
     except ValueError as e:  # the engine checks its arguments with ValueError
         raise UsageError(str(e)) from None
     for i, o in enumerate(outs):
-        text = tokenizer.decode(o.token_ids, skip_special_tokens=False) if tokenizer is not None else None
+        text = (tokenizer.decode(o.token_ids, skip_special_tokens=not args.show_special_tokens)
+                if tokenizer is not None else None)
         if args.json:
             print(json.dumps({"index": i, "token_ids": o.token_ids, "text": text,
                               "finish_reason": o.finish_reason, "tau": o.metrics["tau"],

@@ -4,8 +4,9 @@
   infer/serve.py --target PATH [--drafter PATH] --mode plain|sync|async [--tokenizer DIR]
                  [--host 127.0.0.1] [--port 8000] [--api-key KEY] [--num-slots 8] ...
 
-Routes: POST /v1/completions, POST /v1/chat/completions (SSE with "stream": true), GET /v1/models,
-GET /health, GET /metrics (Prometheus).  Prints ``READY http://HOST:PORT ...`` once it accepts
+Routes: POST /v1/completions, POST /v1/chat/completions (SSE with "stream": true), GET /v1/models
+and /v1/models/{id}, POST /tokenize and /detokenize, GET /version, /ping, GET|HEAD /health and
+/metrics (Prometheus).  --compile-cache DIR keeps compiled programs across starts.  Prints ``READY http://HOST:PORT ...`` once it accepts
 requests (``--port 0`` picks a free port).  The logic is in ``d3d_jax/serving/``.
 """
 

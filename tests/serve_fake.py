@@ -9,8 +9,14 @@ request alone, token by token, as the independent reference.  ``step`` commits 1
 from __future__ import annotations
 
 import dataclasses
+import http.client
+import json
 import threading
 import time
+from pathlib import Path
+
+TOKENIZER = Path(__file__).resolve().parent.parent / "artifacts" / "demo" / "tokenizer"
+EOS = 2
 
 
 class RequestError(ValueError):
@@ -42,6 +48,7 @@ class StepOutput:
     finish_reason: str | None
     accepted: int
     hit: bool | None = None
+    logprobs: list | None = None
 
 
 def _mix(*xs: int) -> int:
@@ -67,6 +74,11 @@ def reference(req: Request, vocab: int = 2048) -> tuple[list[int], str]:
         if t in req.stop_token_ids:
             return out, "stop"
     return out, "length"
+
+
+def fake_scores(ids, top):
+    """A stand-in for the target's prompt scorer: token i's log-prob is -i/10."""
+    return [(None, None)] + [(-i / 10, [(t, -i / 10)] * min(top, 1)) for i, t in enumerate(ids[1:], 1)]
 
 
 class FakeDecoder:
@@ -142,7 +154,9 @@ class FakeDecoder:
         s["accepted"] += accepted
         s["hits"] += hit is True
         s["misses"] += hit is False
-        return StepOutput(new, reason is not None, reason, accepted, hit)
+        top = getattr(req.sampling, "logprobs", -1)
+        lps = None if top is None or top < 0 else [(-0.5, [(t, -0.5)] * min(top, 1)) for t in new]
+        return StepOutput(new, reason is not None, reason, accepted, hit, lps)
 
     def step(self) -> dict[int, StepOutput]:
         self._same_thread()
@@ -150,3 +164,52 @@ class FakeDecoder:
         if self.step_delay_s:
             time.sleep(self.step_delay_s)
         return {slot: self._round(s) for slot, s in sorted(self._slots.items())}
+
+
+class FakeServer:
+    """A FakeDecoder behind the real scheduler, app and uvicorn on a free localhost port."""
+
+    def __init__(self, tokenizer, mode="sync", num_slots=4, step_delay_s=0.0, api_key=None, **kw):
+        from d3d_jax.serving.app import create_app
+        from d3d_jax.serving.server import ServerThread, make_service
+
+        self.tok = tokenizer
+        self.dec = FakeDecoder(FakeConfig(mode=mode, num_slots=num_slots), step_delay_s=step_delay_s)
+        self.svc = make_service(self.dec, tokenizer, (EOS,), model_name="toy", mode=mode,
+                                api_key=api_key, request_cls=Request, score_prompt=fake_scores, **kw)
+        self.svc.scheduler.start()
+        self.http = ServerThread(create_app(self.svc)).start()
+        import openai
+
+        self.client = openai.OpenAI(base_url=self.http.url + "/v1", api_key=api_key or "none",
+                                    max_retries=0, timeout=60)
+
+    def close(self):
+        self.http.stop()
+        self.svc.scheduler.stop()
+
+    def expected(self, prompt_ids, max_tokens, seed=0, temperature=0.0, stop_ids=(EOS,)):
+        from d3d_jax.decoding.verify import SamplingParams
+
+        ids, reason = reference(Request(list(prompt_ids), max_tokens, SamplingParams(temperature),
+                                        tuple(stop_ids), seed))
+        return ids, self.tok.decode(ids, skip_special_tokens=True), reason
+
+    def raw(self, method, path, body=None, headers=None):
+        """(status, parsed JSON or text) with the stdlib client: no SDK-side validation."""
+        conn = http.client.HTTPConnection(self.http.host, self.http.port, timeout=30)
+        data = body if isinstance(body, (bytes, type(None))) else json.dumps(body).encode()
+        conn.request(method, path, body=data, headers={"Content-Type": "application/json", **(headers or {})})
+        r = conn.getresponse()
+        text = r.read().decode()
+        conn.close()
+        try:
+            return r.status, json.loads(text)
+        except json.JSONDecodeError:
+            return r.status, text
+
+    def wait_idle(self, timeout_s=10.0):
+        t_end = time.monotonic() + timeout_s
+        while self.dec.active_slots() or self.svc.scheduler.num_queued:
+            assert time.monotonic() < t_end, f"slots still busy: {self.dec.active_slots()}"
+            time.sleep(0.01)

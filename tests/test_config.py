@@ -55,6 +55,26 @@ def test_include_and_later_files_win(tmp_path):
     assert (cfg.seed, cfg.model.hidden_size, cfg.model.num_layers) == (2, 64, 3)
 
 
+def test_model_overrides_merge_into_the_yaml_model_file():
+    """``model.X=…`` on a config whose ``model:`` names a file changes X and keeps the file's other
+    keys (it used to replace the whole section: ``packed_length: 6144 exceeds
+    model.max_position_embeddings=4096``, the default)."""
+    from d3d_jax.config import TrainRunConfig
+
+    path = CONFIG_DIR / "train/d3d-8b.yaml"
+    cfg = load_config(TrainRunConfig, [path], ["num_devices=64", "model.num_layers=2",
+                                               "model.remat_policy=save_dots"])
+    assert (cfg.model.num_layers, cfg.model.remat_policy) == (2, "save_dots")
+    assert (cfg.model.hidden_size, cfg.model.max_position_embeddings, cfg.model.mask_token_id) == (
+        4096, 40960, 151669)  # qwen3-8b.yaml (included by d3d-drafter-8b.yaml) and the drafter file
+    # the README's command: on this CPU the only complaint left is the platform, not the shapes
+    with pytest.raises(ConfigError, match="model.attention_backend: 'pallas' needs gpu"):
+        load_config(TrainRunConfig, [path], ["num_devices=64", "model.attention_backend=pallas"])
+    # a later file given for the section still replaces it whole
+    cfg = load_config(TrainRunConfig, [path], ["num_devices=64", "model=models/qwen3-4b.yaml"])
+    assert (cfg.model.hidden_size, cfg.model.mask_token_id) == (2560, None)
+
+
 @pytest.mark.parametrize("override,key", [
     ("model.num_layers=many", "model.num_layers: expected an integer"),
     ("model.num_kv_heads=3", "model.num_kv_heads: num_heads=4 must be a multiple"),

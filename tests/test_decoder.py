@@ -166,7 +166,8 @@ def _row(dec, slot):
                   n_out=st.n_out[slot], done=st.done[slot], finish=st.finish[slot],
                   hist=st.accept_hist[slot], max_new=st.max_new[slot], stop=st.stop_ids[slot],
                   eos=st.stop_is_eos[slot], keys=st.key_data[slot],
-                  sampling=[float(np.asarray(x)[slot]) for x in jax.tree.leaves(st.sampling)],
+                  sampling=np.concatenate([np.ravel(np.asarray(x)[slot]).astype(float)
+                                           for x in jax.tree.leaves(st.sampling)]),
                   k=st.target_cache.k_lbskh[:, slot, :n], lengths=n,
                   dk=d.k_lbskh[:, slot, : int(d.lengths[slot])], dlen=d.lengths[slot])
     return fields

@@ -246,3 +246,116 @@ def test_fuzz_safetensors(tmp_path):
             lo, hi = info["data_offsets"]
             assert arr.tobytes() == bytes(raw[start + lo: start + hi])
     assert min(outcomes.values()) > 5, outcomes
+
+
+# ----------------------------------------------------------------------------------------------
+# Issue 21: a schema-driven fuzz of every server route (the toy decoder behind the real HTTP stack)
+# ----------------------------------------------------------------------------------------------
+SERVER_REQUESTS = 2000
+HUGE = [2 ** 31, 2 ** 63, 2 ** 64, 10 ** 30, -10 ** 30, 10 ** 400, 1e308, -1e308, 1e-320]
+TEXT_JUNK = ["\ud800", "a\udfffb", "", " ", "<|im_end|>", "\x00", "\u00ff" * 3, "x" * 5000]
+DEEP = ["[" * 100_000 + "]" * 100_000, '{"a":' * 5000 + "1" + "}" * 5000, "[" * 40 + "1" + "]" * 40]
+
+
+def _server_junk(rng: random.Random):
+    pick = rng.randrange(4)
+    if pick == 0:
+        return rng.choice(HUGE)
+    if pick == 1:
+        return rng.choice(TEXT_JUNK)
+    if pick == 2:
+        return rng.choice(JUNK)
+    return rng.choice([{"include_usage": True}, {"continuous_usage_stats": True, "x": 1}, {"5": 1}, {"5": 1e9},
+                       {"99999": 1}, [{"role": "user", "content": "\ud800"}], [1.5, 2.0], [[1, 2], [3]],
+                       ["a", "b"], [[]], [[1, "a"]], {"type": "json_object"}, "none", "auto", 20, 21, 0, 16, 17])
+
+
+def _server_body(rng: random.Random, route: str):
+    from d3d_jax.serving import protocol as P
+
+    base = {"completion": {"model": "toy", "prompt": "To be", "max_tokens": 6, "temperature": 0},
+            "chat": {"model": "toy", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 6},
+            "tokenize": {"prompt": "To be"}, "detokenize": {"tokens": [5, 6, 7]}}[route]
+    body = dict(base)
+    keys = list(P.FIELDS.get(route, {})) + list(base) + ["unknown_field", "stream"]
+    for _ in range(rng.randint(1, 3)):
+        key = rng.choice(keys)
+        body[key] = _server_junk(rng) if rng.random() < 0.8 else mutate_value(rng, body.get(key))
+    if rng.random() < 0.3:
+        body["stream"] = True
+    return body
+
+
+def _encode(rng: random.Random, body: dict) -> bytes:
+    raw = json.dumps(body, ensure_ascii=True)  # lone surrogates travel as \ud800 escapes
+    r = rng.random()
+    if r < 0.03:
+        return rng.choice(DEEP).encode()
+    if r < 0.08:
+        return mutate_bytes(rng, raw.encode())
+    return raw.encode()
+
+
+def test_fuzz_every_server_route_gets_no_5xx(tmp_path):
+    import http.client
+    import socket
+
+    from serve_fake import FakeServer, TOKENIZER
+
+    from d3d_jax.io.hf import load_tokenizer
+
+    tok = load_tokenizer(TOKENIZER)[0]
+    server = FakeServer(tok, mode="sync", num_slots=4)
+    rng = random.Random(SEED + 4)
+    paths = {"completion": "/v1/completions", "chat": "/v1/chat/completions", "tokenize": "/tokenize",
+             "detokenize": "/detokenize"}
+    gets = ["/v1/models", "/v1/models/toy", "/v1/models/%C3%BF%FF", "/health", "/metrics", "/version", "/ping",
+            "/v1/nowhere", "/v1/models/toy/../x"]
+    statuses = {}
+    try:
+        before = server.client.completions.create(model="toy", prompt="Once upon", max_tokens=12, temperature=0)
+        conn = http.client.HTTPConnection(server.http.host, server.http.port, timeout=30)
+        for i in range(SERVER_REQUESTS):
+            r = rng.random()
+            if r < 0.1:
+                method, path, data = rng.choice(["GET", "HEAD"]), rng.choice(gets), None
+            else:
+                route = rng.choice(list(paths))
+                method, path, data = "POST", paths[route], _encode(rng, _server_body(rng, route))
+            try:
+                conn.request(method, path, body=data, headers={"Content-Type": "application/json"})
+                resp = conn.getresponse()
+                resp.read()
+            except (http.client.HTTPException, OSError):  # the server closed a bad connection: reopen
+                conn.close()
+                conn = http.client.HTTPConnection(server.http.host, server.http.port, timeout=30)
+                continue
+            statuses[resp.status] = statuses.get(resp.status, 0) + 1
+            assert resp.status < 500, (method, path, (data or b"")[:300], resp.status)
+            if resp.getheader("connection") == "close":
+                conn.close()
+                conn = http.client.HTTPConnection(server.http.host, server.http.port, timeout=30)
+        conn.close()
+        # bad Content-Length values: OpenAI's error JSON, not uvicorn's text/plain
+        for length in (b"abc", b"-1", b"1, 2", b"99999999999999999999"):
+            with socket.create_connection((server.http.host, server.http.port), timeout=10) as s:
+                s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                          b"Content-Length: " + length + b"\r\n\r\n{}")
+                reply = s.recv(65536).decode("latin-1")
+            head, _, body = reply.partition("\r\n\r\n")
+            assert head.split()[1] in ("400", "413"), (length, reply[:200])
+            assert "application/json" in head and json.loads(body)["error"]["message"], (length, reply[:300])
+        # a client that goes away in the middle of its body: no 500, nothing counted as one
+        for _ in range(5):
+            with socket.create_connection((server.http.host, server.http.port), timeout=10) as s:
+                s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n{\"model\"")
+        server.wait_idle()
+        after = server.client.completions.create(model="toy", prompt="Once upon", max_tokens=12, temperature=0)
+        assert after.choices[0].text == before.choices[0].text
+        errors = server.svc.scheduler.metrics.snapshot()["http_errors"]
+        assert not any(code >= 500 for code in errors), errors
+        assert sum(statuses.values()) >= 0.95 * SERVER_REQUESTS and statuses.get(200, 0) > 100, statuses
+        assert statuses.get(400, 0) > 500, statuses  # the junk was refused, not served
+        print("fuzz statuses", statuses)
+    finally:
+        server.close()

@@ -211,9 +211,12 @@ def test_init_from_hf_dir_with_fp32_master_bf16_compute(corpus, tmp_path):
                                  num_kv_heads=2, head_dim=16, max_position_embeddings=512), seed=5)
     save_qwen3(src, tmp_path / "hf_src", dtype="float32")
     tr = Trainer(_cfg(corpus, tmp_path / "run", f"train.init_from={tmp_path}/hf_src", "train.param_dtype=float32",
-                      "train.compute_dtype=bfloat16", "train.gradient_checkpointing=true", "train.steps=1"))
+                      "train.compute_dtype=bfloat16", "train.gradient_checkpointing=true", "train.steps=1",
+                      "model.attention_backend=pallas_interpret"))
     m = tr.model()
     assert m.config.dtype == "bfloat16" and m.config.param_dtype == "float32"
+    # the loaded model's layers run the configured backend (they kept the stored one before)
+    assert [layer.self_attn.cfg.attention_backend for layer in m.layers] == ["pallas_interpret"]
     assert m.config.gradient_checkpointing and m.config.mask_token_id == 3 and m.config.block_size == 16
     want = nnx.to_pure_dict(nnx.state(src, nnx.Param))
     got = nnx.to_pure_dict(nnx.state(m, nnx.Param))

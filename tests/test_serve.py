@@ -17,12 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from serve_fake import FakeConfig, FakeDecoder, Request, reference
+from serve_fake import EOS, TOKENIZER, FakeConfig, FakeDecoder, FakeServer, Request, reference  # noqa: F401
 
 openai = pytest.importorskip("openai")
-
-TOKENIZER = Path(__file__).resolve().parent.parent / "artifacts" / "demo" / "tokenizer"
-EOS = 2
 
 
 @pytest.fixture(scope="module")
@@ -30,53 +27,6 @@ def tokenizer():
     from d3d_jax.io.hf import load_tokenizer
 
     return load_tokenizer(TOKENIZER)[0]
-
-
-class FakeServer:
-    """A FakeDecoder behind the real scheduler, app and uvicorn on a free localhost port."""
-
-    def __init__(self, tokenizer, mode="sync", num_slots=4, step_delay_s=0.0, api_key=None, **kw):
-        from d3d_jax.serving.app import create_app
-        from d3d_jax.serving.server import ServerThread, make_service
-
-        self.tok = tokenizer
-        self.dec = FakeDecoder(FakeConfig(mode=mode, num_slots=num_slots), step_delay_s=step_delay_s)
-        self.svc = make_service(self.dec, tokenizer, (EOS,), model_name="toy", mode=mode,
-                                api_key=api_key, request_cls=Request, **kw)
-        self.svc.scheduler.start()
-        self.http = ServerThread(create_app(self.svc)).start()
-        self.client = openai.OpenAI(base_url=self.http.url + "/v1", api_key=api_key or "none",
-                                    max_retries=0, timeout=60)
-
-    def close(self):
-        self.http.stop()
-        self.svc.scheduler.stop()
-
-    def expected(self, prompt_ids, max_tokens, seed=0, temperature=0.0, stop_ids=(EOS,)):
-        from d3d_jax.decoding.verify import SamplingParams
-
-        ids, reason = reference(Request(list(prompt_ids), max_tokens, SamplingParams(temperature),
-                                        tuple(stop_ids), seed))
-        return ids, self.tok.decode(ids, skip_special_tokens=True), reason
-
-    def raw(self, method, path, body=None, headers=None):
-        """(status, parsed JSON or text) with the stdlib client: no SDK-side validation."""
-        conn = http.client.HTTPConnection(self.http.host, self.http.port, timeout=30)
-        data = body if isinstance(body, (bytes, type(None))) else json.dumps(body).encode()
-        conn.request(method, path, body=data, headers={"Content-Type": "application/json", **(headers or {})})
-        r = conn.getresponse()
-        text = r.read().decode()
-        conn.close()
-        try:
-            return r.status, json.loads(text)
-        except json.JSONDecodeError:
-            return r.status, text
-
-    def wait_idle(self, timeout_s=10.0):
-        t_end = time.monotonic() + timeout_s
-        while self.dec.active_slots() or self.svc.scheduler.num_queued:
-            assert time.monotonic() < t_end, f"slots still busy: {self.dec.active_slots()}"
-            time.sleep(0.01)
 
 
 @pytest.fixture
@@ -93,11 +43,16 @@ def make_server(tokenizer):
 
 
 def stream_text(stream) -> tuple[str, object]:
+    """The streamed text and the last chunk with a choice; usage rides only on the extra
+    choice-less final chunk (``include_usage``), never on a choice's chunk."""
     parts, last = [], None
     for ch in stream:
         for c in ch.choices:
             parts.append(c.text if hasattr(c, "text") else (c.delta.content or ""))
+        assert ch.usage is None or not ch.choices, "usage on a choice's chunk"
         last = ch if ch.choices else last
+        if not ch.choices:
+            last.usage_chunk = ch
     return "".join(parts), last
 
 
@@ -152,11 +107,13 @@ def test_completions_stream_and_full_equal_the_solo_reference(make_server, mode)
     ids = s.tok.encode(prompt, add_special_tokens=False)
     exp_ids, exp_text, _ = s.expected(ids, 24, stop_ids=())
     text, last = stream_text(s.client.completions.create(
-        model="toy", prompt=prompt, max_tokens=24, temperature=0, stream=True, extra_body={"ignore_eos": True}))
+        model="toy", prompt=prompt, max_tokens=24, temperature=0, stream=True,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
     assert text == exp_text
     assert last.choices[0].finish_reason == "length"
-    assert (last.usage.prompt_tokens, last.usage.completion_tokens) == (len(ids), 24)
-    spec = last.model_extra["spec_metrics"]
+    final = last.usage_chunk
+    assert (final.usage.prompt_tokens, final.usage.completion_tokens) == (len(ids), 24)
+    spec = final.model_extra["spec_metrics"]
     # τ·rounds = tokens committed, of which the last round's may be cut at max_tokens
     assert spec["rounds"] <= 24 <= spec["tau"] * spec["rounds"] < 24 + 4
     assert (spec["tau"] == 1.0) if mode == "plain" else spec["tau"] > 1.0
@@ -301,11 +258,22 @@ BAD = [
     ({"model": "toy", "prompt": list(range(10, 60)), "max_tokens": 400}, "max_tokens", "context length"),
     ({"model": "toy", "prompt": "hi", "max_tokens": 0}, "max_tokens", ">= 1"),
     ({"model": "toy", "prompt": "hi", "max_tokens": -3}, "max_tokens", ">= 1"),
-    ({"model": "gpt-9", "prompt": "hi"}, "model", "does not exist"),
+    ({"model": "toy", "prompt": [1.5, 2.0]}, "prompt", "a list of token-id lists"),
     ({"prompt": "hi"}, "model", "required"),
     ({"model": "toy", "prompt": "hi", "temperature": -0.5}, "temperature", ">= 0"),
     ({"model": "toy", "prompt": "hi", "top_p": 0}, "top_p", "> 0"),
-    ({"model": "toy", "prompt": "hi", "n": 2}, "n", "not supported"),
+    ({"model": "toy", "prompt": "hi", "n": 17}, "n", "<= 16"),
+    ({"model": "toy", "prompt": "hi", "max_tokens": 2 ** 80}, "max_tokens", "<= 2147483647"),
+    ({"model": "toy", "prompt": "hi", "top_k": 10 ** 400}, "top_k", "<= 2147483647"),
+    ({"model": "toy", "prompt": "hi", "repetition_penalty": 0}, "repetition_penalty", "> 0"),
+    ({"model": "toy", "prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options", "stream"),
+    ({"model": "toy", "prompt": "hi", "audio": {"voice": "x"}}, "audio", "not a field"),
+    ({"model": "toy", "prompt": "hi", "use_beam_search": True}, "use_beam_search", "not a field"),
+    ({"model": "toy", "prompt": "hi", "logit_bias": {"x": 1}}, "logit_bias", "not a token id"),
+    ({"model": "toy", "messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2},
+     "top_logprobs", "logprobs"),
+    ({"model": "toy", "messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]},
+     "tools", "not supported"),
     ({"model": "toy", "prompt": ""}, "prompt", "empty"),
     ({"model": "toy", "prompt": [5, 99999]}, "prompt", "vocabulary"),
     ({"model": "toy", "prompt": "hi", "stop": [""]}, "stop", "non-empty"),
@@ -320,6 +288,10 @@ def test_bad_requests_get_400_and_cost_no_decoder_work(make_server):
         status, out = s.raw("POST", path, body)
         assert status == 400, (body, out)
         assert out["error"]["param"] == param and words in out["error"]["message"], out
+    status, out = s.raw("POST", "/v1/completions", {"model": "gpt-9", "prompt": "hi"})
+    assert status == 404 and out["error"]["code"] == "model_not_found"
+    with pytest.raises(openai.NotFoundError):
+        s.client.completions.create(model="gpt-9", prompt="hi")
     for raw in (b"{not json", b"[1, 2]", b"\xff\xfe"):
         status, out = s.raw("POST", "/v1/completions", raw)
         assert status == 400 and "JSON" in out["error"]["message"]
@@ -378,8 +350,10 @@ def test_prometheus_metrics(make_server, mode):
     assert snap["counters"]["row_rounds"] == rounds
     hits = sum(o.model_extra["spec_metrics"]["hits"] for o in outs)
     misses = sum(o.model_extra["spec_metrics"]["misses"] for o in outs)
-    expect_hit = hits / (hits + misses) if mode == "async" else 0.0
-    assert _metric(text, "async_hit_rate") == pytest.approx(expect_hit, rel=1e-5)
+    if mode == "async":
+        assert _metric(text, "async_hit_rate") == pytest.approx(hits / (hits + misses), rel=1e-5)
+    else:  # a hit rate applies to async rounds only: not shown as 0
+        assert "d3d_async_hit_rate" not in text
 
 
 # --------------------------------------------------------------------------------------------
@@ -420,18 +394,14 @@ def test_eval_concurrency_keeps_n_in_flight_and_matches_solo(tokenizer):
 
 
 def test_waiting_events_are_merged_into_one_chunk():
-    import asyncio
-
-    from d3d_jax.serving.app import _merge
+    from d3d_jax.serving.choices import merge
     from d3d_jax.serving.scheduler import Event
 
-    q: asyncio.Queue = asyncio.Queue()
-    for ev in (Event([3, 4]), Event([5], True, "length", {"tau": 2.0}), Event([9])):
-        q.put_nowait(ev)
-    merged = _merge(Event([1, 2]), q)
-    assert (merged.token_ids, merged.finished, merged.finish_reason, merged.metrics) == \
-        ([1, 2, 3, 4, 5], True, "length", {"tau": 2.0})
-    assert q.qsize() == 1  # nothing past the end of the request is taken
+    merged = merge(Event([1, 2]), [Event([3, 4]), Event([5], True, "length", {"tau": 2.0})])
+    assert (merged.token_ids, merged.finished, merged.finish_reason, merged.metrics, merged.logprobs) == \
+        ([1, 2, 3, 4, 5], True, "length", {"tau": 2.0}, None)
+    lp = merge(Event([1], logprobs=[(-0.5, [])]), [Event([2], logprobs=[(-1.0, [(2, -1.0)])])])
+    assert lp.logprobs == [(-0.5, []), (-1.0, [(2, -1.0)])]
 
 
 def test_warmup_compiles_one_prompt_per_power_of_two_bucket():
@@ -440,3 +410,59 @@ def test_warmup_compiles_one_prompt_per_power_of_two_bucket():
     assert warmup_lengths(256, 1000) == [16, 32, 64, 128, 256]
     assert warmup_lengths(256, 100) == [16, 32, 64]
     assert warmup_lengths(256, 10) == [10] and warmup_lengths(0, 100) == [] and warmup_lengths(256, -5) == []
+
+
+def test_routes_tokenize_detokenize_models_version_ping_head(make_server):
+    s = make_server(mode="plain")
+    ids = s.tok.encode("To be, or not", add_special_tokens=False)
+    assert s.raw("POST", "/tokenize", {"model": "toy", "prompt": "To be, or not"}) == \
+        (200, {"count": len(ids), "max_model_len": s.svc.limits.context_len, "tokens": ids})
+    assert s.raw("POST", "/detokenize", {"tokens": ids}) == (200, {"prompt": "To be, or not"})
+    status, out = s.raw("POST", "/tokenize", {"prompt": "x", "model": "other"})
+    assert status == 404 and out["error"]["code"] == "model_not_found"
+    assert s.raw("POST", "/detokenize", {"tokens": [1, 10 ** 9]})[0] == 400
+    assert s.raw("GET", "/v1/models/toy")[1]["id"] == "toy" and s.client.models.retrieve("toy").id == "toy"
+    with pytest.raises(openai.NotFoundError):
+        s.client.models.retrieve("gpt-9")
+    assert s.raw("GET", "/version")[1]["version"] and s.raw("GET", "/ping")[0] == 200
+    for path in ("/health", "/metrics"):
+        assert s.raw("HEAD", path)[0] == 200
+
+
+def test_metrics_histograms_vllm_names_and_warmup_left_out(make_server):
+    from d3d_jax.serving.server import warmup_in_background
+
+    s = make_server(mode="sync", vllm_metrics=True)
+    warmup_in_background(s.svc, [16], max_tokens=9).join(10)
+    s.wait_idle()
+    outs = [s.client.completions.create(model="toy", prompt=p, max_tokens=n, temperature=0,
+                                        extra_body={"ignore_eos": True}) for p, n in (("a", 10), ("bb", 7))]
+    stream = list(s.client.completions.create(model="toy", prompt="ccc", max_tokens=5, temperature=0, stream=True,
+                                              stream_options={"include_usage": True},
+                                              extra_body={"ignore_eos": True}))
+    rounds = sum(o.model_extra["spec_metrics"]["rounds"] for o in outs) + stream[-1].model_extra["spec_metrics"]["rounds"]
+    _, text = s.raw("GET", "/metrics")
+    assert _metric(text, "admitted_requests_total") == 3  # the warm-up request is not counted
+    assert _metric(text, "generation_tokens_total") == 22
+    assert _metric(text, "time_to_first_token_seconds_count") == 3
+    assert _metric(text, "e2e_request_latency_seconds_count") == 3
+    assert _metric(text, "inter_token_latency_seconds_count") == 22 - 3  # every token after the first
+    assert _metric(text, "tokens_per_round_sum") == 22
+    assert _metric(text, "tokens_per_round_count") == rounds  # one observation per request and round
+    assert _metric(text, "tokens_per_round_bucket", '{le="+Inf"}') == rounds
+    assert 'vllm:time_to_first_token_seconds_count{model_name="toy"} 3' in text
+    assert 'vllm:num_requests_running{model_name="toy"} 0' in text
+
+
+@pytest.mark.parametrize("flag, value", [("--max-body-bytes", "-1"), ("--port", "70000"), ("--num-slots", "0"),
+                                         ("--max-queue", "-2"), ("--default-max-tokens", "0"), ("--port", "x")])
+def test_bad_server_numbers_are_refused_at_start_in_one_line(flag, value, capsys):
+    import argparse
+
+    from d3d_jax.serving.server import add_arguments
+
+    parser = add_arguments(argparse.ArgumentParser(prog="serve.py"))
+    with pytest.raises(SystemExit) as e:
+        parser.parse_args(["--target", "t", flag, value])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and flag in err[-1] and value in err[-1], err

@@ -136,3 +136,76 @@ def test_sampling_params_validation():
         with pytest.raises(ValueError, match=msg):
             SamplingParams(**bad).validate()
     SamplingParams(0.0, 1.0, 0).validate()
+
+
+def test_min_p_after_top_k_and_top_p_matches_transformers():
+    from transformers.generation.logits_process import MinPLogitsWarper
+
+    logits = np.random.default_rng(5).normal(0, 2, (6, 40)).astype(np.float32)
+    sampling = SamplingParams(0.8, top_p=0.9, top_k=25, min_p=0.1)
+    x = torch.tensor(logits)
+    for warper in (TemperatureLogitsWarper(0.8), TopKLogitsWarper(25), TopPLogitsWarper(0.9), MinPLogitsWarper(0.1)):
+        x = warper(None, x)
+    ref = torch.softmax(x, -1).numpy()
+    for form in (sampling, SamplingParams.stack([sampling] * 6)):  # one request's numbers, per-row arrays
+        ours = np.asarray(V.processed_probs(jnp.asarray(logits), form))
+        np.testing.assert_array_equal(ours > 0, ref > 0)
+        np.testing.assert_allclose(ours, ref, atol=1e-6)
+
+
+def _brute_adjust(logits, p: SamplingParams, seq, plen, anchor, n_out, stop_ids, fed):
+    """One row, slot by slot: the committed output plus the drafts before the slot, by formula."""
+    out = np.array(logits, np.float64)
+    for k in range(out.shape[0]):
+        x = out[k]
+        for t, b in zip(p.bias_ids, p.bias_values):
+            x[t] += b
+        if n_out + k < p.min_tokens:
+            x[[t for t in stop_ids if t >= 0]] = -np.inf
+        output = list(seq[plen:anchor + 1]) + list(fed[:k])
+        seen = set(seq[:plen]) | set(output)
+        for t in seen:
+            x[t] = x[t] / p.repetition_penalty if x[t] > 0 else x[t] * p.repetition_penalty
+        counts = np.bincount(output, minlength=len(x)) if output else np.zeros(len(x))
+        x -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
+    return out
+
+
+def test_adjust_logits_counts_the_drafts_before_each_slot():
+    rng = np.random.default_rng(6)
+    b, w, v, s = 4, 5, 16, 24
+    logits = rng.normal(0, 2, (b, w, v)).astype(np.float32)
+    rows = [SamplingParams(1.0, presence_penalty=0.7, frequency_penalty=0.4),
+            SamplingParams(0.0, repetition_penalty=1.6, min_tokens=3, bias_ids=(3, 9), bias_values=(2.0, -50.0)),
+            SamplingParams(),  # no transform: its logits stay as they are
+            SamplingParams(0.5, frequency_penalty=-1.0, repetition_penalty=0.7)]
+    seq = rng.integers(0, v, (b, s)).astype(np.int32)
+    plen, anchor, n_out = np.array([3, 5, 2, 4]), np.array([6, 5, 9, 7]), np.array([3, 0, 7, 3])
+    stop = np.full((b, 16), -1, np.int32)
+    stop[:, :2] = [[1, 4]] * b
+    fed = rng.integers(0, v, (b, w - 1)).astype(np.int32)
+    fed[:, 1] = fed[:, 0]  # a repeated draft: counts of 2 inside the block
+    got = np.asarray(V.adjust_logits(jnp.asarray(logits), SamplingParams.stack(rows), jnp.asarray(seq),
+                                     jnp.asarray(plen), jnp.asarray(anchor), jnp.asarray(n_out),
+                                     jnp.asarray(stop), jnp.asarray(fed)))
+    for r in range(b):
+        ref = _brute_adjust(logits[r], rows[r], seq[r], plen[r], anchor[r], n_out[r], stop[r], fed[r])
+        np.testing.assert_allclose(got[r], ref, rtol=1e-5, atol=1e-5, err_msg=str(r))
+    np.testing.assert_array_equal(got[2], logits[2])
+    assert np.isneginf(got[1, :3, [1, 4]]).all() and np.isfinite(got[1, 3:, [1, 4]]).all()  # min_tokens 3
+
+
+def test_emitted_logprobs_are_the_processed_distributions():
+    rng = np.random.default_rng(7)
+    logits = rng.normal(0, 2, (3, 4, 30)).astype(np.float32)
+    rows = [SamplingParams(0.0, logprobs=3), SamplingParams(0.7, top_k=5, logprobs=0), SamplingParams()]
+    emitted = rng.integers(0, 30, (3, 4)).astype(np.int32)
+    emitted[1] = np.argsort(-logits[1], -1)[:, 0]  # inside top-k
+    chosen, top_ids, top_lp = map(np.asarray, V.emitted_logprobs(jnp.asarray(logits), jnp.asarray(emitted),
+                                                                 SamplingParams.stack(rows)))
+    ref0 = torch.log_softmax(torch.tensor(logits[0]), -1).numpy()  # greedy: temperature 1
+    np.testing.assert_allclose(chosen[0], ref0[np.arange(4), emitted[0]], atol=1e-5)
+    np.testing.assert_array_equal(top_ids[0, :, :3], np.argsort(-ref0, -1)[:, :3])
+    x = TopKLogitsWarper(5)(None, TemperatureLogitsWarper(0.7)(None, torch.tensor(logits[1])))
+    np.testing.assert_allclose(chosen[1], torch.log_softmax(x, -1).numpy()[np.arange(4), emitted[1]], atol=1e-5)
+    assert np.isneginf(top_lp[1, :, 5:]).all()  # filtered tokens: -inf

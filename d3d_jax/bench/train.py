@@ -19,7 +19,8 @@ the clean stream, times ``--steps`` steps after warm-up and reports:
 
 On CPU a model above ``CPU_MAX_PARAMS`` is not run (it would take minutes per step and more host
 memory than a workstation has): the plan and the FLOPs per step are printed, with a line saying so.
-``--plan-config/--plan-devices`` add a second plan (e.g. D3D-8B on a 64-device fsdp mesh).
+``--plan-config`` adds a second plan on that config's own mesh and batch (D3D-8B: 64 devices as
+data 1 × fsdp 16 × tensor 4, batch 16); ``--plan-devices/--plan-batch`` change its size.
 
 The memory plan's attention term follows ``model.attention_backend``: ``xla`` materialises
 ``[b, heads, L, L]`` scores, the fused ``pallas`` kernel keeps O(L); ``--plan-attention`` /
@@ -60,9 +61,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch", type=int, default=0, help="global rows per step (default: one per device)")
     p.add_argument("--peak-tflops", type=float, default=0.0, help="peak TFLOP/s per device (overrides the table)")
     p.add_argument("--plan-config", default="", help="also plan this config (e.g. configs/train/d3d-8b.yaml)")
-    p.add_argument("--plan-devices", type=int, default=64)
+    p.add_argument("--plan-devices", type=int, default=0,
+                   help="devices for --plan-config (default: its mesh's size; 64 where an axis is -1)")
     p.add_argument("--plan-batch", type=int, default=0,
-                   help="global batch for --plan-config (default: one row per device)")
+                   help="global batch for --plan-config (default: its data.batch_size)")
     p.add_argument("--skip-throughput", action="store_true", help="print the plan only")
     p.add_argument("--plan-attention", default="", choices=("",) + tuple(ATTENTION_BACKENDS),
                    help="attention backend for the plans (default: the config's)")
@@ -145,7 +147,7 @@ def bench_config(config: str, devices: int, batch: int, overrides: list[str], wo
     corpus written to ``workdir`` whose responses fill the clean stream."""
     from d3d_jax.training import data as D
 
-    mesh = ["mesh.data=1", f"mesh.fsdp={devices}", "mesh.tensor=1"]
+    mesh = fsdp_mesh(devices)
     base = load_config(TrainRunConfig, [config], [f"num_devices={devices}", f"data.batch_size={batch}"] + mesh
                        + list(overrides))
     prompt = 4
@@ -258,12 +260,41 @@ def _planned_model(mc, attention_backend: str, remat_policy: str):
     return mc
 
 
-def memory_plan(config: str, num_devices: int, batch: int = 0, overrides: list[str] = (),
-                attention_backend: str = "", remat_policy: str = "") -> dict:
-    """Per-device bytes of params / grads / optimiser state (eval_shape) + an activation estimate.
+def fsdp_mesh(devices: int) -> list[str]:
+    """Overrides for an fsdp mesh over ``devices`` (the timed run's mesh)."""
+    return ["mesh.data=1", f"mesh.fsdp={devices}", "mesh.tensor=1"]
 
-    ``attention_backend`` / ``remat_policy`` plan for a backend or policy this platform need not
-    run (the plan is shapes only), e.g. ``pallas`` on a CPU host for a GPU job.
+
+def _per_device_model(mc, tensor: int):
+    """``mc`` with the dims the tensor axis splits (heads, MLP, vocabulary) divided by it, where
+    it divides them (as the sharding rules do): the activation formulas then count one device."""
+    import dataclasses
+
+    split = {k: getattr(mc, k) // tensor for k in ("num_heads", "num_kv_heads", "intermediate_size",
+                                                   "vocab_size") if getattr(mc, k) % tensor == 0}
+    return dataclasses.replace(mc, **split) if tensor > 1 else mc
+
+
+def _yaml_mesh(config: str, overrides) -> list[int]:
+    """``[data, fsdp, tensor]`` as the config (and its ``mesh.*`` overrides) state them (-1: all
+    remaining devices), read before any device count is known."""
+    from d3d_jax.config import MeshConfig
+    from d3d_jax.config.base import parse_overrides, read_yaml
+
+    mesh = read_yaml(config).get("mesh", {})
+    mesh = read_yaml(mesh) if isinstance(mesh, str) else dict(mesh)
+    mesh.update(parse_overrides(overrides).get("mesh", {}))
+    return [int(mesh.get(k, getattr(MeshConfig(), k))) for k in ("data", "fsdp", "tensor")]
+
+
+def memory_plan(config: str, num_devices: int = 0, batch: int = 0, overrides: list[str] = (),
+                attention_backend: str = "", remat_policy: str = "") -> dict:
+    """Per-device bytes of params / grads / optimiser state (eval_shape) + an activation estimate,
+    on the config's own mesh and batch (``overrides`` may change them, e.g. :func:`fsdp_mesh`).
+
+    ``num_devices`` 0: the mesh's own size (64 where a mesh axis is -1); ``batch`` 0: the
+    config's ``data.batch_size``.  ``attention_backend`` / ``remat_policy`` plan for a backend or
+    policy this platform need not run (the plan is shapes only), e.g. ``pallas`` on a CPU host.
     """
     import dataclasses
 
@@ -273,13 +304,15 @@ def memory_plan(config: str, num_devices: int, batch: int = 0, overrides: list[s
     from d3d_jax.training.optim import make_optimizer
     from flax import nnx
 
-    batch = batch or num_devices
-    cfg = load_config(TrainRunConfig, [config], [
-        f"num_devices={num_devices}", "mesh.data=1", f"mesh.fsdp={num_devices}", "mesh.tensor=1",
-        f"data.batch_size={batch}", "optim.grad_accum_steps=1"] + list(overrides))
+    fixed = _yaml_mesh(config, overrides)
+    num_devices = num_devices or (int(np.prod(fixed)) if min(fixed) > 0 else 64)
+    cfg = load_config(TrainRunConfig, [config], [f"num_devices={num_devices}"]
+                      + ([f"data.batch_size={batch}"] if batch else []) + list(overrides))
+    batch = cfg.data.batch_size
     mc = dataclasses.replace(cfg.effective_model(), block_size=cfg.data.block_size)
     planned = _planned_model(mc, attention_backend, remat_policy)
-    mesh = jax.sharding.AbstractMesh((1, num_devices, 1), shd.MESH_AXES)
+    sizes = cfg.mesh.axis_sizes(num_devices)
+    mesh = jax.sharding.AbstractMesh(tuple(sizes), shd.MESH_AXES)
     rules = shd.rules_dict(cfg.mesh.rules)
 
     def spec_sizes(path, shape):
@@ -301,17 +334,20 @@ def memory_plan(config: str, num_devices: int, batch: int = 0, overrides: list[s
     o_bytes = _shard_bytes(opt_state, spec_sizes)
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
 
-    # Activations of one micro-batch on one device (rows b = batch / (data·fsdp), tensor = 1).
-    b = max(batch // num_devices, 1)
-    L, V = cfg.data.packed_length, mc.vocab_size
-    per_layer = layer_activation_bytes(planned, b, L)
-    stored, live = remat_activation_bytes(planned, b, L, per_layer)
+    # Activations of one micro-batch on one device: rows b = micro-batch / (data·fsdp), and the
+    # heads, MLP and vocabulary the tensor axis splits.
+    b = max(batch // cfg.optim.grad_accum_steps // (sizes[0] * sizes[1]), 1)
+    one = _per_device_model(planned, sizes[2])
+    L, V = cfg.data.packed_length, one.vocab_size
+    per_layer = layer_activation_bytes(one, b, L)
+    stored, live = remat_activation_bytes(one, b, L, per_layer)
     logits = 3 * b * L * V * 4  # float32 logits, softmax, gradient
     activations = stored + live + logits
     grads = p_bytes  # gradients in the parameter dtype, sharded like the parameters
     total = p_bytes + grads + o_bytes + activations
     gib = lambda x: x / 2 ** 30
-    return {"config": config, "devices": num_devices, "mesh": f"fsdp {num_devices}", "global_batch": batch,
+    return {"config": config, "devices": num_devices, "global_batch": batch,
+            "mesh": " × ".join(f"{a} {n}" for a, n in zip(shd.MESH_AXES, sizes)),
             "rows_per_device": b, "packed_length": L, "num_params": n_params, "param_dtype": mc.param_dtype,
             "compute_dtype": mc.dtype, "optimizer": cfg.optim.name,
             "gradient_checkpointing": planned.gradient_checkpointing, "remat_policy": planned.layer_remat,
@@ -339,7 +375,8 @@ def run_bench(config: str, devices: int, batch: int, steps: int, overrides: list
     """Plan, FLOPs and (unless skipped) the timed run with MFU and peak memory; see the module doc."""
     cfg = bench_config(config, devices, batch, overrides, Path(tempfile.mkdtemp(prefix="bench_train_")))
     mc = cfg.effective_model()
-    plan = memory_plan(config, devices, batch, overrides=overrides, attention_backend=plan_attention,
+    plan = memory_plan(config, devices, batch, overrides=fsdp_mesh(devices) + list(overrides),
+                       attention_backend=plan_attention,
                        remat_policy=plan_remat)
     out: dict = {"config": config, "devices": devices, "global_batch": batch, "packed_length": cfg.data.packed_length,
                  "compute_dtype": mc.dtype, "num_params": plan["num_params"], "plan": plan}

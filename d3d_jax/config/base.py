@@ -195,21 +195,32 @@ def parse_overrides(overrides: Sequence[str]) -> dict:
     return tree
 
 
+def _merge_layer(tree: dict, layer: Mapping, hints: dict) -> dict:
+    """``layer`` (one YAML file, or the overrides) merged over ``tree``.
+
+    A section given as a file name (``model: models/qwen3-8b.yaml``) is read here, where it
+    appears: it replaces the section, and later layers' ``model.X`` keys merge into the file's
+    mapping instead of replacing it (``model.attention_backend=pallas`` keeps the file's shapes).
+    """
+    for k, v in layer.items():
+        is_file = isinstance(v, str) and v.endswith((".yaml", ".yml"))
+        if is_file and k in hints and dataclasses.is_dataclass(hints[k]):
+            tree = {**tree, k: read_yaml(v)}
+        else:
+            tree = _deep_merge(tree, {k: v})
+    return tree
+
+
 def load_config(cls: type, paths: Sequence[str | os.PathLike] = (), overrides: Sequence[str] = ()) -> Any:
     """Load dataclass ``cls`` from YAML ``paths`` merged in order, then ``key=value`` overrides.
 
     A ``model: path/to/model.yaml`` string value of a section is read as a YAML file too.
     Validation runs ``cls.validate()`` when it exists.
     """
-    tree: dict = {}
-    for p in paths:
-        tree = _deep_merge(tree, read_yaml(p))
-    tree = _deep_merge(tree, parse_overrides(overrides))
     hints = typing.get_type_hints(cls)
-    for k, v in list(tree.items()):
-        if isinstance(v, str) and k in hints and dataclasses.is_dataclass(hints[k]) and (
-                v.endswith(".yaml") or v.endswith(".yml")):
-            tree[k] = read_yaml(v)
+    tree: dict = {}
+    for layer in [read_yaml(p) for p in paths] + [parse_overrides(overrides)]:
+        tree = _merge_layer(tree, layer, hints)
     cfg = build_dataclass(cls, tree)
     if hasattr(cfg, "validate"):
         cfg.validate()

@@ -164,8 +164,8 @@ class AsyncCore:
         core = self.core
         block, draft_len = hand[:, :-1], hand[:, -1]
         fed, compared = verify_inputs(block, draft_len, self.drafter.mask_token_id)
-        accepted, next_token, cache = core.verify(target_params, state, fed, compared)
-        state, result = core.commit(state, fed, accepted, next_token, cache)
+        accepted, next_token, cache, logprobs = core.verify(target_params, state, fed, compared)
+        state, result = core.commit(state, fed, accepted, next_token, cache, logprobs)
         decision = jnp.stack([accepted, next_token, state.anchor_pos, state.done.astype(jnp.int32)],
                              axis=1).astype(jnp.int32)
         return state, decision, result

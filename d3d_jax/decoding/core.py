@@ -104,6 +104,11 @@ class RoundResult:
     count: jax.Array  # [b]
     finish: jax.Array  # [b] RUNNING / FINISH_*
     accepted: jax.Array  # [b] drafts accepted (0 for inactive rows)
+    # the target's log-probabilities of ``tokens`` and each slot's most likely alternatives
+    # (zeros unless some row asked: SamplingParams.logprobs)
+    logprob: jax.Array  # [b, W]
+    top_ids: jax.Array  # [b, W, N]
+    top_logprobs: jax.Array  # [b, W, N]
 
 
 def key_data(seed: jax.Array, index: jax.Array) -> jax.Array:
@@ -116,6 +121,14 @@ def key_data(seed: jax.Array, index: jax.Array) -> jax.Array:
 
 def _insert(full: jax.Array, rows: jax.Array, slots: jax.Array) -> jax.Array:
     return full.at[slots].set(rows, mode="drop")
+
+
+def emitted_tokens(fed: jax.Array, accepted: jax.Array, next_token: jax.Array) -> jax.Array:
+    """``[b, W]``: the accepted drafts, then the target's token (the first ``accepted + 1`` count)."""
+    b, w = fed.shape[0], fed.shape[1] + 1
+    idx = jnp.arange(w, dtype=jnp.int32)[None]
+    padded = jnp.concatenate([fed, jnp.zeros((b, 1), jnp.int32)], axis=1)
+    return jnp.where(idx < accepted[:, None], padded, next_token[:, None])
 
 
 def _match(tokens: jax.Array, ids: jax.Array) -> jax.Array:
@@ -157,7 +170,7 @@ class DecodeCore:
             accept_hist=jnp.zeros((b, self.width), jnp.int32), max_new=zeros,
             stop_ids=jnp.full((b, MAX_STOP_IDS), -1, jnp.int32),
             stop_is_eos=jnp.zeros((b, MAX_STOP_IDS), bool),
-            sampling=SamplingParams(jnp.zeros((b,)), jnp.ones((b,)), zeros))
+            sampling=SamplingParams.rows(b))
 
     def prefill_target(self, target_params, rows: RowInput) -> TargetRows:
         """Cache each prompt minus its last token (that token is the first anchor)."""
@@ -216,8 +229,9 @@ class DecodeCore:
 
     def verify(self, target_params, state: DecodeState, fed: jax.Array, compared: jax.Array,
                draft_probs=None):
-        """Target forward over ``[anchor, fed]`` (cache span bucketed by the active rows), the
-        rule on ``compared``; returns ``(accepted, next_token, cache)``."""
+        """Target forward over ``[anchor, fed]`` (cache span bucketed by the active rows), each
+        row's logit processors (bias, min_tokens, penalties: :func:`verify.adjust_logits`), the
+        rule on ``compared``; returns ``(accepted, next_token, cache, logprobs)``."""
         target = nnx.merge(self.target_graphdef, target_params)
         s = state.anchor_pos
         anchor = jnp.take_along_axis(state.seq, s[:, None], axis=1)
@@ -232,22 +246,26 @@ class DecodeCore:
         logits, write = kvc.call_with_span(forward, needed, cache_in,
                                            jnp.concatenate([anchor, fed], axis=1), pos)
         cache = write.apply(cache_in)
+        logits = V.adjust_logits(logits, state.sampling, state.seq, state.prompt_len, s,
+                                 state.n_out, state.stop_ids, fed)
         accepted, next_token = self.rule(logits, compared, draft_probs, s, state.row_keys,
                                          state.sampling)
         if self.override is not None:
             accepted, next_token = self.override.accept(accepted, next_token, s, state.row_keys,
                                                         self.width)
-        return accepted, next_token, cache
+        logprobs = V.emitted_logprobs(logits, emitted_tokens(fed, accepted, next_token),
+                                      state.sampling)
+        return accepted, next_token, cache, logprobs
 
     def commit(self, state: DecodeState, fed: jax.Array, accepted: jax.Array,
-               next_token: jax.Array, target_cache: kvc.KVCache
+               next_token: jax.Array, target_cache: kvc.KVCache, logprobs=None
                ) -> tuple[DecodeState, RoundResult]:
-        """Append ``fed[:a] + [next_token]`` per active row, cut at EOS/stop and max_new_tokens."""
+        """Append ``fed[:a] + [next_token]`` per active row, cut at EOS/stop and max_new_tokens;
+        ``logprobs``: :meth:`verify`'s (None: zeros)."""
         w = self.width
         b = state.seq.shape[0]
         idx = jnp.arange(w, dtype=jnp.int32)[None]
-        padded = jnp.concatenate([fed, jnp.zeros((b, 1), jnp.int32)], axis=1)
-        emitted = jnp.where(idx < accepted[:, None], padded, next_token[:, None])
+        emitted = emitted_tokens(fed, accepted, next_token)
         count = accepted + 1
         is_stop = jnp.any(_match(emitted, state.stop_ids), axis=-1) & (idx < count[:, None])
         first_stop = jnp.where(jnp.any(is_stop, axis=1), jnp.argmax(is_stop, axis=1), w)
@@ -271,7 +289,10 @@ class DecodeCore:
             state, target_cache=target_cache.with_lengths(anchor_pos), seq=seq,
             anchor_pos=anchor_pos, n_out=n_out, done=state.done | hit_stop | out_of_room,
             finish=finish, accept_hist=hist)
-        return state, RoundResult(emitted, n_emit, finish, jnp.where(active, accepted, 0))
+        if logprobs is None:
+            n = min(V.MAX_TOP_LOGPROBS, state.seq.shape[1])
+            logprobs = (jnp.zeros((b, w)), jnp.zeros((b, w, n), jnp.int32), jnp.zeros((b, w, n)))
+        return state, RoundResult(emitted, n_emit, finish, jnp.where(active, accepted, 0), *logprobs)
 
     def round(self, target_params, drafter_params, state: DecodeState
               ) -> tuple[DecodeState, RoundResult]:
@@ -280,9 +301,9 @@ class DecodeCore:
             draft = DraftOutput(jnp.zeros((state.seq.shape[0], self.width - 1), jnp.int32), None, None)
         else:
             draft, state = self.draft(drafter_params, state)
-        accepted, next_token, cache = self.verify(target_params, state, draft.drafts, draft.drafts,
-                                                  draft.probs)
-        return self.commit(state, draft.drafts, accepted, next_token, cache)
+        accepted, next_token, cache, logprobs = self.verify(target_params, state, draft.drafts,
+                                                            draft.drafts, draft.probs)
+        return self.commit(state, draft.drafts, accepted, next_token, cache, logprobs)
 
     def run_until_done(self, target_params, drafter_params, state: DecodeState) -> DecodeState:
         """Rounds in a ``lax.while_loop`` on the device until every row is done."""

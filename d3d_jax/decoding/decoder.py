@@ -61,6 +61,15 @@ class _Slot:
     finish_reason: str | None = None
 
 
+def _logprobs(res, slot: int, n: int, top: int) -> list | None:
+    """One slot's emitted tokens' log-probabilities from a host copy of a round's result."""
+    if top < 0:
+        return None
+    return [(float(res.logprob[slot, k]),
+             [(int(i), float(lp)) for i, lp in zip(res.top_ids[slot, k, :top], res.top_logprobs[slot, k, :top])])
+            for k in range(n)]
+
+
 def _bucket(n: int, cap: int) -> int:
     """Prompt-length bucket: the next power of two >= n (at least 16), capped at the cache."""
     return min(cap, max(16, 1 << (max(n, 1) - 1).bit_length()))
@@ -199,8 +208,9 @@ class SpecDecoder:
         return self.core.draft(self._dp(d_leaves), state)
 
     def _verify_commit_fn(self, t_leaves, state, drafts, probs):
-        accepted, next_token, cache = self.core.verify(self._tp(t_leaves), state, drafts, drafts, probs)
-        return self.core.commit(state, drafts, accepted, next_token, cache)[0]
+        accepted, next_token, cache, lp = self.core.verify(self._tp(t_leaves), state, drafts, drafts,
+                                                           probs)
+        return self.core.commit(state, drafts, accepted, next_token, cache, lp)[0]
 
     def _target_step_fn(self, t_leaves, state, hand):
         return self.async_core.target_step(self._tp(t_leaves), state, hand)
@@ -372,7 +382,8 @@ class SpecDecoder:
             info.n_out += n
             info.finish_reason = reason
             outs[s] = StepOutput([int(t) for t in res.tokens[s, :n]], reason is not None, reason,
-                                 int(res.accepted[s]), None if view is None else bool(view[s, 1]))
+                                 int(res.accepted[s]), None if view is None else bool(view[s, 1]),
+                                 _logprobs(res, s, n, info.request.sampling.logprobs))
         return outs
 
     def run_until_done(self, timeline: list | None = None) -> dict:

@@ -155,6 +155,9 @@ def request_problem(req: Request, cfg: DecoderConfig, vocab: int) -> str | None:
         req.sampling.validate()
     except ValueError as e:
         return str(e)
+    problem = req.sampling.vocab_problem(vocab)
+    if problem:
+        return problem
     eos = cfg.eos_token_ids if req.eos_token_ids is None else tuple(req.eos_token_ids)
     for name, ids in (("eos_token_ids", eos), ("stop_token_ids", req.stop_token_ids)):
         bad = [t for t in ids if not 0 <= int(t) < vocab]
@@ -176,3 +179,6 @@ class StepOutput:
     finish_reason: str | None  # "eos" | "stop" | "length" once finished
     accepted: int  # drafts accepted this round
     hit: bool | None = None  # async: a branch anticipated the outcome
+    # per token, when the request asked (sampling.logprobs = n >= 0): (log-prob, [(id, log-prob)
+    # of the n most likely tokens]) under the request's processed target distribution
+    logprobs: list | None = None

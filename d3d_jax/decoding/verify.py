@@ -32,27 +32,63 @@ SALT_DRAFT = 3  # d ~ q (drafter side)
 SALT_REPLAY = 4  # replay drafter's error coin
 
 
+MAX_LOGIT_BIAS = 64  # logit_bias entries per request (a fixed per-row table: one compile)
+MAX_TOP_LOGPROBS = 20  # alternatives per emitted token a request may ask for (OpenAI's cap)
+NO_LOGPROBS = -1  # SamplingParams.logprobs: the request wants none
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
-    """Target sampling: ``temperature == 0`` is greedy; top-k 0 and top-p 1 disable the filters.
+    """Target sampling: ``temperature == 0`` is greedy; top-k 0, top-p 1 and min-p 0 disable the
+    filters; penalties 0 (repetition 1), min_tokens 0 and no logit bias leave the logits alone.
 
     One request's parameters are Python numbers (hashable, usable as a static argument).  Inside
-    the decoder they are per-row DATA: :meth:`stack` makes arrays ``[b]`` (a pytree), so one
-    compiled program serves every mix of requests.  Every function below takes either form.
+    the decoder they are per-row DATA: :meth:`stack` makes arrays ``[b]`` (a pytree; the logit
+    bias a ``[b, MAX_LOGIT_BIAS]`` table), so one compiled program serves every mix of requests.
+    Every function below takes either form.  ``logprobs`` is an output option riding along as
+    per-row data: -1 none, n >= 0 the emitted token's log-probability plus n alternatives.
     """
 
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0  # OpenAI: minus this for every token generated at least once
+    frequency_penalty: float = 0.0  # OpenAI: minus this times the token's count in the output
+    repetition_penalty: float = 1.0  # transformers/vLLM: divides (> 0) or multiplies (< 0) the
+    #                                  logit of every token in the prompt or the output
+    min_tokens: int = 0  # EOS and stop ids are impossible before this many output tokens
+    bias_ids: tuple = ()  # logit_bias: token ids ...
+    bias_values: tuple = ()  # ... and the value added to each one's logit
+    logprobs: int = NO_LOGPROBS
 
     def validate(self) -> None:
         if not self.temperature >= 0.0:
             raise ValueError(f"sampling.temperature must be >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"sampling.top_p must be in (0, 1], got {self.top_p}")
-        if int(self.top_k) != self.top_k or self.top_k < 0:
-            raise ValueError(f"sampling.top_k must be an integer >= 0, got {self.top_k}")
+        if int(self.top_k) != self.top_k or not 0 <= self.top_k < 2 ** 31:
+            raise ValueError(f"sampling.top_k must be an integer >= 0 and < 2**31, got {self.top_k}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"sampling.min_p must be in [0, 1], got {self.min_p}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"sampling.{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not 0.0 < self.repetition_penalty <= 2.0:
+            raise ValueError(f"sampling.repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
+        if int(self.min_tokens) != self.min_tokens or not 0 <= self.min_tokens < 2 ** 31:
+            raise ValueError(f"sampling.min_tokens must be an integer in [0, 2**31), got {self.min_tokens}")
+        if len(self.bias_ids) != len(self.bias_values) or len(self.bias_ids) > MAX_LOGIT_BIAS:
+            raise ValueError(f"sampling.logit_bias: at most {MAX_LOGIT_BIAS} (id, value) pairs")
+        if not all(-100.0 <= v <= 100.0 for v in self.bias_values):
+            raise ValueError("sampling.logit_bias values must be in [-100, 100]")
+        if not NO_LOGPROBS <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"sampling.logprobs must be in [-1, {MAX_TOP_LOGPROBS}], got {self.logprobs}")
+
+    def vocab_problem(self, vocab: int) -> str | None:
+        bad = [int(t) for t in self.bias_ids if not 0 <= int(t) < vocab]
+        return f"logit_bias has token id {bad[0]} outside the vocabulary [0, {vocab})" if bad else None
 
     @property
     def greedy(self):
@@ -66,9 +102,24 @@ class SamplingParams:
     @staticmethod
     def stack(params: Sequence["SamplingParams"]) -> "SamplingParams":
         """Per-row arrays ``[b]`` (host numpy) from one :class:`SamplingParams` per row."""
-        return SamplingParams(np.asarray([p.temperature for p in params], np.float32),
-                              np.asarray([p.top_p for p in params], np.float32),
-                              np.asarray([p.top_k for p in params], np.int32))
+        f32 = lambda name: np.asarray([getattr(p, name) for p in params], np.float32)  # noqa: E731
+        i32 = lambda name: np.asarray([getattr(p, name) for p in params], np.int32)  # noqa: E731
+        ids = np.full((len(params), MAX_LOGIT_BIAS), -1, np.int32)
+        vals = np.zeros((len(params), MAX_LOGIT_BIAS), np.float32)
+        for r, p in enumerate(params):
+            ids[r, : len(p.bias_ids)] = p.bias_ids
+            vals[r, : len(p.bias_values)] = p.bias_values
+        return SamplingParams(f32("temperature"), f32("top_p"), i32("top_k"), f32("min_p"),
+                              f32("presence_penalty"), f32("frequency_penalty"),
+                              f32("repetition_penalty"), i32("min_tokens"), ids, vals, i32("logprobs"))
+
+    @staticmethod
+    def rows(num_rows: int) -> "SamplingParams":
+        """Default (greedy, no transform) per-row device arrays: a fresh decoder state's."""
+        z, o = jnp.zeros((num_rows,)), jnp.ones((num_rows,))
+        zi = jnp.zeros((num_rows,), jnp.int32)
+        return SamplingParams(z, o, zi, z, z, z, o, zi, jnp.full((num_rows, MAX_LOGIT_BIAS), -1, jnp.int32),
+                              jnp.zeros((num_rows, MAX_LOGIT_BIAS)), zi - 1)
 
 
 GREEDY = SamplingParams()
@@ -84,7 +135,7 @@ def _per_row(value, like: jax.Array) -> jax.Array:
 # Distributions and keyed sampling
 # --------------------------------------------------------------------------------------
 def _filter_static(x: jax.Array, sampling: SamplingParams) -> jax.Array:
-    """Top-k then top-p for one request's parameters (top-k by ``lax.top_k``: no full sort)."""
+    """Top-k, top-p, then min-p for one request's parameters (top-k by ``lax.top_k``: no full sort)."""
     v = x.shape[-1]
     neg = jnp.float32(-jnp.inf)
     x_desc = None
@@ -96,7 +147,16 @@ def _filter_static(x: jax.Array, sampling: SamplingParams) -> jax.Array:
             x_desc = -jnp.sort(-x, axis=-1)
         # after top-k only the k kept values matter: top-p sorts those, not the whole vocabulary
         x = jnp.where(x < _top_p_threshold(x_desc, sampling.top_p), neg, x)
+    if sampling.min_p > 0.0:
+        x = _min_p(x, sampling.min_p)
     return x
+
+
+def _min_p(x: jax.Array, min_p) -> jax.Array:
+    """Drop tokens whose probability is below ``min_p`` times the most likely one's: in logit
+    space ``x < max(x) + log(min_p)`` (no sort; min_p 0 keeps everything)."""
+    floor = jnp.max(x, axis=-1, keepdims=True) + jnp.log(jnp.asarray(min_p, jnp.float32))
+    return jnp.where(x < floor, jnp.float32(-jnp.inf), x)
 
 
 def _top_p_threshold(x_desc: jax.Array, top_p) -> jax.Array:
@@ -120,19 +180,95 @@ def _filter_rows(x: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
     return jnp.where((top_p < 1.0) & (x < _top_p_threshold(x_desc, top_p)), neg, x)
 
 
-def processed_probs(logits: jax.Array, sampling: SamplingParams) -> jax.Array:
-    """Target distribution after temperature → top-k → top-p (transformers' order), float32."""
+def processed_logits(logits: jax.Array, sampling: SamplingParams) -> jax.Array:
+    """Logits after temperature → top-k → top-p → min-p (transformers' order; dropped tokens
+    -inf), float32.  Greedy rows keep temperature 1 (their log-probabilities)."""
     x = logits.astype(jnp.float32)
     if sampling.is_static:
         x = x / jnp.float32(sampling.temperature if sampling.temperature > 0 else 1.0)
-        return jax.nn.softmax(_filter_static(x, sampling), axis=-1)
+        return _filter_static(x, sampling)
     t = _per_row(sampling.temperature, x)
     x = x / jnp.where(t > 0, t, 1.0)
     top_k, top_p = _per_row(sampling.top_k, x), _per_row(sampling.top_p, x)
     # the sort only runs when some row filters: a batch of plain temperature sampling skips it
     filtering = jnp.any((top_k > 0) & (top_k < x.shape[-1])) | jnp.any(top_p < 1.0)
     x = jax.lax.cond(filtering, lambda x: _filter_rows(x, top_k, top_p), lambda x: x, x)
-    return jax.nn.softmax(x, axis=-1)
+    min_p = _per_row(sampling.min_p, x)
+    return jax.lax.cond(jnp.any(min_p > 0), lambda x: _min_p(x, min_p), lambda x: x, x)
+
+
+def processed_probs(logits: jax.Array, sampling: SamplingParams) -> jax.Array:
+    """Target distribution after temperature → top-k → top-p → min-p, float32."""
+    return jax.nn.softmax(processed_logits(logits, sampling), axis=-1)
+
+
+# --------------------------------------------------------------------------------------
+# Logit processors that depend on the tokens so far (vLLM's order: logit bias, min_tokens,
+# then repetition, frequency and presence penalties), applied at every slot of a block
+# --------------------------------------------------------------------------------------
+def adjusts_logits(sampling: SamplingParams) -> jax.Array:
+    """Whether any row uses a logit bias, min_tokens or a penalty (per-row form)."""
+    return (jnp.any(sampling.bias_ids >= 0) | jnp.any(sampling.min_tokens > 0)
+            | jnp.any(sampling.presence_penalty != 0) | jnp.any(sampling.frequency_penalty != 0)
+            | jnp.any(sampling.repetition_penalty != 1))
+
+
+def adjust_logits(logits: jax.Array, sampling: SamplingParams, seq: jax.Array, prompt_len: jax.Array,
+                  anchor_pos: jax.Array, n_out: jax.Array, stop_ids: jax.Array, fed: jax.Array
+                  ) -> jax.Array:
+    """``logits [b, W, V]`` of a block fed ``[anchor, fed...]`` after each row's logit bias,
+    min_tokens and penalties, exactly as plain decoding applies them one step at a time.
+
+    Slot k decides position ``s+k+1``; the tokens before it are the committed ones (``seq``
+    through ``anchor_pos`` = s; output = positions ``prompt_len .. s``) plus ``fed[:, :k]``: the
+    drafts a slot is reached through are accepted whenever it is reached.  Rows that use none of
+    these pay nothing when no row does (``lax.cond``)."""
+    def adjust(x):
+        b, w, v = x.shape
+        rows = jnp.arange(b)[:, None]
+        in_vocab = lambda ids: jnp.where(ids >= 0, ids, v)  # noqa: E731  (-1 padding: dropped)
+        bias = jnp.zeros((b, v), jnp.float32).at[rows, in_vocab(sampling.bias_ids)].add(
+            sampling.bias_values.astype(jnp.float32), mode="drop")
+        x = x.astype(jnp.float32) + bias[:, None]
+        before = n_out[:, None] + jnp.arange(w, dtype=jnp.int32)[None]  # output tokens before slot k
+        is_stop = jnp.zeros((b, v), bool).at[rows, in_vocab(stop_ids)].set(True, mode="drop")
+        x = jnp.where((before < sampling.min_tokens[:, None])[..., None] & is_stop[:, None],
+                      -jnp.inf, x)
+        pos = jnp.arange(seq.shape[1], dtype=jnp.int32)[None]
+        out = (pos >= prompt_len[:, None]) & (pos <= anchor_pos[:, None])
+        counts = jnp.zeros((b, v), jnp.int32).at[rows, seq].add(out.astype(jnp.int32))
+        in_prompt = jnp.zeros((b, v), jnp.int32).at[rows, seq].add(
+            (pos < prompt_len[:, None]).astype(jnp.int32)) > 0
+        drafted = jnp.cumsum(jax.nn.one_hot(fed[:, : w - 1], v, dtype=jnp.int32), axis=1)
+        counts = counts[:, None] + jnp.concatenate([jnp.zeros((b, 1, v), jnp.int32), drafted], 1)
+        rp = _per_row(sampling.repetition_penalty, x)
+        seen = (counts > 0) | in_prompt[:, None]
+        x = jnp.where(seen, jnp.where(x > 0, x / rp, x * rp), x)
+        return (x - _per_row(sampling.frequency_penalty, x) * counts
+                - _per_row(sampling.presence_penalty, x) * (counts > 0))
+
+    return jax.lax.cond(adjusts_logits(sampling), adjust, lambda x: x.astype(jnp.float32), logits)
+
+
+def emitted_logprobs(logits: jax.Array, emitted: jax.Array, sampling: SamplingParams,
+                     num_top: int = MAX_TOP_LOGPROBS):
+    """Per slot: the log-probability of ``emitted [b, W]`` under the request's processed
+    distribution (what it was sampled from; greedy rows at temperature 1), and the ``num_top``
+    most likely tokens with theirs.  Computed only when some row asked (``sampling.logprobs``)."""
+    b, w, v = logits.shape
+    k = min(num_top, v)
+
+    def compute(x):
+        lp = jax.nn.log_softmax(processed_logits(x, sampling), axis=-1)
+        chosen = jnp.take_along_axis(lp, emitted[..., None], axis=-1)[..., 0]
+        top_lp, top_ids = jax.lax.top_k(lp, k)
+        return chosen, top_ids.astype(jnp.int32), top_lp
+
+    def none(x):
+        return (jnp.zeros((b, w), jnp.float32), jnp.zeros((b, w, k), jnp.int32),
+                jnp.zeros((b, w, k), jnp.float32))
+
+    return jax.lax.cond(jnp.any(sampling.logprobs >= 0), compute, none, logits)
 
 
 def position_keys(row_keys: jax.Array, positions: jax.Array, salt: int) -> jax.Array:

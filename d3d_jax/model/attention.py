@@ -36,6 +36,11 @@ from d3d_jax.parallel import sharding as shd
 
 Segment = tuple[jax.Array, jax.Array, TokenMeta]  # keys [B,S,K,H], values [B,S,K,H], key metadata
 _BIG_NEG = -1e30
+# Query rows per kv head (T·N/K) up to which the xla backend multiplies and sums instead of
+# calling a dot: a dot's batch dims must be major, so XLA would copy every layer's cache span
+# into [b, k, s, h] first (a whole-cache copy per decode step: 288 MB at Qwen3-8B, cache 2048).
+# Below a tensor-core tile (16 rows) the products cost less than that copy.
+_IN_PLACE_ROWS = 8
 
 
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, q_meta: TokenMeta, k_meta: TokenMeta, *,
@@ -67,24 +72,37 @@ def _xla(q: jax.Array, q_meta: TokenMeta, segments: Sequence[Segment]) -> jax.Ar
     kh = segments[-1][0].shape[2]
     q = q.reshape(b, t, kh, n // kh, h) * jnp.asarray(h ** -0.5, dt)
     big_neg = jnp.float32(_BIG_NEG)
+    in_place = t * (n // kh) <= _IN_PLACE_ROWS
     scores = []
     for k, _, k_meta in segments:
-        s = jnp.einsum("btkgh,bskh->bkgts", q, k.astype(dt), preferred_element_type=jnp.float32)
+        if in_place:  # products summed in f32 read the cache span where it lies
+            s = jnp.sum(q.astype(jnp.float32)[:, :, None] * k.astype(jnp.float32)[:, None, :, :, None], -1)
+            s = jnp.transpose(s, (0, 3, 4, 1, 2))
+        else:  # a dot: XLA first copies K into [b, k, s, h] (batch dims major)
+            s = jnp.einsum("btkgh,bskh->bkgts", q, k.astype(dt), preferred_element_type=jnp.float32)
         scores.append(jnp.where(attention_mask(q_meta, k_meta)[:, None, None], s, big_neg))
     scores = scores[0] if len(scores) == 1 else jnp.concatenate(scores, axis=-1)
     probs = jax.nn.softmax(scores, axis=-1)
     # A fully masked row (padding) gives a uniform distribution over garbage; zero it.
     probs = jnp.where(jnp.max(scores, axis=-1, keepdims=True) > big_neg / 2, probs, 0.0)
-    probs = probs.astype(dt)
+    if in_place:
+        # probabilities rounded to the compute dtype as the dot's inputs are, summed in f32
+        p32 = jnp.transpose(probs.astype(dt).astype(jnp.float32), (0, 3, 4, 1, 2))[..., None]
+        pv = lambda p, v: jnp.sum(p * v.astype(jnp.float32)[:, None, :, :, None], axis=2)  # noqa: E731
+        probs = p32
+    else:
+        probs = probs.astype(dt)
+        pv = lambda p, v: jnp.einsum("bkgts,bskh->btkgh", p, v.astype(dt))  # noqa: E731
     if len(segments) == 1:
-        out = jnp.einsum("bkgts,bskh->btkgh", probs, segments[0][1].astype(dt))
+        out = pv(probs, segments[0][1])
     else:
         out, start = None, 0
         for _, v, _ in segments:
-            part = jnp.einsum("bkgts,bskh->btkgh", probs[..., start:start + v.shape[1]], v.astype(dt))
+            part = pv(probs[:, :, start:start + v.shape[1]] if in_place else
+                      probs[..., start:start + v.shape[1]], v)
             out = part if out is None else out + part
             start += v.shape[1]
-    return out.reshape(b, t, n, h)
+    return out.astype(dt).reshape(b, t, n, h)
 
 
 def _pallas(q: jax.Array, q_meta: TokenMeta, segments: Sequence[Segment], *, interpret: bool,

@@ -239,6 +239,19 @@ class Qwen3(nnx.Module):
         return outs[0] if len(outs) == 1 else outs
 
 
+def set_config(model: Qwen3, cfg: ModelConfig) -> Qwen3:
+    """Give ``model`` a config that differs in runtime fields only (attention backend, remat, dtype).
+
+    Each attention layer keeps its own reference to the config: assigning ``model.config`` alone
+    left the layers on the old attention backend.  Not validated here, so a CPU host can set up a
+    GPU backend for a compile-only program (``infer/bench.py compile``).
+    """
+    model.config = cfg
+    for layer in model.layers:
+        layer.self_attn.cfg = cfg
+    return model
+
+
 def init_model(cfg: ModelConfig, seed: int = 0) -> Qwen3:
     return Qwen3(cfg, rngs=nnx.Rngs(params=seed))
 

@@ -1,34 +1,37 @@
 """HTTP layer: OpenAI-compatible routes over a :class:`~d3d_jax.serving.scheduler.Scheduler`.
 
-``POST /v1/completions``, ``POST /v1/chat/completions`` (SSE when ``stream``), ``GET /v1/models``,
-``GET /health``, ``GET /metrics``.  Every request is parsed, tokenized and validated before it is
-queued, so a bad one costs no decoder work and gets one 400 naming the problem.  With an API key,
-every route but ``/health`` answers 401 unless ``Authorization: Bearer KEY`` (checked in ASGI
-middleware, before the body is read).  A client that disconnects, or whose output matched a stop
-string, cancels its request; the scheduler frees the slot at its next round.
+``POST /v1/completions``, ``POST /v1/chat/completions`` (SSE when ``stream``), ``GET /v1/models``
+and ``/v1/models/{id}``, ``POST /tokenize`` and ``/detokenize``, ``GET /version``, ``/ping``,
+``GET|HEAD /health`` and ``/metrics``.  Every request is parsed, tokenized and validated before
+anything is queued, so a bad one costs no decoder work and gets one 4xx naming the problem —
+with ``stream: true`` too, before the stream starts.  A request becomes one decoder request per
+choice (prompts x ``n``, :mod:`~d3d_jax.serving.choices`).  With an API key, every route but
+``/health`` and ``/ping`` answers 401 unless ``Authorization: Bearer KEY`` (ASGI middleware,
+before the body is read).  A client that disconnects, or whose output matched a stop string,
+cancels its requests; the scheduler frees the slots at its next round.
 """
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import hmac
 import logging
-import os
-from typing import Any, AsyncIterator, Callable
+from typing import Any, Callable
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from d3d_jax.serving import protocol as P
-from d3d_jax.serving.scheduler import Event, Handle, QueueFull, Scheduler, _request_metrics
-from d3d_jax.serving.textstream import TextStream
+from d3d_jax.serving import responses as R
+from d3d_jax.serving.choices import Run, collect, stream
+from d3d_jax.serving.scheduler import QueueFull, Scheduler
 
 log = logging.getLogger("d3d_jax.serving")
 
-DISCONNECT_POLL_S = 0.25
+VERSION = "0.1.0"
 
 
 @dataclasses.dataclass
@@ -45,32 +48,45 @@ class Service:
     api_key: str | None = None
     mode: str = "plain"
     chat_encode: Callable | None = None  # (tokenizer, messages) -> ids; default: non-thinking template
+    # (prompt ids, alternatives) -> per prompt token (log-prob or None, [(id, log-prob)] or None)
+    score_prompt: Callable | None = None
 
-    def encode(self, req: P.ParsedRequest) -> list[int]:
-        if req.prompt_ids is not None:
-            return list(req.prompt_ids)
+    def encode_chat(self, messages) -> list[int]:
+        if self.chat_encode is None:
+            from d3d_jax.demo import chat_prompt_ids
+
+            self.chat_encode = chat_prompt_ids
+        try:
+            return list(self.chat_encode(self.tokenizer, messages))
+        except Exception as e:  # noqa: BLE001 - a template error is the request's problem
+            raise P.ApiError(f"cannot apply the chat template: {e}", param="messages") from None
+
+    def encode_prompt(self, prompt) -> list[int]:
+        if isinstance(prompt, list):
+            return list(prompt)
+        return list(self.tokenizer.encode(prompt, add_special_tokens=False))
+
+    def encode(self, req: P.ParsedRequest) -> list[list[int]]:
+        """Token ids of every prompt of the request."""
         if req.messages is not None:
-            if self.chat_encode is None:
-                from d3d_jax.demo import chat_prompt_ids
+            return [self.encode_chat(req.messages)]
+        return [self.encode_prompt(p) for p in req.prompts]
 
-                self.chat_encode = chat_prompt_ids
-            try:
-                return self.chat_encode(self.tokenizer, req.messages)
-            except Exception as e:  # noqa: BLE001 - a template error is the request's problem
-                raise P.ApiError(f"cannot apply the chat template: {e}", param="messages") from None
-        return list(self.tokenizer.encode(req.prompt_text, add_special_tokens=False))
-
-    def build(self, req: P.ParsedRequest, ids: list[int]):
-        """The decoder request, checked by the decoder's own validation (its error becomes a 400)."""
+    def sampling(self, p: P.GenParams):
         from d3d_jax.decoding.verify import SamplingParams
 
-        p = req.params
-        max_new = P.resolve_max_tokens(len(ids), p, self.limits)
-        stop_ids = tuple(dict.fromkeys(p.stop_token_ids + (() if p.ignore_eos else self.eos_token_ids)))
-        seed = p.seed if p.seed is not None else int.from_bytes(os.urandom(4), "little")
-        out = self.make_request(prompt=ids, max_new_tokens=max_new,
-                                sampling=SamplingParams(p.temperature, p.top_p, p.top_k),
-                                stop_token_ids=stop_ids, seed=seed % (2 ** 31))
+        bias = sorted(p.logit_bias.items())
+        return SamplingParams(p.temperature, p.top_p, p.top_k, p.min_p, p.presence_penalty,
+                              p.frequency_penalty, p.repetition_penalty, p.min_tokens,
+                              tuple(i for i, _ in bias), tuple(v for _, v in bias),
+                              -1 if p.logprobs is None else p.logprobs)
+
+    def build(self, params: P.GenParams, ids: list[int], seed: int, max_new: int | None = None):
+        """The decoder request, checked by the decoder's own validation (its error becomes a 400)."""
+        max_new = P.resolve_max_tokens(len(ids), params, self.limits) if max_new is None else max_new
+        stop_ids = tuple(dict.fromkeys(params.stop_token_ids + (() if params.ignore_eos else self.eos_token_ids)))
+        kw = dict(prompt=ids, max_new_tokens=max_new, stop_token_ids=stop_ids, seed=seed)
+        out = self.make_request(sampling=self.sampling(params), **kw)
         if self.validate_request is not None:
             try:
                 self.validate_request(out)
@@ -82,7 +98,7 @@ class Service:
 class _Auth:
     """Pure ASGI (no body buffering, streaming untouched): 401 without the right bearer key."""
 
-    def __init__(self, app, key: str, open_paths=("/health",), on_reject=None):
+    def __init__(self, app, key: str, open_paths=("/health", "/ping"), on_reject=None):
         self.app, self.key, self.open_paths, self.on_reject = app, key.encode(), open_paths, on_reject
 
     async def __call__(self, scope, receive, send):
@@ -99,151 +115,85 @@ class _Auth:
         await self.app(scope, receive, send)
 
 
-async def _read_json(request: Request, limit: int) -> dict:
+class ClientGone(Exception):
+    """The client disconnected before its body arrived: nothing to answer, nothing to count."""
+
+
+async def read_json(request: Request, limit: int) -> dict:
     length = request.headers.get("content-length", "")
-    if length.isdigit() and int(length) > limit:
-        raise P.ApiError(f"request body of {length} bytes exceeds the limit of {limit}", status=413)
+    if length and not (length.isascii() and length.isdigit()):
+        raise P.ApiError(f"Content-Length {length[:40]!r} is not a byte count")
+    if length and int(length) > limit:
+        raise P.ApiError(f"request body of {length[:40]} bytes exceeds the limit of {limit}", status=413)
     buf = bytearray()
-    async for chunk in request.stream():
-        buf += chunk
-        if len(buf) > limit:
-            raise P.ApiError(f"request body exceeds the limit of {limit} bytes", status=413)
+    try:
+        async for chunk in request.stream():
+            buf += chunk
+            if len(buf) > limit:
+                raise P.ApiError(f"request body exceeds the limit of {limit} bytes", status=413)
+    except ClientDisconnect:
+        raise ClientGone() from None
     return P.parse_json(bytes(buf))
 
 
-def _sink(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue) -> Callable[[Event], None]:
-    def put(ev: Event) -> None:
-        try:
-            loop.call_soon_threadsafe(queue.put_nowait, ev)
-        except RuntimeError:  # the event loop is gone (server shutting down)
-            pass
-
-    return put
-
-
-def _merge(ev: Event, queue: asyncio.Queue) -> Event:
-    """``ev`` plus every event already waiting: when the event loop falls behind the decoder, a
-    client gets one chunk with several rounds' tokens instead of one chunk per round."""
-    while not ev.finished and not queue.empty():
-        nxt = queue.get_nowait()
-        ev = Event(ev.token_ids + nxt.token_ids, nxt.finished, nxt.finish_reason, nxt.metrics, nxt.error)
-    return ev
-
-
-async def _events(queue: asyncio.Queue, http: Request) -> AsyncIterator[Event]:
-    """The request's events until it finishes; stops early when the client disconnects."""
-    while True:
-        try:
-            ev = await asyncio.wait_for(queue.get(), DISCONNECT_POLL_S)
-        except asyncio.TimeoutError:
-            if await http.is_disconnected():
-                return
-            continue
-        ev = _merge(ev, queue)
-        yield ev
-        if ev.finished:
-            return
-
-
-@dataclasses.dataclass
-class _Run:
-    """One admitted request as the routes see it."""
-
-    handle: Handle
-    queue: asyncio.Queue
-    fmt: P.Formatter
-    text: TextStream
-    params: P.GenParams
-    n_prompt: int
-    sent_ids: int = 0
-
-    def new_ids(self) -> list[int] | None:
-        if not self.params.return_token_ids:
-            return None
-        ids = self.text.output_ids[self.sent_ids:self.text.n_tokens]
-        self.sent_ids = self.text.n_tokens
-        return ids
-
-    def final(self, ev: Event | None) -> tuple[str, dict, dict]:
-        """(finish reason, usage, speculative metrics) once the output ended."""
-        reason = "stop" if self.text.stopped else (ev.finish_reason if ev else "stop")
-        spec = ev.metrics if ev is not None and ev.metrics else _request_metrics(self.handle, None)
-        return reason, P.usage(self.n_prompt, self.text.n_tokens), spec
-
-
-async def _stream(run: _Run, http: Request) -> AsyncIterator[bytes]:
-    try:
-        if run.fmt.kind == "chat":
-            yield P.sse(run.fmt.chunk("", role=True))
-        async for ev in _events(run.queue, http):
-            if ev.error:
-                yield P.sse(P.error_body(ev.error, type="server_error"))
-                break
-            text = run.text.push(ev.token_ids)
-            if run.text.stopped or ev.finished:
-                run.handle.cancel()
-                text += run.text.flush()
-                reason, usage, spec = run.final(ev if ev.finished else None)
-                yield P.sse(run.fmt.chunk(text, run.new_ids(), reason, usage, spec))
-                if run.params.include_usage:
-                    yield P.sse(run.fmt.usage_chunk(usage, spec))
-                break
-            ids = run.new_ids()
-            if text or ids:
-                yield P.sse(run.fmt.chunk(text, ids))
-        else:
-            return  # client gone: nothing more to send
-        yield P.sse("[DONE]")
-    finally:
-        run.handle.cancel()  # no-op when finished; frees the slot next round otherwise
-
-
-async def _collect(run: _Run, http: Request) -> dict | None:
-    text, last = "", None
-    try:
-        async for ev in _events(run.queue, http):
-            if ev.error:
-                raise P.ApiError(ev.error, status=500, type="server_error")
-            text += run.text.push(ev.token_ids)
-            if run.text.stopped or ev.finished:
-                last = ev
-                break
-        else:
-            return None  # client gone
-    finally:
-        run.handle.cancel()
-    text += run.text.flush()
-    reason, usage, spec = run.final(last if last.finished else None)
-    return run.fmt.full(text, run.text.output_ids[:run.text.n_tokens] if run.params.return_token_ids
-                        else None, reason, usage, spec)
+def _prompt_entries(svc: Service, ids: list[int], top: int) -> list:
+    """(id, log-prob, alternatives) per prompt token; the first has none (OpenAI: null)."""
+    scored = svc.score_prompt(ids, top)
+    return [(t, lp, alts) for t, (lp, alts) in zip(ids, scored)]
 
 
 async def _generate(svc: Service, http: Request, kind: str):
-    """Parse, tokenize and validate, then queue; stream or collect the result."""
-    body = await _read_json(http, svc.limits.max_body_bytes)
+    """Parse, tokenize, validate and build every choice's request; then queue, stream or collect."""
+    body = await read_json(http, svc.limits.max_body_bytes)
     if kind == "chat":
         from d3d_jax.training.chat_prompts import content_text
 
-        parsed = P.parse_chat(body, svc.model_name, content_text)
+        parsed = P.parse_chat(body, svc.model_name, content_text, svc.limits)
     else:
-        parsed = P.parse_completion(body, svc.model_name)
-    ids = await run_in_threadpool(svc.encode, parsed)
-    request = svc.build(parsed, ids)
+        parsed = P.parse_completion(body, svc.model_name, svc.limits)
+    p = parsed.params
+    try:
+        prompts = await run_in_threadpool(svc.encode, parsed)
+    except P.ApiError:
+        raise
+    except Exception as e:  # noqa: BLE001 - the tokenizer refused this text
+        raise P.ApiError(f"cannot tokenize the prompt: {e}", param="prompt") from None
+    run = Run.create(svc, parsed, prompts)
+    if p.echo and p.logprobs is not None:
+        if svc.score_prompt is None:
+            raise P.ApiError("'echo' with 'logprobs' is not supported by this server", param="echo")
+        run.prompt_entries = [await run_in_threadpool(_prompt_entries, svc, ids, p.logprobs)
+                              for ids in prompts]
     if not svc.scheduler.alive:
         raise P.ApiError("the decoder is not running", status=503, type="server_error")
-    queue: asyncio.Queue = asyncio.Queue()
     try:
-        handle = svc.scheduler.submit(request, _sink(asyncio.get_running_loop(), queue))
+        run.submit(svc.scheduler)
     except QueueFull as e:
+        run.cancel()
         raise P.ApiError(str(e), status=503, type="server_error") from None
-    p = parsed.params
-    run = _Run(handle, queue, P.Formatter(kind, svc.model_name),
-               TextStream(svc.tokenizer, ids, p.stop, p.skip_special_tokens), p, len(ids))
     if p.stream:
-        return StreamingResponse(_stream(run, http), media_type="text/event-stream",
+        return StreamingResponse(stream(run, http), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    out = await _collect(run, http)
+    out = await collect(run, http)
     return JSONResponse(out) if out is not None else PlainTextResponse("", 499)
+
+
+def _tokenize_body(svc: Service, body: dict) -> list[int]:
+    unknown = sorted(set(body) - {"model", "prompt", "messages", "add_special_tokens"})
+    if unknown:
+        raise P.ApiError(f"'{unknown[0]}' is not a field of /tokenize", param=unknown[0])
+    if body.get("model") is not None:
+        P._model(body, svc.model_name)
+    if "messages" in body:
+        from d3d_jax.training.chat_prompts import content_text
+
+        return svc.encode_chat(P.parse_chat({"model": svc.model_name, "messages": body["messages"]},
+                                            svc.model_name, content_text, svc.limits).messages)
+    prompt = body.get("prompt")
+    if not isinstance(prompt, str):
+        raise P.ApiError("'prompt' must be a string (or send 'messages')", param="prompt")
+    special = P._flag(body, "add_special_tokens", False)
+    return list(svc.tokenizer.encode(prompt, add_special_tokens=special))
 
 
 def create_app(svc: Service) -> FastAPI:
@@ -256,6 +206,11 @@ def create_app(svc: Service) -> FastAPI:
         metrics.record_http_error(e.status)
         return JSONResponse(e.body(), e.status)
 
+    @app.exception_handler(ClientGone)
+    async def client_gone(_req, _e):
+        metrics.record_request("client_disconnected")
+        return PlainTextResponse("", 499)
+
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_req, e: StarletteHTTPException):
         metrics.record_http_error(e.status_code)
@@ -263,24 +218,66 @@ def create_app(svc: Service) -> FastAPI:
 
     @app.exception_handler(Exception)
     async def internal_error(_req, e: Exception):
+        if isinstance(e, MemoryError) or "RESOURCE_EXHAUSTED" in str(e):
+            metrics.record_http_error(503)
+            return JSONResponse(P.error_body(f"out of resources: {type(e).__name__}", type="server_error"), 503)
+        log.exception("internal error")
         metrics.record_http_error(500)
         return JSONResponse(P.error_body(f"internal error: {type(e).__name__}: {e}", type="server_error"), 500)
 
-    @app.get("/health")
+    def model_card() -> dict:
+        return {"id": svc.model_name, "object": "model", "created": 0, "owned_by": "d3d-jax",
+                "max_model_len": svc.limits.context_len}
+
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health():
         ok = svc.scheduler.alive
         return JSONResponse({"status": "ok" if ok else "scheduler stopped"}, 200 if ok else 503)
 
+    @app.api_route("/ping", methods=["GET", "POST"])
+    async def ping():
+        return Response(status_code=200 if svc.scheduler.alive else 503)
+
+    @app.get("/version")
+    async def version():
+        return {"version": VERSION}
+
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": svc.model_name, "object": "model", "created": 0,
-                                            "owned_by": "d3d-jax", "max_model_len": svc.limits.context_len}]}
+        return {"object": "list", "data": [model_card()]}
 
-    @app.get("/metrics")
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        if model_id != svc.model_name:
+            raise P.ModelNotFound(model_id, svc.model_name)
+        return model_card()
+
+    @app.api_route("/metrics", methods=["GET", "HEAD"])
     async def prometheus():
         s = svc.scheduler
-        return PlainTextResponse(metrics.render(s.num_active, s.num_queued, s.num_slots, svc.mode),
+        return PlainTextResponse(metrics.render(s.num_active, s.num_queued, s.num_slots, svc.mode,
+                                                model=svc.model_name),
                                  media_type="text/plain; version=0.0.4")
+
+    @app.post("/tokenize")
+    async def tokenize(http: Request):
+        ids = _tokenize_body(svc, await read_json(http, svc.limits.max_body_bytes))
+        return {"count": len(ids), "max_model_len": svc.limits.context_len, "tokens": ids}
+
+    @app.post("/detokenize")
+    async def detokenize(http: Request):
+        body = await read_json(http, svc.limits.max_body_bytes)
+        unknown = sorted(set(body) - {"model", "tokens"})
+        if unknown:
+            raise P.ApiError(f"'{unknown[0]}' is not a field of /detokenize", param=unknown[0])
+        if body.get("model") is not None:
+            P._model(body, svc.model_name)
+        tokens = body.get("tokens")
+        vocab = svc.limits.vocab_size
+        if not isinstance(tokens, list) or not all(P._is_id(t, vocab) for t in tokens):
+            raise P.ApiError(f"'tokens' must be a list of token ids in [0, {vocab or P.INT32})",
+                             param="tokens")
+        return {"prompt": svc.tokenizer.decode(tokens)}
 
     @app.post("/v1/completions")
     async def completions(http: Request):
@@ -293,3 +290,6 @@ def create_app(svc: Service) -> FastAPI:
     if svc.api_key:
         app.add_middleware(_Auth, key=svc.api_key, on_reject=metrics.record_http_error)
     return app
+
+
+__all__ = ["Service", "create_app", "read_json", "R"]

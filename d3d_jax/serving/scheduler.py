@@ -39,6 +39,7 @@ class Event:
     finish_reason: str | None = None  # eos | stop | length | error
     metrics: dict | None = None  # on finish: tau, hit_rate, rounds, accepted, ttft_s, ...
     error: str | None = None
+    logprobs: list | None = None  # per token (log-prob, alternatives) when the request asked
 
 
 class QueueFull(RuntimeError):
@@ -48,8 +49,10 @@ class QueueFull(RuntimeError):
 class Handle:
     """A submitted request.  ``cancel()`` is safe from any thread; the slot frees next round."""
 
-    def __init__(self, rid: int, request: Any, sink: Callable[[Event], None], wake: Callable[[], None]):
+    def __init__(self, rid: int, request: Any, sink: Callable[[Event], None], wake: Callable[[], None],
+                 warmup: bool = False):
         self.id, self.request, self.sink = rid, request, sink
+        self.warmup = warmup  # a start-up compile request: left out of every metric
         self._wake = wake
         self.cancelled = False
         self.done = False
@@ -96,11 +99,11 @@ class Scheduler:
         self.error: BaseException | None = None  # what killed the thread, if anything
 
     # ---- any thread --------------------------------------------------------------------------
-    def submit(self, request: Any, sink: Callable[[Event], None]) -> Handle:
+    def submit(self, request: Any, sink: Callable[[Event], None], warmup: bool = False) -> Handle:
         with self._cv:
             if len(self._queue) >= self.max_queue:
                 raise QueueFull(f"{len(self._queue)} requests are already waiting (max_queue)")
-            h = Handle(next(self._ids), request, sink, self._wake)
+            h = Handle(next(self._ids), request, sink, self._wake, warmup)
             self._queue.append(h)
             self._cv.notify()
         return h
@@ -203,41 +206,50 @@ class Scheduler:
                 continue
             h.slot = slot
             self._active[slot] = h
-            self.metrics.record_admitted(len(h.request.prompt))
+            if not h.warmup:
+                self.metrics.record_admitted(len(h.request.prompt))
 
     def _deliver(self, outs: dict, seconds: float) -> None:
         tokens = accepted = hits = misses = 0
+        per_row = []
         for slot, out in outs.items():
             h = self._active.get(slot)
             if h is None:
                 continue
             h.rounds += 1
             h.accepted += int(out.accepted)
-            hits += out.hit is True
-            misses += out.hit is False
             h.hits += out.hit is True
             h.misses += out.hit is False
-            accepted += int(out.accepted)
-            tokens += len(out.token_ids)
+            if not h.warmup:  # start-up compile requests stay out of the server's metrics
+                hits += out.hit is True
+                misses += out.hit is False
+                accepted += int(out.accepted)
+                tokens += len(out.token_ids)
+                per_row.append(len(out.token_ids))
             if out.token_ids:
                 h.t_first = h.t_first or time.perf_counter()
                 h.n_out += len(out.token_ids)
+            lps = getattr(out, "logprobs", None)
             if out.finished:
-                self._finish(slot, out.finish_reason or "length", token_ids=list(out.token_ids))
+                self._finish(slot, out.finish_reason or "length", token_ids=list(out.token_ids), logprobs=lps)
             elif out.token_ids and not h.cancelled:
-                self._send(h, Event(list(out.token_ids)))
-        self.metrics.record_round(len(outs), tokens, accepted, hits, misses, seconds)
+                self._send(h, Event(list(out.token_ids), logprobs=lps))
+        if per_row:
+            self.metrics.record_round(len(per_row), tokens, accepted, hits, misses, seconds,
+                                      per_row=per_row)
 
-    def _finish(self, slot: int, reason: str, token_ids=(), error: str | None = None) -> None:
+    def _finish(self, slot: int, reason: str, token_ids=(), error: str | None = None,
+                logprobs: list | None = None) -> None:
         h = self._active[slot]
         try:
             sm = self.decoder.slot_metrics(slot) if error is None else None
         except Exception:  # noqa: BLE001 - metrics are best effort, the tokens are not
             sm = None
         self._release(slot)
-        self.metrics.record_request(reason)
+        if not h.warmup:
+            self.metrics.record_request(reason)
         if not h.cancelled:
-            self._send(h, Event(list(token_ids), True, reason, _request_metrics(h, sm), error))
+            self._send(h, Event(list(token_ids), True, reason, _request_metrics(h, sm), error, logprobs))
 
     def _release(self, slot: int) -> None:
         h = self._active.pop(slot)

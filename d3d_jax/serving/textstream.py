@@ -3,7 +3,8 @@
 A token can end in the middle of a UTF-8 character (byte-level BPE), so text is released only
 once its decoding no longer ends in U+FFFD; and a stop string can straddle tokens, so the last
 ``len(longest stop) - 1`` characters are held back until the next token shows they are not the
-start of one.  Decoding windows start a few tokens before the read position (vLLM's
+start of one.  With ``min_tokens``, text released before that many tokens is never searched (a
+stop string may still begin in it and end after).  Decoding windows start a few tokens before the read position (vLLM's
 prefix/read offsets), so the cost per token does not grow with the output.  The concatenation of
 everything released equals ``tokenizer.decode(output_ids)`` (cut at the first stop string).
 """
@@ -17,8 +18,9 @@ _CONTEXT = 6  # prompt tokens decoded before the output, so the first token's te
 
 class TextStream:
     def __init__(self, tokenizer, prompt_ids: Sequence[int] = (), stop: Sequence[str] = (),
-                 skip_special_tokens: bool = True):
+                 skip_special_tokens: bool = True, min_tokens: int = 0):
         self.tok = tokenizer
+        self.min_tokens = min_tokens  # stop strings count only once this many tokens are out (vLLM)
         self.skip = skip_special_tokens
         self.stop = tuple(stop)
         self._hold = max((len(s) for s in self.stop), default=1) - 1
@@ -55,7 +57,7 @@ class TextStream:
             self._ids.append(int(t))
             self.n_tokens += 1
             delta = self._advance(final=False)
-            if delta and self.stop:
+            if delta and self.stop and self.n_tokens >= self.min_tokens:
                 start = max(0, len(self.text) - self._hold)
                 self.text += delta
                 cut = self._find_stop(start)

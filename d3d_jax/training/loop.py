@@ -37,7 +37,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from d3d_jax.config import TrainRunConfig, to_dict
 from d3d_jax.errors import NonFiniteError
 from d3d_jax.io.checkpoint import stored_model_config
-from d3d_jax.model.qwen3 import Qwen3, abstract_model
+from d3d_jax.model.qwen3 import Qwen3, abstract_model, set_config
 from d3d_jax.parallel import sharding as shd
 from d3d_jax.parallel.distributed import maybe_initialize_distributed  # noqa: F401 (re-exported)
 from d3d_jax.training import data as data_lib
@@ -258,9 +258,9 @@ class Trainer:
 
             model = load_model(tc.init_from, mesh=self.mesh, dtype=self.cfg.effective_model().param_dtype,
                                rules=self.rules)
-            model.config = dataclasses.replace(model.config, **self._model_overrides())
-            model.config.validate()
-            return model
+            cfg = dataclasses.replace(model.config, **self._model_overrides())
+            cfg.validate()
+            return set_config(model, cfg)  # the layers too: they hold the attention backend
         mcfg = dataclasses.replace(self.cfg.effective_model(), **self._model_overrides())
         gdef, abstract = nnx.split(abstract_model(mcfg))
         sh = train_state_shardings(abstract, self.mesh, self.rules)
