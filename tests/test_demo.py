@@ -127,11 +127,22 @@ def split_texts():
     regen = [json.loads(x)["messages"][0]["content"] for x in prompts_file.read_text().splitlines()]
     pretrain = [x["prompt"] + x["response"] for x in pretrain_pairs(cfg)]
     tok = AutoTokenizer.from_pretrained(str(Path(cfg.out_dir) / "tokenizer"))
-    return evals, regen, pretrain, tok
+    return evals, regen, pretrain, tok, cfg
+
+
+def test_shipped_regeneration_prompts_are_what_a_rebuild_writes(split_texts):
+    """The shipped data (and every drafter trained on it) is what ``--rebuild`` would make: the
+    prompt rules in d3d_jax/demo/ cannot change without the data being regenerated."""
+    from d3d_jax.pipeline.regeneration import regen_prompt_pairs
+
+    regen, cfg = split_texts[1], split_texts[4]
+    rebuilt = [pair["prompt"] for pair in regen_prompt_pairs(cfg)]
+    assert len(rebuilt) == len(regen) == cfg.regen_prompts + cfg.regen_docstring_prompts
+    assert [i for i, (a, b) in enumerate(zip(rebuilt, regen)) if a != b] == []
 
 
 def test_no_evaluation_prompt_nor_a_64_token_window_of_one_is_in_the_training_text(split_texts):
-    evals, regen, pretrain, tok = split_texts
+    evals, regen, pretrain, tok, _ = split_texts
     assert len(evals) > 500 and any("def " in e for e in evals)  # HumanEval's 164 and the held-out plays
     assert sum("\"\"\"" in r or "'''" in r for r in regen) > 1000  # the docstring stubs are in
     training = regen + pretrain
@@ -158,8 +169,9 @@ def test_function_stubs_have_humaneval_shape_and_skip_what_says_too_little():
            '        """Width times height of the box, multiplied by the scale factor."""\n'
            '        w = self.w\n        return w * self.h * scale\n')
     stubs = function_stubs(src)
+    # The header's cut at its last line break drops `import os` (the rule the shipped data was made with).
     assert [s["prompt"] for s in stubs] == [
-        'from typing import List\nimport os\n\n\ndef mean(xs: List[float]) -> float:\n'
+        'from typing import List\n\n\ndef mean(xs: List[float]) -> float:\n'
         '    """Return the arithmetic mean of a non-empty list of numbers.\n    >>> mean([1.0, 3.0])\n    2.0\n    """\n',
         'def area(self, scale: int = 1) -> int:\n    """Width times height of the box, multiplied by the scale factor."""\n']
     assert [s["response"] for s in stubs] == ["    return sum(xs) / len(xs)\n",

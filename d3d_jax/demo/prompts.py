@@ -79,10 +79,14 @@ def function_stubs(text: str, max_chars: int = 1500) -> list[dict]:
     except (SyntaxError, ValueError):
         return []
     lines = text.splitlines(keepends=True)
+    # The header: the module's import lines, cut at the last line break within MAX_IMPORT_CHARS.
+    # That cut also drops the last line of a header shorter than the limit; the shipped
+    # regeneration data was made with this rule, and any other one picks other stubs (their
+    # lengths decide which fit max_chars), so changing it means regenerating the data and
+    # retraining every drafter (tests/test_demo.py checks the shipped prompts are this code's).
     imports = "\n".join(ast.get_source_segment(text, n) or "" for n in tree.body
                         if isinstance(n, (ast.Import, ast.ImportFrom)))
-    if len(imports) > MAX_IMPORT_CHARS:  # a long import block: its first lines, cut at a line
-        imports = imports[:MAX_IMPORT_CHARS].rsplit("\n", 1)[0]
+    imports = imports[:MAX_IMPORT_CHARS].rsplit("\n", 1)[0]
     out = []
     for node in ast.walk(tree):
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
