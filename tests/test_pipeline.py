@@ -95,11 +95,56 @@ def test_mini_pipeline_end_to_end(tmp_path, capsys):
     # A rerun skips every build stage.
     capsys.readouterr()
     again = Pipeline(cfg, work_dir=str(tmp_path / "work"))
+    assert again.missing() == []
     again.run(evaluate=False)
     assert again.timings == {}
-    assert capsys.readouterr().out.count("output exists, skipped") == 7
+    assert capsys.readouterr().out.count("output exists, skipped") == 6 + len(cfg.drafters)  # stages 1-7
     # A fresh clone has no training split (not shipped): with every drafter built, nothing reruns.
     (out / "data/regenerated_train.jsonl").unlink()
     fresh = Pipeline(cfg, work_dir=str(tmp_path / "work"))
     fresh.run(evaluate=False)
     assert fresh.timings == {}
+
+
+DEMO, DEMO_REST = "configs/pipelines/demo.yaml", "configs/pipelines/demo-rest.yaml"
+
+
+def test_shipped_artifacts_are_every_stage_of_demo_yaml_and_the_results_describe_them(tmp_path):
+    """``make demo`` on a fresh clone (nothing under runs/) only benchmarks, and the shipped
+    results.json reports the drafters, pruning and online τ that ship beside it."""
+    from pathlib import Path
+
+    from d3d_jax.pipeline import Pipeline
+
+    cfg = load_config(PipelineConfig, [DEMO], [])
+    p = Pipeline(cfg, work_dir=str(tmp_path / "fresh-clone-work"))
+    assert p.missing() == []
+    for name in cfg.eval_drafters:  # the benchmark times these: their weights ship
+        assert (p.drafter_dir(name) / "model.safetensors").exists(), name
+    results = json.loads((Path(cfg.out_dir) / "eval/results.json").read_text())
+    assert list(results["drafters"]) == list(cfg.eval_drafters)
+    built = results["built"]
+    assert built["drafters"] == {v.name: json.loads((p.drafter_dir(v.name) / "result.json").read_text())
+                                 for v in cfg.drafters}
+    assert built["online_tau"] == json.loads(p.online_path.read_text())
+    assert set(built["online_tau"]["drafters"]) == {v.name for v in cfg.drafters}
+    assert ("pruning" in built) == bool(cfg.prune_drafter)
+    assert results["all_outputs_equal_plain"] is True
+
+
+def test_demo_rest_layers_the_unshipped_stages_over_demo_yaml(tmp_path):
+    from d3d_jax.pipeline import Pipeline
+
+    base = load_config(PipelineConfig, [DEMO], [])
+    cfg = load_config(PipelineConfig, [DEMO, DEMO_REST], [])
+    names = [v.name for v in cfg.drafters]
+    assert names[:len(base.drafters)] == [v.name for v in base.drafters]  # the shipped ones, unchanged
+    assert cfg.drafters[:len(base.drafters)] == base.drafters
+    assert {"target", "small_s1", "small_l0_s1", "random_s1"} <= set(names)
+    assert (cfg.prune_drafter, cfg.prune_to_layers) == ("target", 6)
+    assert {k: v for k, v in vars(cfg).items() if not k.startswith(("drafters", "prune"))} == \
+        {k: v for k, v in vars(base).items() if not k.startswith(("drafters", "prune"))}
+    todo = Pipeline(cfg, work_dir=str(tmp_path / "work")).missing()
+    assert {"5-drafter-target", "5-drafter-small_s1", "6-prune"} <= set(todo)
+    shipped = {"1-tokenizer", "2-pretrain-target", *(f"5-drafter-{v.name}" for v in base.drafters)}
+    assert not shipped & set(todo)

@@ -108,27 +108,40 @@ class Pipeline:
         self.timings[name] = time.time() - t0
         log(f"stage {name}: done in {self.timings[name]:.0f}s")
 
-    def run(self, evaluate: bool = True) -> dict | None:
-        from d3d_jax.pipeline import benchmark, drafters, online, pretraining, prune, regeneration
+    def stages(self) -> list[tuple[str, Callable[[], bool], Callable[[], None]]]:
+        """Stages 1-7 in order: ``(name, is its output there?, build it)``; the checks are read
+        when the stage's turn comes (an earlier stage changes what a later one needs)."""
+        from d3d_jax.pipeline import drafters, online, pretraining, prune, regeneration
 
         c = self.cfg
-        self.stage("1-tokenizer", (self.tokenizer_dir / "tokenizer.json").exists(),
-                   lambda: pretraining.train_tokenizer(self))
-        self.stage("2-pretrain-target", (self.model_dir("target") / "config.json").exists(),
-                   lambda: pretraining.pretrain(self, "target", c.target))
-        # The small model only seeds drafters; once they exist it is not needed (nor shipped).
-        self.stage("3-pretrain-small", (self.model_dir("small") / "config.json").exists()
-                   or not drafters.small_needed(self), lambda: pretraining.pretrain(self, "small", c.small))
-        # The training split is not shipped: once every drafter exists only dev is needed.
-        self.stage("4-regenerate", self.regen_split("dev").exists()
-                   and (self.regen_split("train").exists() or drafters.all_trained(self)),
-                   lambda: regeneration.regenerate(self))
-        for v in c.drafters:
-            self.stage(f"5-drafter-{v.name}", (self.drafter_dir(v.name) / "result.json").exists(),
-                       lambda v=v: drafters.train_drafter(self, v))
+        out = [("1-tokenizer", lambda: (self.tokenizer_dir / "tokenizer.json").exists(),
+                lambda: pretraining.train_tokenizer(self)),
+               ("2-pretrain-target", lambda: (self.model_dir("target") / "config.json").exists(),
+                lambda: pretraining.pretrain(self, "target", c.target)),
+               # The small model only seeds drafters; once they exist it is not needed (nor shipped).
+               ("3-pretrain-small", lambda: (self.model_dir("small") / "config.json").exists()
+                or not drafters.small_needed(self), lambda: pretraining.pretrain(self, "small", c.small)),
+               # The training split is not shipped: once every drafter exists only dev is needed.
+               ("4-regenerate", lambda: self.regen_split("dev").exists()
+                and (self.regen_split("train").exists() or drafters.all_trained(self)),
+                lambda: regeneration.regenerate(self))]
+        out += [(f"5-drafter-{v.name}", lambda v=v: (self.drafter_dir(v.name) / "result.json").exists(),
+                 lambda v=v: drafters.train_drafter(self, v)) for v in c.drafters]
         if c.prune_drafter:
-            self.stage("6-prune", (self.prune_dir / "result.json").exists(), lambda: prune.prune(self))
-        self.stage("7-online-tau", online.measured(self), lambda: online.measure_online(self))
+            out.append(("6-prune", lambda: (self.prune_dir / "result.json").exists(), lambda: prune.prune(self)))
+        out.append(("7-online-tau", lambda: online.measured(self), lambda: online.measure_online(self)))
+        return out
+
+    def missing(self) -> list[str]:
+        """The stages whose output is not under out_dir now (none, for the shipped artifacts and
+        their config: ``make demo`` then runs only the benchmark)."""
+        return [name for name, done, _ in self.stages() if not done()]
+
+    def run(self, evaluate: bool = True) -> dict | None:
+        from d3d_jax.pipeline import benchmark, drafters
+
+        for name, done, fn in self.stages():
+            self.stage(name, done(), fn)
         drafters.unship_weights(self)
         return benchmark.benchmark(self) if evaluate else None
 
