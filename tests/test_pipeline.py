@@ -148,3 +148,20 @@ def test_demo_rest_layers_the_unshipped_stages_over_demo_yaml(tmp_path):
     assert {"5-drafter-target", "5-drafter-small_s1", "6-prune"} <= set(todo)
     shipped = {"1-tokenizer", "2-pretrain-target", *(f"5-drafter-{v.name}" for v in base.drafters)}
     assert not shipped & set(todo)
+
+
+def test_a_signal_stopped_training_stage_exits_128_plus_signal_and_says_how_to_resume(tmp_path):
+    """The training loop returns early on SIGTERM (checkpoint saved, no export): the stage stops
+    there with one line and the signal's status, not later on the missing export."""
+    from types import SimpleNamespace
+
+    from d3d_jax.cli import run_cli
+    from d3d_jax.pipeline.base import StageStopped, finished
+
+    finished(SimpleNamespace(stop_signal=None, step=8), "drafter_x", 8, tmp_path)  # ran to the end
+    with pytest.raises(StageStopped, match=r"'drafter_x' stopped by signal 15 at step 3 of 8, .*rerun") as e:
+        finished(SimpleNamespace(stop_signal=15, step=3), "drafter_x", 8, tmp_path)
+
+    def main(argv):
+        raise e.value
+    assert (e.value.exit_code, run_cli(main, [])) == (143, 143)

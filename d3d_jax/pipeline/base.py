@@ -15,6 +15,7 @@ import numpy as np
 
 from d3d_jax import config as C
 from d3d_jax.demo import tokenizer as tok_lib
+from d3d_jax.errors import D3DError
 
 
 def log(msg: str) -> None:
@@ -26,6 +27,24 @@ def write_json(obj, path: Path) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(obj, indent=1, default=float))
     tmp.replace(path)  # whole or not at all: a crashed stage is redone, never half-skipped
+
+
+class StageStopped(D3DError):
+    """A training stage that SIGTERM / SIGINT stopped after saving its checkpoint; the command
+    exits with 128 + the signal, as ``train/train_drafter.py`` does, and a rerun resumes it."""
+
+    def __init__(self, message: str, signum: int):
+        super().__init__(message)
+        self.exit_code = 128 + signum
+
+
+def finished(trainer, name: str, steps: int, run_dir: Path) -> None:
+    """Raise :class:`StageStopped` if a signal stopped ``trainer`` early: it saved a checkpoint
+    but exported nothing, and the stage must not go on without an export."""
+    if trainer.stop_signal is not None:
+        raise StageStopped(f"training run {name!r} stopped by signal {trainer.stop_signal} at step "
+                           f"{trainer.step} of {steps}, its checkpoint saved in {run_dir / 'checkpoints'}; "
+                           "rerun the same command to resume", trainer.stop_signal)
 
 
 class Pipeline:
@@ -197,6 +216,7 @@ class Pipeline:
                                 export_hf=True, progress_bar=True, aot_compile=False))
         cfg.validate()
         trainer = loop.run(cfg, tokenizer=self.tokenizer())
+        finished(trainer, name, steps, run_dir)
         losses = [r["loss"] for r in trainer.history if "loss" in r] if hasattr(trainer, "history") else []
         return run_dir / "export" / "hf", losses
 
