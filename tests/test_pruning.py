@@ -480,14 +480,20 @@ def _original_layers(model, fingerprints) -> frozenset:
     return frozenset(found)
 
 
-@pytest.mark.parametrize("criterion,order", [("acceptance", [1, 4, 0, 2]), ("shortgpt", [1, 3, 4, 2])])
-def test_progressive_pruning_removes_layers_in_known_importance_order(criterion, order):
+def _known_order_drafter():
+    """The scaled-residual drafter, a dev batch for ShortGPT's similarities, and τ from the table
+    of its layers (found by their weights, whatever the pruning left)."""
     model = _scaled_residual_drafter()
     fingerprints = [np.asarray(l.self_attn.q_proj.kernel[...]) for l in model.layers]
     rng = np.random.default_rng(5)
     seqs = [[int(t) for t in rng.integers(0, 63, 14)] for _ in range(2)]
     dev = pruning.pack_dev_rows(seqs, [3, 3], [[2, 5], [4]], 4, 63, 16)
-    tau_fn = lambda m: _table_tau(_original_layers(m, fingerprints))
+    return model, dev, lambda m: _table_tau(_original_layers(m, fingerprints))
+
+
+@pytest.mark.parametrize("criterion,order", [("acceptance", [1, 4, 0, 2]), ("shortgpt", [1, 3, 4, 2])])
+def test_progressive_pruning_removes_layers_in_known_importance_order(criterion, order):
+    model, dev, tau_fn = _known_order_drafter()
     _, report = pruning.prune_progressively(
         model, tau_fn=tau_fn, similarity_batches=[dev], recover=lambda student, name: student,
         target_layers=1, criterion=criterion)
@@ -583,12 +589,7 @@ def test_shortgpt_comparison_prunes_its_own_line_at_every_depth_with_the_same_re
     """With ``compare_shortgpt`` the other rule prunes its own line of descent: at every depth its
     layers are exactly what ShortGPT alone would have kept, its τ is the table's for those layers,
     and it gets one recovery per round like the main line (shared while both pick the same layer)."""
-    model = _scaled_residual_drafter()
-    fingerprints = [np.asarray(l.self_attn.q_proj.kernel[...]) for l in model.layers]
-    rng = np.random.default_rng(5)
-    seqs = [[int(t) for t in rng.integers(0, 63, 14)] for _ in range(2)]
-    dev = pruning.pack_dev_rows(seqs, [3, 3], [[2, 5], [4]], 4, 63, 16)
-    tau_fn = lambda m: _table_tau(_original_layers(m, fingerprints))
+    model, dev, tau_fn = _known_order_drafter()
     calls = []
 
     def recover(student, name):
