@@ -126,6 +126,30 @@ def _online_prompts(cfg: Any, tokenizer: Any, vocab_size: int) -> list[list[int]
     return [list(ex.tokens[:ex.response_start]) for ex in examples[:cfg.prune.online_prompts]]
 
 
+def _tau_measure(cfg: Any, tokenizer: Any, vocab: int, mask_id: int) -> tuple[Callable[[Qwen3], float], list]:
+    """The importance measure (offline τ on the dev split, or online τ with the target) and the
+    dev batches ShortGPT's similarities (and the offline recovery curve) are taken on."""
+    from d3d_jax.io.checkpoint import load_model
+
+    pc, dc = cfg.prune, cfg.data
+    if pc.tau_measure == "offline":
+        dev_ds, _ = data_lib.build_dataset(dc, dc.dev_path, tokenizer=tokenizer, mask_token_id=mask_id,
+                                           seed=dc.seed + 12345, shuffle=False, vocab_size=vocab)
+        dev = data_lib.take_batches(dev_ds, dc.dev_batches)
+        return OfflineTau(dev, dc.block_size), dev
+    target = load_model(pc.target)
+    prompts = _online_prompts(cfg, tokenizer, vocab)
+    eos = target.config.eos_token_id
+    eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
+    tau_fn = functools.partial(online_tau, target=target, prompts=prompts,
+                               max_new_tokens=pc.online_max_new_tokens, block_size=dc.block_size,
+                               mask_token_id=mask_id, eos_token_ids=eos_ids)
+    sim_ds, _ = data_lib.build_dataset(dc, dc.dev_path or dc.train_path, tokenizer=tokenizer,
+                                       mask_token_id=mask_id, seed=dc.seed + 12345, shuffle=False,
+                                       vocab_size=vocab)
+    return tau_fn, data_lib.take_batches(sim_ds, max(dc.dev_batches, 1))
+
+
 def run_pruning(cfg: Any, *, drafter: Qwen3 | None = None, tokenizer: Any = None,
                 log: Callable[[str], None] | None = None) -> dict:
     """Prune per a :class:`~d3d_jax.config.PruneRunConfig`; writes ``pruning_report.json``,
@@ -152,23 +176,7 @@ def run_pruning(cfg: Any, *, drafter: Qwen3 | None = None, tokenizer: Any = None
     mask_id = data_lib.resolve_mask_token_id(dc, drafter.config.mask_token_id, tokenizer)
     drafter.config = dataclasses.replace(drafter.config, mask_token_id=mask_id, block_size=dc.block_size)
 
-    if pc.tau_measure == "offline":
-        dev_ds, _ = data_lib.build_dataset(dc, dc.dev_path, tokenizer=tokenizer, mask_token_id=mask_id,
-                                           seed=dc.seed + 12345, shuffle=False, vocab_size=vocab)
-        dev = data_lib.take_batches(dev_ds, dc.dev_batches)
-        tau_fn: Callable[[Qwen3], float] = OfflineTau(dev, dc.block_size)
-    else:
-        target = load_model(pc.target)
-        prompts = _online_prompts(cfg, tokenizer, vocab)
-        eos = target.config.eos_token_id
-        eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
-        tau_fn = functools.partial(online_tau, target=target, prompts=prompts,
-                                   max_new_tokens=pc.online_max_new_tokens, block_size=dc.block_size,
-                                   mask_token_id=mask_id, eos_token_ids=eos_ids)
-        sim_ds, _ = data_lib.build_dataset(dc, dc.dev_path or dc.train_path, tokenizer=tokenizer,
-                                           mask_token_id=mask_id, seed=dc.seed + 12345, shuffle=False,
-                                           vocab_size=vocab)
-        dev = data_lib.take_batches(sim_ds, max(dc.dev_batches, 1))
+    tau_fn, dev = _tau_measure(cfg, tokenizer, vocab, mask_id)
     train_ds, _ = data_lib.build_dataset(dc, dc.train_path, tokenizer=tokenizer, mask_token_id=mask_id,
                                          vocab_size=vocab)
     run_cfg = TrainRunConfig(model=drafter.config, mesh=cfg.mesh, data=dataclasses.replace(dc, mask_token_id=mask_id),
