@@ -132,7 +132,7 @@ def test_jsonl_counts_and_determinism(tmp_path):
 def test_chat_template_rendering(tmp_path):
     from transformers import AutoTokenizer
 
-    from d3d_jax.io.tokenizer import train_tokenizer
+    from d3d_jax.demo.tokenizer import train_tokenizer
 
     tok_dir = train_tokenizer(["hello world, the drafter drafts. " * 20], 300, tmp_path / "tok")
     tok = AutoTokenizer.from_pretrained(tok_dir)

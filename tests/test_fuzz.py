@@ -169,7 +169,7 @@ def _generate_cli():
 
 
 def test_fuzz_prompt_files(tmp_path):
-    from d3d_jax.io.tokenizer import train_tokenizer
+    from d3d_jax.demo.tokenizer import train_tokenizer
 
     tok = hf.open_tokenizer(train_tokenizer(["to be or not to be, that is the question"] * 20, 300,
                                             tmp_path / "tok"))

@@ -18,7 +18,7 @@ from d3d_jax.config import ModelConfig
 from d3d_jax.errors import UsageError
 from d3d_jax.io.checkpoint import save_params
 from d3d_jax.io.hf import load_tokenizer
-from d3d_jax.io.tokenizer import train_tokenizer
+from d3d_jax.demo.tokenizer import train_tokenizer
 from d3d_jax.model.qwen3 import init_model
 
 ROOT = Path(__file__).resolve().parent.parent

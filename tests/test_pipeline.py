@@ -42,19 +42,31 @@ def test_mini_pipeline_end_to_end(tmp_path, capsys):
     # Every stage left its output.
     for p in ("tokenizer/tokenizer.json", "models/target/config.json", "models/small/config.json",
               "data/regenerated_train.jsonl", "data/regenerated_dev.jsonl", "drafters/small/result.json",
-              "drafters/small_l0/result.json", "drafters/small_pruned/config.json"):
+              "drafters/small_l0/result.json", "pruning/result.json", "pruning/pruning_report.json",
+              "pruning/recovery_curves.png", "online_tau.json"):
         assert (out / p).exists(), p
     # The benchmark writes under the work dir; the shipped results are left alone.
-    for p in ("results.json", "table.md", "acceptance_histogram.png", "tau_per_slot.png"):
+    for p in ("results.json", "table.md", "acceptance_histogram.png", "tau_per_slot.png", "dev_curves.png"):
         assert (tmp_path / "work" / "eval" / p).exists(), p
     assert not (out / "eval").exists()
     # Regeneration kept every prompt; responses are the target's own tokens.
     recs = [json.loads(x) for f in ("train", "dev")
             for x in (out / f"data/regenerated_{f}.jsonl").read_text().splitlines()]
     assert len(recs) == 12 and all(r["response_token_ids"] for r in recs)
-    # The pruned drafter lost a layer.
-    pruned = json.loads((out / "drafters/small_pruned/result.json").read_text())
-    assert (pruned["layers_before"], pruned["layers"]) == (2, 1)
+    # Pruning 2 -> 1 layer by both rules, each with its recovery curve (eval every step); the
+    # unshipped eval-less drafter's weights moved to the work dir after stage 7 measured them.
+    pruned = json.loads((out / "pruning/result.json").read_text())
+    (row,) = pruned["depths"]
+    assert pruned["initial_depth"] == 2 and row["depth"] == 1
+    for rule in ("acceptance", "shortgpt"):
+        assert len(row[rule]["layers"]) == 1 and 0 < row[rule]["retention"]
+        if not row[rule]["shared"]:
+            assert [c["step"] for c in row[rule]["recovery_curve"]] == [0, 1, 2]
+    online = json.loads((out / "online_tau.json").read_text())["drafters"]
+    assert set(online) == {"small", "small_l0", "small_acceptance_1", "small_shortgpt_1"}
+    assert all(r["shakespeare"]["equals_plain"] and 1.0 <= r["shakespeare"]["tau"] <= 4.0 for r in online.values())
+    assert not (out / "drafters/small_l0/model.safetensors").exists()
+    assert (tmp_path / "work" / "drafters/small_l0/model.safetensors").exists()
     # Benchmark: the equality check ran on real outputs and passed; τ is in range.
     res = report["drafters"]["small"]["results"]
     for suite in ("shakespeare",):
@@ -74,18 +86,82 @@ def test_mini_pipeline_end_to_end(tmp_path, capsys):
     # The target ships in bfloat16 with its tokenizer beside it (commands take the dir alone).
     tcfg = json.loads((out / "models/target/config.json").read_text())
     assert tcfg["torch_dtype"] == "bfloat16" and (out / "models/target/tokenizer.json").exists()
-    assert report["ablations"]["small_l0"]["online"]["shakespeare"]["equals_plain"] is True
+    assert report["built"]["online_tau"]["drafters"]["small_l0"]["shakespeare"]["equals_plain"] is True
+    assert set(report["drafter_latency"]["depth_ms"]) == {"2", "1"}
     printed = capsys.readouterr().out
-    assert "| sync |" in printed and "| sync_b3 |" in printed and "Ablations" in printed
+    assert "| sync |" in printed and "| sync_b3 |" in printed and "Ablation arms" in printed
+    assert "ShortGPT" in printed and "Drafting-forward latency" in printed
     assert "| overlap |" in printed
     # A rerun skips every build stage.
     capsys.readouterr()
     again = Pipeline(cfg, work_dir=str(tmp_path / "work"))
+    assert again.missing() == []
     again.run(evaluate=False)
     assert again.timings == {}
-    assert capsys.readouterr().out.count("output exists, skipped") == 7
+    assert capsys.readouterr().out.count("output exists, skipped") == 6 + len(cfg.drafters)  # stages 1-7
     # A fresh clone has no training split (not shipped): with every drafter built, nothing reruns.
     (out / "data/regenerated_train.jsonl").unlink()
     fresh = Pipeline(cfg, work_dir=str(tmp_path / "work"))
     fresh.run(evaluate=False)
     assert fresh.timings == {}
+
+
+DEMO, DEMO_REST = "configs/pipelines/demo.yaml", "configs/pipelines/demo-rest.yaml"
+
+
+def test_shipped_artifacts_are_every_stage_of_demo_yaml_and_the_results_describe_them(tmp_path):
+    """``make demo`` on a fresh clone (nothing under runs/) only benchmarks, and the shipped
+    results.json reports the drafters, pruning and online τ that ship beside it."""
+    from pathlib import Path
+
+    from d3d_jax.pipeline import Pipeline
+
+    cfg = load_config(PipelineConfig, [DEMO], [])
+    p = Pipeline(cfg, work_dir=str(tmp_path / "fresh-clone-work"))
+    assert p.missing() == []
+    for name in cfg.eval_drafters:  # the benchmark times these: their weights ship
+        assert (p.drafter_dir(name) / "model.safetensors").exists(), name
+    results = json.loads((Path(cfg.out_dir) / "eval/results.json").read_text())
+    assert list(results["drafters"]) == list(cfg.eval_drafters)
+    built = results["built"]
+    assert built["drafters"] == {v.name: json.loads((p.drafter_dir(v.name) / "result.json").read_text())
+                                 for v in cfg.drafters}
+    assert built["online_tau"] == json.loads(p.online_path.read_text())
+    assert set(built["online_tau"]["drafters"]) == {v.name for v in cfg.drafters}
+    assert ("pruning" in built) == bool(cfg.prune_drafter)
+    assert results["all_outputs_equal_plain"] is True
+
+
+def test_demo_rest_layers_the_unshipped_stages_over_demo_yaml(tmp_path):
+    from d3d_jax.pipeline import Pipeline
+
+    base = load_config(PipelineConfig, [DEMO], [])
+    cfg = load_config(PipelineConfig, [DEMO, DEMO_REST], [])
+    names = [v.name for v in cfg.drafters]
+    assert names[:len(base.drafters)] == [v.name for v in base.drafters]  # the shipped ones, unchanged
+    assert cfg.drafters[:len(base.drafters)] == base.drafters
+    assert {"target", "small_s1", "small_l0_s1", "random_s1"} <= set(names)
+    assert (cfg.prune_drafter, cfg.prune_to_layers) == ("target", 6)
+    assert {k: v for k, v in vars(cfg).items() if not k.startswith(("drafters", "prune"))} == \
+        {k: v for k, v in vars(base).items() if not k.startswith(("drafters", "prune"))}
+    todo = Pipeline(cfg, work_dir=str(tmp_path / "work")).missing()
+    assert {"5-drafter-target", "5-drafter-small_s1", "6-prune"} <= set(todo)
+    shipped = {"1-tokenizer", "2-pretrain-target", *(f"5-drafter-{v.name}" for v in base.drafters)}
+    assert not shipped & set(todo)
+
+
+def test_a_signal_stopped_training_stage_exits_128_plus_signal_and_says_how_to_resume(tmp_path):
+    """The training loop returns early on SIGTERM (checkpoint saved, no export): the stage stops
+    there with one line and the signal's status, not later on the missing export."""
+    from types import SimpleNamespace
+
+    from d3d_jax.cli import run_cli
+    from d3d_jax.pipeline.base import StageStopped, finished
+
+    finished(SimpleNamespace(stop_signal=None, step=8), "drafter_x", 8, tmp_path)  # ran to the end
+    with pytest.raises(StageStopped, match=r"'drafter_x' stopped by signal 15 at step 3 of 8, .*rerun") as e:
+        finished(SimpleNamespace(stop_signal=15, step=3), "drafter_x", 8, tmp_path)
+
+    def main(argv):
+        raise e.value
+    assert (e.value.exit_code, run_cli(main, [])) == (143, 143)

@@ -18,7 +18,7 @@ from d3d_jax.model.kv_cache import init_cache
 from d3d_jax.model.masks import block_meta, causal_meta, default_meta
 from d3d_jax.model.qwen3 import init_model, remove_layers
 from d3d_jax.training import data as data_lib
-from d3d_jax.training import pruning
+from d3d_jax.training import prune_run, pruning
 
 TINY = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=3, num_heads=2,
                    num_kv_heads=1, head_dim=16, max_position_embeddings=256, mask_token_id=63,
@@ -481,14 +481,20 @@ def _original_layers(model, fingerprints) -> frozenset:
     return frozenset(found)
 
 
-@pytest.mark.parametrize("criterion,order", [("acceptance", [1, 4, 0, 2]), ("shortgpt", [1, 3, 4, 2])])
-def test_progressive_pruning_removes_layers_in_known_importance_order(criterion, order):
+def _known_order_drafter():
+    """The scaled-residual drafter, a dev batch for ShortGPT's similarities, and τ from the table
+    of its layers (found by their weights, whatever the pruning left)."""
     model = _scaled_residual_drafter()
     fingerprints = [np.asarray(l.self_attn.q_proj.kernel[...]) for l in model.layers]
     rng = np.random.default_rng(5)
     seqs = [[int(t) for t in rng.integers(0, 63, 14)] for _ in range(2)]
     dev = pruning.pack_dev_rows(seqs, [3, 3], [[2, 5], [4]], 4, 63, 16)
-    tau_fn = lambda m: _table_tau(_original_layers(m, fingerprints))
+    return model, dev, lambda m: _table_tau(_original_layers(m, fingerprints))
+
+
+@pytest.mark.parametrize("criterion,order", [("acceptance", [1, 4, 0, 2]), ("shortgpt", [1, 3, 4, 2])])
+def test_progressive_pruning_removes_layers_in_known_importance_order(criterion, order):
+    model, dev, tau_fn = _known_order_drafter()
     _, report = pruning.prune_progressively(
         model, tau_fn=tau_fn, similarity_batches=[dev], recover=lambda student, name: student,
         target_layers=1, criterion=criterion)
@@ -555,7 +561,7 @@ def test_every_pruning_round_distils_from_the_unpruned_drafter(tmp_path, monkeyp
         f"data.packed_length={16 + 2 * bs}", "data.num_anchors=2", f"data.block_size={bs}",
         "data.batch_size=4", "data.dev_batches=1", f"data.mask_token_id={v - 1}",
         f"train.steps={steps}", "optim.learning_rate=1e-2", "train.log_every=100"])
-    report = pruning.run_pruning(cfg, drafter=drafter, log=lambda s: None)
+    report = prune_run.run_pruning(cfg, drafter=drafter, log=lambda s: None)
     assert [r["depth_after"] for r in report["rounds"]] == [2, 1]
     assert len(seen) == 2 * steps  # callbacks run in step order: round 1's steps, then round 2's
     round_1_model = load_model(str(out / "round_01" / "export" / "hf"))  # what round 2 started from
@@ -578,3 +584,36 @@ def test_every_pruning_round_distils_from_the_unpruned_drafter(tmp_path, monkeyp
             gap = np.abs(_q(round_1_model, batch) - q_unpruned).max()
             print(f"round 2: |q(round-1 model) - q(unpruned)|max = {gap:.2e}", file=sys.stderr)
             assert gap > 50 * tol
+
+
+def test_shortgpt_comparison_prunes_its_own_line_at_every_depth_with_the_same_recovery():
+    """With ``compare_shortgpt`` the other rule prunes its own line of descent: at every depth its
+    layers are exactly what ShortGPT alone would have kept, its τ is the table's for those layers,
+    and it gets one recovery per round like the main line (shared while both pick the same layer)."""
+    model, dev, tau_fn = _known_order_drafter()
+    calls = []
+
+    def recover(student, name):
+        calls.append((name, student.config.num_layers))
+        return student
+
+    _, report = pruning.prune_progressively(
+        model, tau_fn=tau_fn, similarity_batches=[dev], recover=recover, target_layers=1,
+        compare_shortgpt=True)
+    kept_a, kept_s = list(range(5)), list(range(5))
+    for r, (a, s) in zip(report["rounds"], zip([1, 4, 0, 2], [1, 3, 4, 2])):
+        kept_a.remove(a)
+        kept_s.remove(s)
+        o = r["other_rule"]
+        assert (r["removed_original_layer"], o["original_layer"]) == (a, s)
+        assert o["remaining_original_layers"] == kept_s
+        assert o["tau_recovered"] == _table_tau(frozenset(kept_s))
+        assert o["shared"] == (kept_a == kept_s)
+    assert [r["other_rule"]["shared"] for r in report["rounds"]] == [True, False, False, False]
+    # one recovery per round per line; the shared first round is recovered once
+    assert calls == [("round_01", 4), ("round_02", 3), ("round_02_shortgpt", 3), ("round_03", 2),
+                     ("round_03_shortgpt", 2), ("round_04", 1), ("round_04_shortgpt", 1)]
+    rows = report["rule_comparison"]
+    assert [row["shortgpt_tau_recovered"] for row in rows] == [r["other_rule"]["tau_recovered"]
+                                                               for r in report["rounds"]]
+    assert rows[1]["acceptance_layers"] == [0, 2, 3] and rows[1]["shortgpt_layers"] == [0, 2, 4]

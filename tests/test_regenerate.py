@@ -80,7 +80,7 @@ def test_malformed_lines_are_listed_and_nothing_else_dropped(tmp_path):
 def tokenizer(tmp_path_factory):
     from transformers import AutoTokenizer
 
-    from d3d_jax.io.tokenizer import train_tokenizer
+    from d3d_jax.demo.tokenizer import train_tokenizer
 
     texts = ["To be, or not to be, that is the question. Whether tis nobler in the mind to suffer "
              "the slings and arrows of outrageous fortune.", "def add(a, b):\n    return a + b\n"] * 4

@@ -1,10 +1,13 @@
 #!/usr/bin/env python
 """Run the embedded-default pipeline: tokenizer → target → small model → regeneration → D3D
-drafters (+ ablations) → pruning → benchmark (Table 1, plots, JSON).
+drafters (+ ablations) → pruning (τ-guided and ShortGPT) → online τ of every drafter →
+benchmark (Table 1, ablations, pruning, latency by depth; plots, JSON).
 
     python train/pipeline.py --config configs/pipelines/demo.yaml [key=value ...]
     python train/pipeline.py --config configs/pipelines/demo.yaml --rebuild   # from nothing
     python train/pipeline.py --config configs/pipelines/demo.yaml --rebuild --quick   # every stage, shortened
+    python train/pipeline.py --config configs/pipelines/demo.yaml --config configs/pipelines/demo-rest.yaml
+        # later files merge over earlier ones (here: the stages not shipped yet)
 
 Stages whose output exists under ``out_dir`` are skipped, so with the shipped checkpoints only
 the benchmark runs.  Exit status 3 if any sync/async output differs from plain greedy decoding.
@@ -25,7 +28,8 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--config", required=True, help="pipeline YAML (configs/pipelines/demo.yaml)")
+    ap.add_argument("--config", required=True, action="append",
+                    help="pipeline YAML (configs/pipelines/demo.yaml); repeated, later files merge over earlier ones")
     ap.add_argument("--rebuild", action="store_true", help="delete out_dir and work dir, rebuild everything")
     ap.add_argument("--work-dir", default=None,
                     help="scratch: training checkpoints, corpus (default runs/pipeline/<out_dir>)")
@@ -41,7 +45,7 @@ def main(argv=None) -> int:
     from d3d_jax.config import PipelineConfig, load_config
     from d3d_jax.pipeline import Pipeline
 
-    cfg = load_config(PipelineConfig, [args.config], args.overrides)
+    cfg = load_config(PipelineConfig, args.config, args.overrides)
     if args.quick:
         cfg = cfg.quick()
         cfg.validate()

@@ -28,7 +28,7 @@ def main(argv=None) -> int:
     cfg, _ = parse_config_cli(PruneRunConfig, argv, __doc__)
 
     from d3d_jax.io.checkpoint import stored_model_config
-    from d3d_jax.training.pruning import run_pruning
+    from d3d_jax.training.prune_run import run_pruning
 
     cfg.prune.check_depth(stored_model_config(cfg.prune.drafter).num_layers)  # before loading anything
 

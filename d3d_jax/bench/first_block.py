@@ -78,13 +78,13 @@ def finetune(pipe, drafter_dir: Path, name: str, steps: int, seed: int, first_bl
 
     c = pipe.cfg
     shutil.rmtree(pipe.work / "runs" / name, ignore_errors=True)
-    mc = pipe._model_config(C.load_model_config(str(drafter_dir)), mask_token_id=pipe.special_ids()["mask"],
+    mc = pipe.model_config(C.load_model_config(str(drafter_dir)), mask_token_id=pipe.special_ids()["mask"],
                             block_size=c.block_size)
     data = dataclasses.replace(pipe.drafter_data(), seed=seed, first_block_anchor=first_block_anchor)
     optim = C.OptimConfig(name="adamw", learning_rate=c.drafter_learning_rate,
                           final_learning_rate=c.drafter_learning_rate * 0.1, warmup_steps=20)
     objective = C.ObjectiveConfig(kind="d3d", gamma=c.drafter_gamma, ar_weight=1.0)
-    hf_dir, _ = pipe._train(name, mc, data, objective, optim, steps, init_from=str(drafter_dir), seed=seed)
+    hf_dir, _ = pipe.train_run(name, mc, data, objective, optim, steps, init_from=str(drafter_dir), seed=seed)
     return hf_dir
 
 

@@ -29,16 +29,17 @@ def tiny_setup(workdir: str | Path, num_prompts: int = 32, model: str = "tiny", 
     from transformers import AutoTokenizer
 
     from d3d_jax.config import load_model_config
-    from d3d_jax.io import tokenizer as tk
+    from d3d_jax.demo import corpus
+    from d3d_jax.demo import tokenizer as tk
     from d3d_jax.model.qwen3 import init_model
 
     workdir = Path(workdir)
     cfg = load_model_config(model)
-    tok_dir = tk.train_tokenizer(tk.load_corpus("pretrain", ("shakespeare",), max_chars=400_000),
+    tok_dir = tk.train_tokenizer(corpus.load_corpus("pretrain", ("shakespeare",), max_chars=400_000),
                                  cfg.vocab_size, workdir / "tokenizer")
     tokenizer = AutoTokenizer.from_pretrained(tok_dir)
     cfg = dataclasses.replace(cfg, eos_token_id=tokenizer.convert_tokens_to_ids(tk.IM_END))
-    passages = [p for doc in tk.load_corpus("prompts", ("shakespeare",)) for p in tk.split_passages(doc, 200)]
+    passages = [p for doc in corpus.load_corpus("prompts", ("shakespeare",)) for p in corpus.split_passages(doc, 200)]
     texts = [f"Continue this scene:\n{p}" for p in passages[:num_prompts]]
     if len(texts) < num_prompts:
         raise ValueError(f"only {len(texts)} prompt passages available, {num_prompts} requested")

@@ -40,6 +40,7 @@ class DrafterVariantConfig:
     init: str = "small"  # "small" (pretrained small model) | "target" (target's weights) | "random"
     ar_weight: float = 1.0
     steps: int | None = None  # None: the stage's steps
+    seed: int | None = None  # of the init, the data order and the anchors (None: the pipeline's)
 
     def validate(self, prefix: str = "drafter") -> None:
         _require(self.init in ("small", "target", "random"), f"{prefix}.init",
@@ -67,6 +68,9 @@ class PipelineConfig:
     regen_max_new_tokens: int = 128
     regen_greedy: bool = True
     regen_batch_size: int = 16
+    # signature-and-docstring stubs of stdlib functions (HumanEval's prompt shape, none of its
+    # problems) added to the regeneration prompts
+    regen_docstring_prompts: int = 0
     # (5) drafters
     block_size: int = 16
     drafter_steps: int = 300
@@ -79,7 +83,8 @@ class PipelineConfig:
     # (6) pruning
     prune_drafter: str = ""  # "" skips pruning
     prune_to_layers: int = 2
-    prune_recover_steps: int = 50
+    prune_recover_steps: int = 50  # per round, the same for both rules
+    prune_eval_every: int = 0  # offline τ every this many recovery steps: the recovery curve (0: none)
     prune_margin: float = 0.1
     # (7) benchmark
     eval_benchmarks: tuple[str, ...] = ("humaneval", "shakespeare")
@@ -113,10 +118,12 @@ class PipelineConfig:
                                        warmup_steps=min(self.target.warmup_steps, steps(self.target.steps) // 4)),
             small=dataclasses.replace(self.small, steps=steps(self.small.steps),
                                       warmup_steps=min(self.small.warmup_steps, steps(self.small.steps) // 4)),
-            regen_prompts=max(16, self.regen_prompts // 10), drafter_steps=steps(self.drafter_steps),
+            regen_prompts=max(16, self.regen_prompts // 10),
+            regen_docstring_prompts=self.regen_docstring_prompts // 10, drafter_steps=steps(self.drafter_steps),
             drafters=tuple(dataclasses.replace(d, steps=None if d.steps is None else steps(d.steps))
                            for d in self.drafters),
             prune_recover_steps=max(2, self.prune_recover_steps // 4),
+            prune_eval_every=max(1, self.prune_eval_every // 4) if self.prune_eval_every else 0,
             eval_samples=max(2, self.eval_samples // 2), async_sweep=self.async_sweep[:2], hf_peer=False)
 
     def validate(self, prefix: str = "") -> None:
@@ -124,6 +131,7 @@ class PipelineConfig:
         _require(self.vocab_size >= 300, f"{p}vocab_size", "must be >= 300")
         self.target.validate(f"{p}target")
         self.small.validate(f"{p}small")
+        _require(self.regen_docstring_prompts >= 0, f"{p}regen_docstring_prompts", "must be >= 0")
         for k in ("regen_prompts", "regen_max_new_tokens", "drafter_steps", "eval_samples",
                   "eval_max_new_tokens", "passage_chars"):
             _require(getattr(self, k) >= 1, f"{p}{k}", "must be >= 1")
@@ -138,8 +146,8 @@ class PipelineConfig:
         for i, d in enumerate(self.drafters):
             d.validate(f"{p}drafters[{i}]")
         for n in self.eval_drafters:
-            _require(n in names or n == f"{self.prune_drafter}_pruned", f"{p}eval_drafters",
-                     f"{n!r} is not a drafter name ({names}) nor '<prune_drafter>_pruned'")
+            _require(n in names, f"{p}eval_drafters", f"{n!r} is not a drafter name ({names})")
+        _require(self.prune_eval_every >= 0, f"{p}prune_eval_every", "must be >= 0")
         if self.prune_drafter:
             _require(self.prune_drafter in names, f"{p}prune_drafter", f"{self.prune_drafter!r} not in {names}")
 

@@ -12,8 +12,9 @@ one depth has the same graph), :func:`trajectory_tau` (replays greedy speculativ
 rounds from per-anchor acceptance: equals the engine's τ), :func:`online_tau` (the engine
 itself), :func:`acceptance_importance` / :func:`shortgpt_importance` (§3.1-2),
 :func:`make_distillation_loss` + :func:`trainer_recovery` (§3.3, a custom loss for the training
-loop's :class:`~d3d_jax.training.loop.Trainer`), :func:`prune_progressively` (§3.4) and
-:func:`run_pruning` (the program).
+loop's :class:`~d3d_jax.training.loop.Trainer`) and :func:`prune_progressively` (§3.4: the
+pruning rule's line of descent, and the comparison rule's own beside it).  The program over a
+config and its report are :mod:`d3d_jax.training.prune_run`.
 
 Batches are the packed rows of :mod:`d3d_jax.training.data` (``[clean S | n blocks]`` with
 ``labels``, ``slot``, ``ar_mask``, ``anchor_valid``); :func:`pack_dev_rows` builds such rows
@@ -25,7 +26,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
@@ -309,13 +309,15 @@ def make_distillation_loss(teacher_graphdef: Any, *, margin: float, gamma: float
 
 
 def trainer_recovery(run_cfg: Any, teacher: Qwen3, train_data: Any, out_dir: str | Path, *,
-                     margin: float, export: bool = True, log: Callable[[str], None] | None = None
-                     ) -> Callable[[Qwen3, str], Qwen3]:
+                     margin: float, export: bool = True, log: Callable[[str], None] | None = None,
+                     dev_batches: Sequence[dict] = ()) -> Callable[[Qwen3, str], Qwen3]:
     """``recover(student, name) -> student``: ``run_cfg.train.steps`` steps of the training loop
     (:class:`~d3d_jax.training.loop.Trainer`) with the distillation loss; its Orbax train-state
     checkpoint, param checkpoint and HF export go to ``out_dir/name`` (exports when ``export``).
     ``run_cfg`` is a :class:`~d3d_jax.config.TrainRunConfig` whose model section is replaced by
-    the student's config each call."""
+    the student's config each call.  With ``dev_batches`` and ``train.eval_every``, the student's
+    offline τ every ``eval_every`` steps lands in ``out_dir/name/metrics.jsonl``: the recovery
+    curve that shows whether the budget was long enough."""
     from d3d_jax.training.loop import Trainer
 
     tgraph, tstate = nnx.split(teacher)
@@ -330,7 +332,7 @@ def trainer_recovery(run_cfg: Any, teacher: Qwen3, train_data: Any, out_dir: str
         cfg = dataclasses.replace(run_cfg, model=student.config, train=tc)
         cfg.validate()
         trainer = Trainer(cfg, model=student, loss_fn=loss_fn, loss_extra=tstate,
-                          train_data=train_data, dev_batches=[], log=log)
+                          train_data=train_data, dev_batches=list(dev_batches), log=log)
         try:
             trainer.fit()
             if tc.export_params or tc.export_hf:
@@ -347,6 +349,71 @@ def trainer_recovery(run_cfg: Any, teacher: Qwen3, train_data: Any, out_dir: str
 # --------------------------------------------------------------------------------------
 
 
+@dataclasses.dataclass
+class Chain:
+    """One line of descent: the current (recovered) model, which original layers it holds, its τ."""
+
+    model: Qwen3
+    original_layers: list[int]
+    tau: float
+
+    def cut(self, layer: int) -> tuple[Qwen3, list[int]]:
+        kept = list(self.original_layers)
+        kept.pop(layer)
+        return remove_layers(self.model, [layer]), kept
+
+
+def layer_scores(model: Qwen3, tau_fn: Callable[[Qwen3], float], similarity_batches: Sequence[dict],
+                 rules: Sequence[str], progress: bool = False) -> dict[str, list[float]]:
+    """Per rule in ``rules``, a score per layer: τ without it (acceptance), Block Influence (shortgpt)."""
+    out = {}
+    if "acceptance" in rules:
+        out["acceptance"] = acceptance_importance(model, tau_fn, progress=progress)
+    if "shortgpt" in rules:
+        out["shortgpt"] = shortgpt_importance(model, similarity_batches)
+    return out
+
+
+def _prune_round(chain: Chain, layer: int, tau_pruned: float, recover: Callable[[Qwen3, str], Qwen3],
+                 tau_fn: Callable[[Qwen3], float], name: str, tau0: float) -> tuple[Chain, dict]:
+    """Delete ``layer`` from the chain's model, recover, measure: the next chain and the facts."""
+    student, kept = chain.cut(layer)
+    t = time.perf_counter()
+    recovered = recover(student, name)
+    recovery_s = time.perf_counter() - t
+    tau = float(tau_fn(recovered))
+    return Chain(recovered, kept, tau), {
+        "layer": layer, "original_layer": chain.original_layers[layer], "tau_pruned": tau_pruned,
+        "tau_recovered": tau, "retention": tau / tau0, "recovery_s": recovery_s,
+        "remaining_original_layers": kept}
+
+
+def _other_rule_round(alt: Chain, main: Chain, main_next: Chain, main_facts: dict, scores: dict,
+                      rule: str, steps: "_RoundSteps", name: str) -> tuple[Chain, dict]:
+    """The comparison rule's own line of descent, one round: the same depth, the same recovery
+    budget.  While both rules have picked the same layers the lines coincide and share work."""
+    if alt is main:  # the other rule's pick from the same parent
+        rule_scores = scores[rule]
+        layer = least_important(rule, rule_scores)
+        if layer == main_facts["layer"]:
+            return main_next, {"rule": rule, "shared": True, **main_facts, "recovery_s": 0.0}
+        tau_pruned = scores["acceptance"][layer]
+    else:
+        rule_scores = layer_scores(alt.model, steps.tau_fn, steps.similarity_batches, [rule])[rule]
+        layer = least_important(rule, rule_scores)
+        tau_pruned = rule_scores[layer] if rule == "acceptance" else float(steps.tau_fn(alt.cut(layer)[0]))
+    nxt, facts = _prune_round(alt, layer, tau_pruned, steps.recover, steps.tau_fn, f"{name}_{rule}", steps.tau0)
+    return nxt, {"rule": rule, "shared": False, "scores": rule_scores, **facts}
+
+
+@dataclasses.dataclass(frozen=True)
+class _RoundSteps:
+    tau_fn: Callable[[Qwen3], float]
+    similarity_batches: Sequence[dict]
+    recover: Callable[[Qwen3, str], Qwen3]
+    tau0: float
+
+
 def prune_progressively(drafter: Qwen3, *, tau_fn: Callable[[Qwen3], float],
                         similarity_batches: Sequence[dict],
                         recover: Callable[[Qwen3, str], Qwen3], target_layers: int,
@@ -358,10 +425,11 @@ def prune_progressively(drafter: Qwen3, *, tau_fn: Callable[[Qwen3], float],
 
     ``recover(student, name)`` distils the pruned student (from the fixed unpruned teacher,
     :func:`trainer_recovery`); ``name`` is ``round_XX`` or ``round_XX_<other rule>``.  Every
-    round records both rules' scores (τ without each layer; ShortGPT's Block Influence); with
-    ``compare_shortgpt`` the other rule's pick is also recovered, so both rules are compared at
-    equal depth after recovery too (that branch is not continued).  Returns the last model
-    whose recovered τ met the floor, and the report.
+    round scores the layers by both rules (τ without each layer; ShortGPT's Block Influence).
+    With ``compare_shortgpt`` the other rule prunes its own line of descent too, its pick of the
+    layers at every depth with the same recovery per round, so both rules are compared at equal
+    depth and budget (``rule_comparison``).  Returns the last model whose recovered τ met the
+    floor, and the report.
     """
     least_important(criterion, [0.0])  # a bad name fails before any work
     if not 1 <= target_layers <= drafter.config.num_layers:
@@ -373,176 +441,58 @@ def prune_progressively(drafter: Qwen3, *, tau_fn: Callable[[Qwen3], float],
                               "initial_tau": tau0, "target_layers": target_layers,
                               "retention_floor": retention_floor, "rounds": [],
                               "stopped": "target depth reached"}
-    original_index = list(range(drafter.config.num_layers))
-    model, best, tau_current = drafter, drafter, tau0
-    while model.config.num_layers > target_layers:
-        start = time.perf_counter()
-        depth, name = model.config.num_layers, f"round_{len(report['rounds']) + 1:02d}"
-        tau_without = acceptance_importance(model, tau_fn, progress=progress)
-        influence = shortgpt_importance(model, similarity_batches)
-        scores = {"acceptance": tau_without, "shortgpt": influence}
+    main = Chain(drafter, list(range(drafter.config.num_layers)), tau0)
+    alt, best = main, drafter
+    while main.model.config.num_layers > target_layers:
+        start, n = time.perf_counter(), len(report["rounds"]) + 1
+        scores = layer_scores(main.model, tau_fn, similarity_batches, PRUNE_RULES, progress)
         layer = least_important(criterion, scores[criterion])
-        other = least_important(other_rule, scores[other_rule])
-        t_rec = time.perf_counter()
-        recovered = recover(remove_layers(model, [layer]), name)
-        recovery_s = time.perf_counter() - t_rec
-        tau_rec = float(tau_fn(recovered))
-        rec: dict[str, Any] = {
-            "round": len(report["rounds"]) + 1, "depth_before": depth, "depth_after": depth - 1,
-            "tau_before_pruning": tau_current, "tau_without_layer": tau_without,
-            "shortgpt_block_influence": influence, "removed_layer": layer,
-            "removed_original_layer": original_index[layer], "tau_pruned": tau_without[layer],
-            "tau_recovered": tau_rec, "retention": tau_rec / tau0, "recovery_s": recovery_s,
-            "other_rule": {"rule": other_rule, "layer": other, "original_layer": original_index[other],
-                           "tau_pruned": tau_without[other]},
-        }
+        nxt, facts = _prune_round(main, layer, scores["acceptance"][layer], recover, tau_fn,
+                                  f"round_{n:02d}", tau0)
+        rec = _round_record(n, main, nxt, facts, scores, other_rule)
         if compare_shortgpt:
-            alt = recovered if other == layer else recover(remove_layers(model, [other]),
-                                                           f"{name}_{other_rule}")
-            rec["other_rule"]["tau_recovered"] = tau_rec if other == layer else float(tau_fn(alt))
-            rec["other_rule"]["retention"] = rec["other_rule"]["tau_recovered"] / tau0
-        original_index.pop(layer)
-        rec["remaining_original_layers"] = list(original_index)
+            steps = _RoundSteps(tau_fn, similarity_batches, recover, tau0)
+            alt, other = _other_rule_round(alt, main, nxt, facts, scores, other_rule, steps, f"round_{n:02d}")
+            rec["other_rule"].update(other)
         rec["wall_s"] = time.perf_counter() - start
         report["rounds"].append(rec)
-        model, tau_current = recovered, tau_rec
+        main = nxt
         if on_round is not None:
-            on_round(rec["round"], model, rec)
-        if tau_rec < retention_floor * tau0:
-            report["stopped"] = (f"τ {tau_rec:.4f} fell below the retention floor "
+            on_round(n, main.model, rec)
+        if main.tau < retention_floor * tau0:
+            report["stopped"] = (f"τ {main.tau:.4f} fell below the retention floor "
                                  f"{retention_floor}·{tau0:.4f}")
             break
-        best = model
+        best = main.model
     report["final_depth"] = best.config.num_layers
-    # Both rules at equal depth (the other rule's pick cut from the same parent each round).
-    report["rule_comparison"] = [
-        {"depth": r["depth_after"], f"{criterion}_layer": r["removed_original_layer"],
-         f"{other_rule}_layer": r["other_rule"]["original_layer"],
-         f"{criterion}_tau_pruned": r["tau_pruned"], f"{other_rule}_tau_pruned": r["other_rule"]["tau_pruned"],
-         f"{criterion}_tau_recovered": r["tau_recovered"],
-         f"{other_rule}_tau_recovered": r["other_rule"].get("tau_recovered")} for r in report["rounds"]]
+    report["rule_comparison"] = [_comparison_row(r, criterion, other_rule) for r in report["rounds"]]
     report["wall_s"] = time.perf_counter() - t0
     return best, report
 
 
-def plot_tau_vs_depth(report: dict, path: str | Path) -> None:
-    """PNG: τ against depth, before and after recovery; the other rule's pick (cut from the same
-    parent each round) beside it."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.ticker import MaxNLocator
-
-    rounds = report["rounds"]
-    after = [r["depth_after"] for r in rounds]
-    fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot([report["initial_depth"]] + after, [report["initial_tau"]] + [r["tau_recovered"] for r in rounds],
-            "o-", label=f"{report['criterion']}: recovered")
-    ax.plot(after, [r["tau_pruned"] for r in rounds], "x--", label=f"{report['criterion']}: before recovery")
-    other = [r["other_rule"] for r in rounds]
-    if other:
-        ax.plot(after, [o["tau_pruned"] for o in other], "+:", label=f"{other[0]['rule']} pick: before recovery")
-        if all("tau_recovered" in o for o in other):
-            ax.plot(after, [o["tau_recovered"] for o in other], "s:", label=f"{other[0]['rule']} pick: recovered")
-    ax.set_xlabel("drafter depth (layers)")
-    ax.set_ylabel(f"{report.get('tau_measure', 'offline')} τ")
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.invert_xaxis()
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+PRUNE_RULES = ("acceptance", "shortgpt")
 
 
-def write_report(report: dict, out_dir: str | Path) -> Path:
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / "pruning_report.json"
-    path.write_text(json.dumps(report, indent=2))
-    plot_tau_vs_depth(report, out / "tau_vs_depth.png")
-    return path
+def _round_record(n: int, parent: Chain, nxt: Chain, facts: dict, scores: dict, other_rule: str) -> dict:
+    """A round's facts in the report's field names; ``other_rule`` starts as the other rule's pick
+    from the same parent (before any recovery of its own)."""
+    other = least_important(other_rule, scores[other_rule])
+    return {"round": n, "depth_before": len(parent.original_layers), "depth_after": len(nxt.original_layers),
+            "tau_before_pruning": parent.tau, "tau_without_layer": scores["acceptance"],
+            "shortgpt_block_influence": scores["shortgpt"], "removed_layer": facts["layer"],
+            "removed_original_layer": facts["original_layer"], "tau_pruned": facts["tau_pruned"],
+            "tau_recovered": facts["tau_recovered"], "retention": facts["retention"],
+            "recovery_s": facts["recovery_s"], "remaining_original_layers": facts["remaining_original_layers"],
+            "other_rule": {"rule": other_rule, "layer": other,
+                           "original_layer": parent.original_layers[other],
+                           "tau_pruned": scores["acceptance"][other]}}
 
 
-# --------------------------------------------------------------------------------------
-# The run (train/prune_drafter.py)
-# --------------------------------------------------------------------------------------
-
-
-def _online_prompts(cfg: Any, tokenizer: Any, vocab_size: int) -> list[list[int]]:
-    examples, _ = data_lib.load_examples(cfg.data.dev_path or cfg.data.train_path, tokenizer, cfg.data,
-                                         vocab_size)
-    return [list(ex.tokens[:ex.response_start]) for ex in examples[:cfg.prune.online_prompts]]
-
-
-def run_pruning(cfg: Any, *, drafter: Qwen3 | None = None, tokenizer: Any = None,
-                log: Callable[[str], None] | None = None) -> dict:
-    """Prune per a :class:`~d3d_jax.config.PruneRunConfig`; writes ``pruning_report.json``,
-    ``tau_vs_depth.png`` and per round ``round_XX/`` (Orbax train state, ``export/params``,
-    ``export/hf``) under ``prune.out_dir``.  Returns the report."""
-    from d3d_jax.config import TrainRunConfig, to_dict
-    from d3d_jax.io.checkpoint import load_model
-
-    from d3d_jax.parallel.sharding import make_mesh
-
-    pc, dc = cfg.prune, cfg.data
-    log = log or (lambda s: print(s, flush=True))
-    out = Path(pc.out_dir)
-    if drafter is None:  # the teacher (and every candidate cut from it) lives on the run's mesh
-        n_dev = cfg.num_devices or jax.device_count()
-        mesh = make_mesh(cfg.mesh, jax.devices()[:n_dev])
-        drafter = load_model(pc.drafter, mesh=mesh, rules=cfg.mesh.rules)
-    if drafter.config.block_size not in (None, dc.block_size):
-        raise ValueError(f"data.block_size={dc.block_size} differs from the drafter's block_size "
-                         f"{drafter.config.block_size}")
-    vocab = drafter.config.vocab_size  # records with ids outside it are skipped
-    if tokenizer is None and dc.tokenizer:
-        tokenizer = data_lib.load_tokenizer_for(dc, vocab)
-    mask_id = data_lib.resolve_mask_token_id(dc, drafter.config.mask_token_id, tokenizer)
-    drafter.config = dataclasses.replace(drafter.config, mask_token_id=mask_id, block_size=dc.block_size)
-
-    if pc.tau_measure == "offline":
-        dev_ds, _ = data_lib.build_dataset(dc, dc.dev_path, tokenizer=tokenizer, mask_token_id=mask_id,
-                                           seed=dc.seed + 12345, shuffle=False, vocab_size=vocab)
-        dev = data_lib.take_batches(dev_ds, dc.dev_batches)
-        tau_fn: Callable[[Qwen3], float] = OfflineTau(dev, dc.block_size)
-    else:
-        target = load_model(pc.target)
-        prompts = _online_prompts(cfg, tokenizer, vocab)
-        eos = target.config.eos_token_id
-        eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
-        tau_fn = functools.partial(online_tau, target=target, prompts=prompts,
-                                   max_new_tokens=pc.online_max_new_tokens, block_size=dc.block_size,
-                                   mask_token_id=mask_id, eos_token_ids=eos_ids)
-        sim_ds, _ = data_lib.build_dataset(dc, dc.dev_path or dc.train_path, tokenizer=tokenizer,
-                                           mask_token_id=mask_id, seed=dc.seed + 12345, shuffle=False,
-                                           vocab_size=vocab)
-        dev = data_lib.take_batches(sim_ds, max(dc.dev_batches, 1))
-    train_ds, _ = data_lib.build_dataset(dc, dc.train_path, tokenizer=tokenizer, mask_token_id=mask_id,
-                                         vocab_size=vocab)
-    run_cfg = TrainRunConfig(model=drafter.config, mesh=cfg.mesh, data=dataclasses.replace(dc, mask_token_id=mask_id),
-                             objective=cfg.objective, optim=cfg.optim,
-                             train=dataclasses.replace(cfg.train, progress_bar=pc.progress_bar),
-                             num_devices=cfg.num_devices)
-    recover = trainer_recovery(run_cfg, drafter, train_ds, out, margin=pc.margin,
-                               export=pc.export_rounds, log=log)
-
-    def on_round(i: int, model: Qwen3, rec: dict) -> None:
-        log(f"round {i}: removed layer {rec['removed_original_layer']} (depth {rec['depth_after']}); "
-            f"τ pruned {rec['tau_pruned']:.4f} -> recovered {rec['tau_recovered']:.4f} "
-            f"({100 * rec['retention']:.2f}% of τ₀); {rec['other_rule']['rule']} would remove "
-            f"{rec['other_rule']['original_layer']}")
-        (out / "pruning_progress.json").write_text(json.dumps(rec, indent=2))
-
-    best, report = prune_progressively(
-        drafter, tau_fn=tau_fn, similarity_batches=dev, recover=recover, target_layers=pc.target_layers,
-        retention_floor=pc.retention_floor, criterion=pc.criterion, compare_shortgpt=pc.compare_shortgpt,
-        on_round=on_round, progress=pc.progress_bar)
-    report["tau_measure"] = pc.tau_measure
-    report["config"] = to_dict(cfg)
-    done = [r for r in report["rounds"] if r["depth_after"] == best.config.num_layers]
-    if done and pc.export_rounds:
-        report["final_export"] = str(out / f"round_{done[0]['round']:02d}" / "export")
-    path = write_report(report, out)
-    log(f"pruning report: {path}")
-    return report
+def _comparison_row(r: dict, criterion: str, other_rule: str) -> dict:
+    o = r["other_rule"]
+    return {"depth": r["depth_after"], f"{criterion}_layer": r["removed_original_layer"],
+            f"{other_rule}_layer": o["original_layer"], f"{criterion}_tau_pruned": r["tau_pruned"],
+            f"{other_rule}_tau_pruned": o["tau_pruned"], f"{criterion}_tau_recovered": r["tau_recovered"],
+            f"{other_rule}_tau_recovered": o.get("tau_recovered"),
+            f"{criterion}_layers": r["remaining_original_layers"],
+            f"{other_rule}_layers": o.get("remaining_original_layers")}
