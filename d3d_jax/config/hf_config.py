@@ -48,8 +48,11 @@ def field(hf: Mapping[str, Any], key: str) -> Any:
         value = hf.get(key)
         if value is None:  # absent: the default; null: none (no window, no kv-head count ...)
             return None if key in hf else default
-        if key == "eos_token_id" and isinstance(value, list):
-            return [_typed(v, int, f"{key}[{i}]") for i, v in enumerate(value)]
+        if key == "eos_token_id":  # one id or a list of them, as transformers reads it
+            if isinstance(value, list):
+                return [_typed(v, int, f"{key}[{i}]") for i, v in enumerate(value)]
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ConfigError(f"config.json.{key}: expected int | list[int], got {value!r}")
         return _typed(value, tp, key)
     tp, default = _FIELDS[key]
     if key not in hf:
