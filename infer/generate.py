@@ -26,7 +26,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 from d3d_jax.errors import DataError, RecordError, UsageError  # noqa: E402
-from d3d_jax.training import records  # noqa: E402
+from d3d_jax.io import records  # noqa: E402
 
 
 BENCHMARK_ONLY_FLAGS = ("--simulate-tau", "--simulate-hit-rate", "--simulate-seed")

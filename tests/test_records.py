@@ -13,7 +13,7 @@ from d3d_jax.config import DataConfig, TrainRunConfig, load_config
 from d3d_jax.errors import DataError, NonFiniteError, RecordError, UsageError
 from d3d_jax.training import data as D
 from d3d_jax.training import objectives as obj
-from d3d_jax.training import records
+from d3d_jax.io import records
 from d3d_jax.training.loop import Trainer, run
 
 VOCAB = 64

@@ -67,7 +67,7 @@ def main(argv=None) -> int:
     from d3d_jax.errors import UsageError
     from d3d_jax.io.checkpoint import stored_model_config
     from d3d_jax.io.hf import open_tokenizer
-    from d3d_jax.training import records
+    from d3d_jax.io import records
 
     # Everything that can be checked without the weights is checked before loading them.
     if not os.path.isfile(args.prompts):

@@ -78,7 +78,7 @@ def device_split(target_devices: int | None, drafter_devices: int | None, availa
 def check_limits(args, target, longest: int, block: int, modes: tuple[str, ...]) -> None:
     """Before any decoding: the longest prompt + max_new_tokens fits the target, the branch pack is sane."""
     from d3d_jax.decoding.branches import BranchLayout
-    from d3d_jax.training.records import check_context
+    from d3d_jax.io.records import check_context
 
     check_context(longest, args.max_new_tokens, target.config.max_position_embeddings,
                   model=f"--target {args.target}", allow_beyond=args.allow_beyond_context,

@@ -1,4 +1,6 @@
-"""Prompt lines in the common chat formats, reduced to what the target must answer.
+"""Prompt lines in the common chat formats, reduced to what the target must answer, and the chat
+template that renders them (regeneration, training data, evaluation and the server all read prompts
+through this module, which is why it is in ``io/`` rather than ``training/``).
 
 Formats, one JSON object a line: ``{"messages": [{role, content}...]}`` (content may be OpenAI-style
 text parts), ShareGPT ``{"conversations": [{from, value}...]}`` (human/gpt/system, as
@@ -22,7 +24,7 @@ import os
 from typing import Any, Sequence
 
 from d3d_jax.errors import RecordError
-from d3d_jax.training.records import decode_line, jsonl_lines
+from d3d_jax.io.records import decode_line, jsonl_lines
 
 ROLE_ALIASES = {
     "system": "system",
