@@ -1,0 +1,39 @@
+"""Command-line flags as config fields: one declaration says which field a flag sets.
+
+A program declares ``config_flag(parser, "--block-size", key="decoder.block_size", type=int)``:
+the flag's destination is the field's dotted key and its argparse default is "absent", so a flag
+that was not given leaves the YAML's (or the dataclass's) value alone — the defaults live only in
+the config dataclasses.  :func:`load_command_config` merges, later winning: ``--config`` files,
+then the flags given, then ``key=value`` overrides; then it validates.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from d3d_jax.config.base import load_config
+
+
+def add_config_arguments(p: argparse.ArgumentParser, example: str) -> None:
+    """``--config FILE`` (repeatable) and trailing ``key=value`` overrides."""
+    p.add_argument("--config", action="append", default=[], metavar="YAML",
+                   help=f"config file(s), later ones win (e.g. {example})")
+    p.add_argument("overrides", nargs="*", metavar="key=value",
+                   help="dotted config overrides, applied after the flags (e.g. decoder.num_slots=4)")
+
+
+def config_flag(p, *names: str, key: str, **kwargs) -> argparse.Action:
+    """An argparse flag that sets config field ``key`` (e.g. ``decoder.block_size``) when given."""
+    return p.add_argument(*names, dest=key, default=argparse.SUPPRESS, **kwargs)
+
+
+def flag_values(args: argparse.Namespace) -> dict[str, Any]:
+    """``{dotted key: value}`` of the config flags that were given."""
+    return {k: v for k, v in vars(args).items() if "." in k}
+
+
+def load_command_config(cls: type, args: argparse.Namespace) -> Any:
+    """``cls`` from ``args.config`` files, the config flags given, and ``args.overrides``."""
+    return load_config(cls, getattr(args, "config", ()) or (), getattr(args, "overrides", ()) or (),
+                       flags=flag_values(args))
