@@ -134,3 +134,58 @@ def test_the_walker_sees_lazy_and_relative_imports(tmp_path):
     graph = {n: _imports(n, p, known) for n, p in known.items()}
     assert _cycles(graph) == ["d3d_jax.a.x -> d3d_jax.a.y -> d3d_jax.a.x"]
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": set()}) == []
+
+
+# --------------------------------------------------------------------------------------------
+# The README's layout tables name every module, and every name they hold exists
+# --------------------------------------------------------------------------------------------
+def _expand(token: str) -> list[str]:
+    """``a/{b,c}.py`` -> ``a/b.py``, ``a/c.py``."""
+    head, brace, rest = token.partition("{")
+    if not brace:
+        return [token]
+    inner, _, tail = rest.partition("}")
+    return [p for part in inner.split(",") for p in _expand(head + part + tail)]
+
+
+def layout_paths(readme: str) -> set[str]:
+    """Paths the first column of the README's layout tables names.  In a cell, ``dir/`` followed
+    by bare names (``protocol``, ``cli.py``) names ``dir/protocol.py`` …; a path that does not
+    start at the repository root is under ``d3d_jax/``."""
+    import re
+
+    section = readme.split("## ", 2)[1]  # the Overview, which holds both tables
+    out = set()
+    for line in section.splitlines():
+        if not line.startswith("| `"):
+            continue
+        cell = re.split(r"(?<!\\)\|", line)[1]
+        here = None
+        for token in re.findall(r"`([^`]+)`", cell):
+            if "/" not in token and here is not None:
+                out.add(here + (token if "." in token else token + ".py"))
+                continue
+            for path in _expand(token):
+                if not (ROOT / path.split("/")[0]).exists():
+                    path = "d3d_jax/" + path
+                out.add(path)
+                here = path if path.endswith("/") else here
+    return out
+
+
+def test_readme_layout_matches_the_tree():
+    named = layout_paths((ROOT / "README.md").read_text(encoding="utf-8"))
+    missing = sorted(p for p in named if not (ROOT / p).exists())
+    assert not missing, f"the README's layout names paths that do not exist: {missing}"
+    modules = {str(p.relative_to(ROOT)) for p in (ROOT / "d3d_jax").rglob("*.py") if p.name != "__init__.py"}
+    unnamed = sorted(m for m in modules if m not in named)
+    assert not unnamed, f"modules the README's layout tables do not name: {unnamed}"
+
+
+def test_layout_reader_expands_braces_and_directory_names():
+    text = ("## Overview\n\n| path | what |\n|---|---|\n"
+            "| `d3d_jax/io/{hf,records}.py`, `configs/serve/` | x |\n"
+            "| `d3d_jax/serving/` (`app`, `server.py`), `bench/x.py` | y \\| z |\n## Next\n")
+    assert layout_paths(text) == {"d3d_jax/io/hf.py", "d3d_jax/io/records.py", "configs/serve/",
+                                  "d3d_jax/serving/", "d3d_jax/serving/app.py", "d3d_jax/serving/server.py",
+                                  "d3d_jax/bench/x.py"}
