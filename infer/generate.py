@@ -1,7 +1,7 @@
 #!/usr/bin/env python
-"""Generate with plain, synchronous or asynchronous speculative decoding.
+"""Generate with plain, synchronous, asynchronous or auto speculative decoding.
 
-  infer/generate.py --target PATH [--drafter PATH] --mode plain|sync|async
+  infer/generate.py --target PATH [--drafter PATH] --mode plain|sync|async|auto
                     (--prompt TEXT | --prompt-ids 1,2,3 | --prompts-file FILE.jsonl) ...
 
 PATH is an HF Qwen3 directory or an exported d3d_jax parameter checkpoint.  A drafter's
@@ -37,7 +37,8 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", required=True, help="HF directory or d3d_jax parameter checkpoint")
     p.add_argument("--drafter", default=None, help="drafter checkpoint (modes sync, async)")
-    p.add_argument("--mode", default="plain", choices=("plain", "sync", "async"))
+    p.add_argument("--mode", default=None, choices=("plain", "sync", "async", "auto"),
+                   help="default: auto with --drafter (it picks plain, sync or async each round), else plain")
     src = p.add_argument_group("prompts (any mix; at least one)")
     src.add_argument("--prompt", action="append", default=[], help="text prompt (repeatable)")
     src.add_argument("--prompt-ids", action="append", default=[], help="comma-separated ids (repeatable)")
@@ -70,7 +71,7 @@ def parse_args(argv=None):
                      help="devices for the target (with --drafter-devices: disjoint slices)")
     asy.add_argument("--drafter-devices", type=int, default=None, help="devices for the drafter")
     p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
-                   help="extra mode option passed to engine.generate (repeatable)")
+                   help="extra DecoderConfig field (repeatable), e.g. --option prior_tau=4")
     p.add_argument("--json", action="store_true", help="one JSON object per prompt")
     p.add_argument("--show-special-tokens", action="store_true",
                    help="keep special tokens (EOS, <|im_end|>...) in the text; by default they are "
@@ -85,6 +86,8 @@ def parse_args(argv=None):
         if a.split("=", 1)[0] in BENCHMARK_ONLY_FLAGS:
             refuse(a.split("=", 1)[0])
     args = p.parse_args(argv)
+    if args.mode is None:
+        args.mode = "auto" if args.drafter is not None else "plain"
     for o in args.option:
         if o.split("=", 1)[0].strip() in BENCHMARK_ONLY_OPTIONS:
             refuse(f"--option {o.split('=', 1)[0].strip()}")
@@ -183,12 +186,11 @@ def load_drafter(args, load_model):
 
 
 def mode_options(args, block: int) -> dict:
-    """engine.generate's mode options; an async branch pack is sized (and refused) here, before work."""
+    """DecoderConfig fields of the flags; an async branch pack is sized (and refused) here, before work."""
     from d3d_jax.decoding.branches import BranchLayout
 
     options = dict(parse_option(o) for o in args.option)
-    if args.mode in ("plain", "sync"):
-        options.update(loop=args.loop)
+    options.pop("verbose", None)  # an old engine option: the decoder prints nothing
     if args.sample_drafts:
         options.update(sample_drafts=True)
     async_flags = {k: getattr(args, k) for k in ("branch_positions", "branch_fanout", "target_devices",
@@ -199,12 +201,16 @@ def mode_options(args, block: int) -> dict:
         BranchLayout(block, int(options["branch_positions"]), int(options["branch_fanout"])).validate()
     elif async_flags:
         raise UsageError(f"--{next(iter(async_flags)).replace('_', '-')} needs --mode async")
+    if args.mode == "auto" and "prior_tau" not in options:
+        from d3d_jax.decoding.auto import offline_tau
+
+        options["prior_tau"] = offline_tau(args.drafter)
     return options
 
 
 def main(argv=None):
     args = parse_args(argv)
-    from d3d_jax.decoding.engine import SamplingParams, generate, summarize_outputs
+    from d3d_jax.decoding import engine
     from d3d_jax.io.checkpoint import load_model
     from d3d_jax.io.hf import has_tokenizer, load_tokenizer
 
@@ -220,13 +226,21 @@ def main(argv=None):
                                   model=f"{flag} {getattr(args, flag[2:])}", allow_beyond=args.allow_beyond_context,
                                   hint="--allow-beyond-context")
     options = mode_options(args, block)
+    loop = options.pop("loop", args.loop)
     try:
-        outs = generate(target, prompts, mode=args.mode, drafter=drafter,
-                        sampling=SamplingParams(args.temperature, args.top_p, args.top_k),
-                        max_new_tokens=args.max_new_tokens, eos_token_ids=eos_ids(args, target.config, tokenizer),
-                        stop_token_ids=_ids(args.stop_ids, "--stop-ids"), batch_size=args.batch_size,
-                        seed=args.seed, block_size=block, mask_token_id=mask,
-                        max_cache_len=args.max_cache_len, **options)
+        cache_len = engine.cache_len_for(prompts, args.max_new_tokens, block, args.max_cache_len)
+        dec = engine.make_decoder(target, drafter, mode=args.mode, num_slots=args.batch_size or len(prompts),
+                                  max_cache_len=cache_len, block_size=block, mask_token_id=mask, **options)
+        timer = None
+        if loop == "host" and args.mode in ("plain", "sync"):
+            from d3d_jax.bench.clock import PhaseTimer
+
+            timer = PhaseTimer()
+        outs = engine.generate(dec, prompts, sampling=engine.SamplingParams(args.temperature, args.top_p, args.top_k),
+                               max_new_tokens=args.max_new_tokens, eos_token_ids=eos_ids(args, target.config, tokenizer),
+                               stop_token_ids=_ids(args.stop_ids, "--stop-ids"), seed=args.seed, timer=timer)
+    except UsageError:
+        raise
     except ValueError as e:  # the engine checks its arguments with ValueError
         raise UsageError(str(e)) from None
     for i, o in enumerate(outs):
@@ -239,7 +253,7 @@ def main(argv=None):
         else:
             print(f"--- [{i}] {o.finish_reason}, {len(o.token_ids)} tokens, tau {o.metrics['tau']:.2f}")
             print(text if text is not None else " ".join(map(str, o.token_ids)))
-    summary = summarize_outputs(outs)
+    summary = engine.summarize_outputs(outs)
     print(json.dumps({"summary": summary}) if args.json else
           f"=== {summary['requests']} prompts, {summary['num_tokens']} tokens, tau {summary['tau']:.2f}, "
           f"{summary['tokens_per_s']:.1f} tokens/s", file=sys.stderr)

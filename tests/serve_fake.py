@@ -86,6 +86,7 @@ class FakeDecoder:
         self.config, self.vocab, self.step_delay_s = config, vocab, step_delay_s
         self._slots: dict[int, dict] = {}
         self.steps = self.prefills = self.max_active = 0
+        self.rounds_total = self.tokens_total = 0
         self._owner: threading.Thread | None = None
 
     def _same_thread(self):  # the scheduler must be the only caller
@@ -130,7 +131,16 @@ class FakeDecoder:
         s = self._slots[slot]
         tau = (s["accepted"] + s["rounds"]) / max(s["rounds"], 1)
         return {"tau": tau, "rounds": s["rounds"], "n_out": len(s["out"]), "hits": s["hits"],
-                "misses": s["misses"], "accept_hist": None}
+                "misses": s["misses"], "accept_hist": None, "modes": {self._label: s["rounds"]}}
+
+    @property
+    def _label(self) -> str:
+        return "plain" if self.config.mode == "plain" else f"{self.config.mode}/{self.config.block_size}"
+
+    def decisions(self) -> dict:
+        """Rounds and tokens per geometry, as SpecDecoder.decisions (one geometry here)."""
+        return {self._label: dict(rounds=self.rounds_total, tokens=self.tokens_total,
+                                  predicted_tokens=0.0)} if self.rounds_total else {}
 
     def _round(self, s: dict) -> StepOutput:
         req, seq, out = s["req"], s["seq"], s["out"]
@@ -151,6 +161,7 @@ class FakeDecoder:
                 reason = "length"
                 break
         s["rounds"] += 1
+        self.tokens_total += len(new)
         s["accepted"] += accepted
         s["hits"] += hit is True
         s["misses"] += hit is False
@@ -161,6 +172,7 @@ class FakeDecoder:
     def step(self) -> dict[int, StepOutput]:
         self._same_thread()
         self.steps += 1
+        self.rounds_total += bool(self._slots)
         if self.step_delay_s:
             time.sleep(self.step_delay_s)
         return {slot: self._round(s) for slot, s in sorted(self._slots.items())}

@@ -14,8 +14,11 @@ import jax
 import pytest
 
 from d3d_jax.config import ConfigError, ModelConfig
-from d3d_jax.decoding import async_engine as A
-from d3d_jax.decoding.engine import SamplingParams, generate
+from d3d_jax.decoding import async_replay as A
+from d3d_jax.decoding.engine import SamplingParams
+from d3d_jax.bench.generator import Generator
+
+generate = Generator()
 from d3d_jax.model.qwen3 import init_model
 
 VOCAB = 32
@@ -188,7 +191,7 @@ def test_verify_and_packed_forward_in_flight_together_on_two_devices():
     (dict(target_devices="01", drafter_devices="12"), ConfigError, "overlap"),
     (dict(target_devices=5, drafter_devices=5), ConfigError, "devices exist"),
     (dict(sample_drafts=True, sampling=SamplingParams(temperature=1.0)), ValueError, "sample_drafts"),
-    (dict(branch_fan_out=2), ValueError, "unknown mode options"),
+    (dict(branch_fan_out=2), ValueError, "unknown decoder options"),
 ])
 def test_bad_inputs_fail_clearly(setup, kw, err, msg):
     kw = dict(kw)
@@ -307,7 +310,7 @@ def test_all_accept_hits_with_a_model_drafter():
     sync = generate(target, prompts, mode="sync", drafter=drafter, **kw)
     tl = []
     asy = generate(target, prompts, mode="async", drafter=drafter, branch_positions=B4,
-                   branch_fanout=2, timeline=tl, verbose=False, **kw)
+                   branch_fanout=2, timeline=tl, **kw)
     assert [o.token_ids for o in sync] == [o.token_ids for o in asy] == plain
     for row, (prompt, s_out, a_out) in enumerate(zip(prompts, sync, asy)):
         for out, asynchronous in ((s_out, False), (a_out, True)):

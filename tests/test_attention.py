@@ -335,7 +335,9 @@ def test_training_temp_memory_grows_linearly_with_pallas_quadratically_with_xla(
 
 @pytest.mark.slow
 def test_sync_greedy_decoding_with_pallas_equals_xla():
-    from d3d_jax.decoding.engine import generate
+    from d3d_jax.bench.generator import Generator
+
+    generate = Generator()
 
     prompts = [[5, 9, 2, 7, 1], [3, 3], [8, 1, 4, 4, 6, 2, 9]]
     outs = {}

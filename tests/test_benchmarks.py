@@ -4,6 +4,7 @@ import json
 
 import numpy as np
 import pytest
+from d3d_jax.bench.generator import Generator
 
 from d3d_jax.evaluation import benchmarks as B
 from d3d_jax.evaluation import plots
@@ -233,7 +234,7 @@ def test_hf_assisted_generation_peer(tiny_pair):
 
     target, _, root = tiny_pair
     prompts = [[5, 6, 7, 8, 9], [10, 11, 12]]
-    ours = [o.token_ids for o in engine.generate(target, prompts, max_new_tokens=10)]
+    ours = [o.token_ids for o in Generator()(target, prompts, max_new_tokens=10)]
     res = hf_assisted_generation(str(root / "target"), str(root / "drafter"), prompts, max_new_tokens=10,
                                  eos_token_ids=[60], reference_outputs=ours)
     assert res["plain"]["equals_engine_plain"], "transformers greedy must equal our plain greedy"

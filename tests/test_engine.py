@@ -19,7 +19,10 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from d3d_jax.config import ModelConfig
 from d3d_jax.decoding import verify as V
-from d3d_jax.decoding.engine import ReplayDrafter, SamplingParams, generate
+from d3d_jax.decoding.engine import ReplayDrafter, SamplingParams
+from d3d_jax.bench.generator import Generator
+
+generate = Generator()
 from d3d_jax.io.hf import load_qwen3
 from d3d_jax.model.qwen3 import init_model
 

@@ -6,7 +6,10 @@ import pytest
 
 from d3d_jax.config import ModelConfig
 from d3d_jax.decoding import metrics as M
-from d3d_jax.decoding.engine import ReplayDrafter, generate, summarize_outputs
+from d3d_jax.decoding.engine import ReplayDrafter, summarize_outputs
+from d3d_jax.bench.generator import Generator
+
+generate = Generator()
 from d3d_jax.model.qwen3 import init_model
 
 

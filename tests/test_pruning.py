@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from d3d_jax.bench.generator import Generator
 from flax import nnx
 
 from d3d_jax.config import ModelConfig
@@ -297,8 +298,8 @@ def test_offline_tau_equals_engine_sync_tau_on_target_greedy_responses():
     prompts = [[int(t) for t in rng.integers(0, v - 1, size=3 + 2 * i)] for i in range(4)]
     # Dev responses: the target's greedy output, one block longer than the decoded stretch
     # (the engine's last round counts its full a + 1 even where max_new_tokens cuts it).
-    greedy = engine.generate(target, prompts, mode="plain", max_new_tokens=max_new + bs)
-    spec = engine.generate(target, prompts, mode="sync", drafter=drafter, max_new_tokens=max_new,
+    greedy = Generator()(target, prompts, mode="plain", max_new_tokens=max_new + bs)
+    spec = Generator()(target, prompts, mode="sync", drafter=drafter, max_new_tokens=max_new,
                            block_size=bs, mask_token_id=v - 1)
     assert all(s.token_ids == g.token_ids[:max_new] for s, g in zip(spec, greedy))
     measured = summarize([o.metrics for o in spec])

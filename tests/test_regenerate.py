@@ -4,6 +4,7 @@ import json
 import random
 
 import pytest
+from d3d_jax.bench.generator import Generator
 
 from d3d_jax.training import regenerate as rg
 
@@ -290,7 +291,7 @@ def test_greedy_regeneration_equals_engine_plain_greedy(target, tokenizer, promp
     records = _lines(out)
     eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
     prompts = [r["prompt_token_ids"] for r in records]
-    ref = engine.generate(target, prompts, mode="plain", sampling=engine.SamplingParams(),
+    ref = Generator()(target, prompts, mode="plain", sampling=engine.SamplingParams(),
                           max_new_tokens=10, eos_token_ids=(eos,))
     assert [r["response_token_ids"] for r in records] == [o.token_ids for o in ref]
     assert [r["finish_reason"] for r in records] == [o.finish_reason for o in ref]

@@ -3,7 +3,7 @@
 * The official ``openai`` client streams the text of ``infer/generate.py``'s greedy output, in
   plain, sync and async mode, one request at a time and with 16 concurrent streams (4 slots, so
   requests also queue).
-* Load test (plain mode, ``infer/serve.py`` in a subprocess with ``D3D_API_KEY``): 200 requests of
+* Load test (auto mode, ``infer/serve.py`` in a subprocess with ``D3D_API_KEY``): 200 requests of
   random prompt and output lengths, 20 % cancelled mid-stream; every completed one equals its solo
   greedy output, every slot is free at the end, nothing waits forever (timeouts), and the server's
   RSS after the test is within 10 % of its RSS after warm-up.
@@ -153,7 +153,9 @@ async def _load(url: str, key: str, jobs, timeout_s: float):
 @pytest.mark.slow
 def test_load_200_requests_with_cancellations(models, tmp_path):
     from d3d_jax.bench.serve import ServerProcess
-    from d3d_jax.decoding.engine import generate
+    from d3d_jax.bench.generator import Generator
+
+    generate = Generator()
     from d3d_jax.io.hf import eos_token_ids, load_tokenizer
 
     target, _ = models
@@ -171,9 +173,11 @@ def test_load_200_requests_with_cancellations(models, tmp_path):
         n = 100 if cancel else rng.randrange(1, max_new + 1)
         jobs.append((k, n, rng.randrange(1, 4) if cancel else None))
     env = dict(os.environ, D3D_API_KEY="load-test-key")
-    server = ServerProcess(["--target", str(TARGET), "--tokenizer", str(TOKENIZER), "--dtype", DTYPE, "--mode", "plain",
+    # auto over a small menu (its start-up compiles and times every geometry at every width)
+    server = ServerProcess(["--target", str(TARGET), "--tokenizer", str(TOKENIZER), "--dtype", DTYPE, "--mode", "auto",
+                            "--drafter", str(DRAFTER), "--auto-sync-blocks", "4,16", "--auto-async", "4x2",
                             "--num-slots", "8", "--max-model-len", "192", "--served-model-name", "demo"],
-                           timeout_s=300, env=env)
+                           timeout_s=900, env=env)
     try:
         # warm-up: every prompt once (all prefill buckets compiled), then the baseline RSS
         asyncio.run(_load(server.url, "load-test-key", [(p, 4, None) for p in pool], 120))
@@ -197,6 +201,9 @@ def test_load_200_requests_with_cancellations(models, tmp_path):
             assert time.monotonic() < t_end, "slots still busy after the load"
             time.sleep(0.1)
         assert _metric(text, "slots") == 8
+        modes = {line.split("{")[1].split("}")[0] for line in text.splitlines()
+                 if line.startswith("d3d_mode_rounds_total{")}
+        assert len(modes) >= 2, modes  # auto chose more than one geometry (every output stayed exact)
         # each stream closed after 1-3 of its 100 tokens: its slot was freed, not run to the end
         assert _metric(text, "requests_total{outcome=\"cancelled\"}") == n_cancelled == 40
         rss_after = _rss(server.pid)

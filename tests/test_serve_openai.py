@@ -1,4 +1,5 @@
-"""Issue 26 with the official ``openai`` client against the real SpecDecoder, plain, sync and async.
+"""Issue 26 with the official ``openai`` client against the real SpecDecoder, plain, sync, async and
+auto (issue 25: whatever geometries auto mixes, its outputs and log-probs are plain decoding's).
 
 A tiny random Qwen3 target over the demo tokenizer (cheap to compile), and replay drafters whose
 continuation is plain decoding's output for the same request, each draft wrong with probability
@@ -23,7 +24,7 @@ from flax import nnx
 openai = pytest.importorskip("openai")
 
 TOKENIZER = Path(__file__).resolve().parent.parent / "artifacts" / "demo" / "tokenizer"
-MODES = ("plain", "sync", "async")
+MODES = ("plain", "sync", "async", "auto")  # auto: plain, sync/4 and async/4x2 rounds mixed
 PAD = 64  # the reference forward's fixed length (one compile)
 TEXTS = ["To be, or not to be", "Once upon a time", "def main():", "O Romeo, Romeo!"]
 
@@ -160,7 +161,7 @@ def test_generated_logprobs_equal_plain_decodings(srv, sampling):
         n = len(ids) - 12
         np.testing.assert_allclose(plain.logprobs.token_logprobs, [ref[n + k - 1, ids[n + k]] for k in range(12)],
                                    atol=1e-4)
-    for mode in ("sync", "async"):
+    for mode in MODES[1:]:
         got = srv.clients[mode].completions.create(model="tiny", **kw).choices[0]
         assert got.text == plain.text, mode
         np.testing.assert_allclose(got.logprobs.token_logprobs, plain.logprobs.token_logprobs, atol=1e-4)
@@ -169,6 +170,8 @@ def test_generated_logprobs_equal_plain_decodings(srv, sampling):
             model="tiny", messages=[{"role": "user", "content": TEXTS[1]}], max_tokens=6, logprobs=True,
             top_logprobs=2, temperature=0).choices[0]
         assert len(chat.logprobs.content) >= 1 and all(len(c.top_logprobs) == 2 for c in chat.logprobs.content)
+    # auto tried every geometry of its menu on these requests, and each kept the log-probs exact
+    assert set(srv.svcs["auto"].scheduler.decoder.decisions()) == {"plain", "sync/4", "async/4x2"}
 
 
 def test_streamed_logprobs_and_usage_equal_non_streamed(srv):
@@ -260,7 +263,7 @@ def test_each_penalty_field_greedy_equals_plain_and_the_formula(srv, fields):
                                                        if "stop_token_ids" in body else {})})
     assert plain == ref
     assert plain != free  # the field changed the output
-    for mode in ("sync", "async"):
+    for mode in MODES[1:]:
         got = srv.clients[mode].completions.create(model="tiny", **dict(kw, extra_body=dict(extra, return_token_ids=True)))
         assert got.choices[0].model_extra["token_ids"] == plain, mode
     spec = got.model_extra["spec_metrics"]
@@ -272,7 +275,7 @@ def test_sampled_penalties_and_min_p_equal_plain(srv):
     kw = dict(prompt=TEXTS[0], max_tokens=16, temperature=1.0, seed=4, presence_penalty=1.0,
               extra_body={"min_p": 0.05, "repetition_penalty": 1.3, "ignore_eos": True, "return_token_ids": True})
     plain = srv.plain(**kw).choices[0].model_extra["token_ids"]
-    for mode in ("sync", "async"):
+    for mode in MODES[1:]:
         assert srv.clients[mode].completions.create(model="tiny", **kw).choices[0].model_extra["token_ids"] == plain
 
 
@@ -282,8 +285,8 @@ def test_sampled_drafts_with_a_penalty_keep_the_target_law():
     the block, where the second position is verified)."""
     from scipy import stats
 
+    from d3d_jax.bench.generator import Generator
     from d3d_jax.config import ModelConfig
-    from d3d_jax.decoding.engine import generate
     from d3d_jax.decoding.verify import SamplingParams
     from d3d_jax.model.qwen3 import init_model
 
@@ -293,6 +296,7 @@ def test_sampled_drafts_with_a_penalty_keep_the_target_law():
     d = _randomized(init_model(ModelConfig(vocab_size=vocab, hidden_size=16, intermediate_size=32, num_layers=1,
                                            num_heads=2, num_kv_heads=1, head_dim=8, mask_token_id=vocab - 1), 1), 1, 0.5)
     sampling = SamplingParams(1.0, frequency_penalty=2.0)
+    generate = Generator()  # one decoder per mode and sampling-independent shape
     n = 1000
     prompts = [[1, 4, 2]] * n
     kw = dict(sampling=sampling, max_new_tokens=2, max_cache_len=16, block_size=3, seed=0)

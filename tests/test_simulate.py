@@ -81,7 +81,10 @@ def models():
 
 
 def test_engine_measures_the_simulated_tau_with_a_real_drafter(models):
-    from d3d_jax.decoding.engine import generate, summarize_outputs
+    from d3d_jax.decoding.engine import summarize_outputs
+    from d3d_jax.bench.generator import Generator
+
+    generate = Generator()
 
     target, drafter = models
     prompts = np.random.default_rng(0).integers(0, 4000, (4, 12)).tolist()
@@ -103,7 +106,10 @@ def test_engine_measures_the_simulated_tau_with_a_real_drafter(models):
 
 @pytest.mark.slow
 def test_async_decoding_measures_the_simulated_tau_and_hit_rate(models):
-    from d3d_jax.decoding.engine import generate, summarize_outputs
+    from d3d_jax.decoding.engine import summarize_outputs
+    from d3d_jax.bench.generator import Generator
+
+    generate = Generator()
 
     target, drafter = models
     prompts = np.random.default_rng(1).integers(0, 4000, (8, 12)).tolist()

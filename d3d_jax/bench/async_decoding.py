@@ -118,10 +118,12 @@ class _Bench:
         cache_len = -(-(args.prompt_len + args.max_new + 2 * B) // 16) * 16
         self.common = dict(max_cache_len=cache_len, batch_size=args.batch_size, block_size=B)
         self.refs = None
+        from d3d_jax.bench.generator import Generator
+
+        self.generate = Generator()  # the decoders of every run, each compiled once
 
     def timed(self, mode, drafter=None, warm=None, warm_up=True, **kw):
-        from d3d_jax.decoding.engine import generate
-
+        generate = self.generate
         a = self.args
         if mode != "plain" and self.sim is not None:
             kw = dict(kw, acceptance_override=self.sim, mask_token_id=self.mask)
@@ -151,7 +153,7 @@ class _Bench:
         dev_kw = {} if self.devices == (None, None) else dict(
             target_devices=self.args.target_devices, drafter_devices=self.args.drafter_devices)
         return self.timed("async", self.replay(self.args.hit_rate), warm=self.replay(0.0),
-                          warm_up=warm_up, verbose=False, timeline=[] if profile else None,
+                          warm_up=warm_up, timeline=[] if profile else None,
                           branch_positions=lay.positions, branch_fanout=lay.fanout, **dev_kw)
 
 

@@ -21,7 +21,8 @@ import numpy as np
 from flax import nnx
 
 from d3d_jax.bench import simulate
-from d3d_jax.decoding.engine import ReplayDrafter, generate
+from d3d_jax.bench.generator import Generator
+from d3d_jax.decoding.engine import ReplayDrafter
 from d3d_jax.model import kv_cache as kvc
 from d3d_jax.model.masks import causal_meta
 
@@ -70,19 +71,6 @@ def _build_models(args):
 
 
 _CLOCK = {"cpu": time.process_time, "wall": time.perf_counter}
-
-
-def _best_time(fn, repeats: int, clock: str) -> float:
-    """Minimum time over ``repeats`` runs.  ``clock="cpu"`` (process CPU time, single-threaded
-    runs) measures the work itself on a CPU host shared with other jobs, where wall time mostly
-    measures the scheduler."""
-    times = []
-    now = _CLOCK[clock]
-    for _ in range(repeats):
-        t0 = now()
-        fn()
-        times.append(now() - t0)
-    return min(times)
 
 
 def target_step_fn(model, width: int, context_len: int, cache_len: int, iters: int = 32):
@@ -136,6 +124,8 @@ def run(args) -> dict:
                     "torch_threads": torch.get_num_threads(), "xla_flags": os.environ.get("XLA_FLAGS", ""),
                     "device": str(jax.devices()[0]), "simulated_acceptance": simulate.record(sim),
                     "timing": f"{clock} clock, minimum over {args.repeats} interleaved repeats"}
+
+    generate = Generator()
 
     def decode(n=n_new, **kw):
         return generate(target, [prompt], max_new_tokens=n, block_size=bs, max_cache_len=cache_len,

@@ -176,7 +176,9 @@ def build(spec: ModelSpec, seed: int):
 def decode_runs(target, prompt, n: int, repeats: int, *, cache_len: int, block: int, **kw) -> dict:
     """Median seconds of ``n``-token and 1-token runs (each shape warmed up first).  The decode
     phase (prefill excluded) is their difference: ``round_ms`` = ms per round after the first."""
-    from d3d_jax.decoding.engine import generate
+    from d3d_jax.bench.generator import Generator
+
+    generate = Generator()  # one decoder per shape, kept for the repeats
 
     def once(k):
         return generate(target, [prompt], max_new_tokens=k, max_cache_len=cache_len,
@@ -310,9 +312,11 @@ def identity_counts(target, n: int, args, cache_len: int) -> dict:
     """How many of ``n`` prompts decode to plain's exact greedy tokens in sync and async mode,
     with REAL acceptance: a replay drafter proposes plain's own output, so every round accepts
     long runs and any rounding difference between a 1-token and a B-token forward shows."""
+    from d3d_jax.bench.generator import Generator
     from d3d_jax.decoding.async_replay import AsyncReplayDrafter
-    from d3d_jax.decoding.engine import generate, summarize_outputs
+    from d3d_jax.decoding.engine import summarize_outputs
 
+    generate = Generator()
     vocab = target.config.vocab_size
     rng = np.random.default_rng(args.seed + 7)
     prompts = [rng.integers(0, vocab, args.prompt_len).tolist() for _ in range(n)]
@@ -321,7 +325,7 @@ def identity_counts(target, n: int, args, cache_len: int) -> dict:
     plain = [o.token_ids for o in generate(target, prompts, **common)]
     drafter = AsyncReplayDrafter(plain, vocab, hit_rate=0.7, seed=args.seed)
     out = {"prompts": n, "acceptance": "real acceptance, a replay of plain's output"}
-    for mode, kw in (("sync", {}), ("async", dict(verbose=False, branch_positions=args.branch_positions,
+    for mode, kw in (("sync", {}), ("async", dict(branch_positions=args.branch_positions,
                                                   branch_fanout=args.branch_fanout))):
         outs = generate(target, prompts, mode=mode, drafter=drafter, **common, **kw)
         out[mode] = {"same_as_plain": sum(o.token_ids == p for o, p in zip(outs, plain)),

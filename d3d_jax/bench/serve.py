@@ -1,35 +1,45 @@
-"""``infer/bench.py serve``: the paper's Table 2 form — 1, 4 and 16 concurrent clients against the
-real server on localhost, for plain, sync and async decoding.
+"""``infer/bench.py serve``: the paper's Table 2 form — concurrent clients against the real server
+on localhost, for plain, sync, async and auto decoding.
 
 For each mode one ``infer/serve.py`` subprocess is started (``--port 0``, its ``READY`` line gives
-the address).  Each of ``c`` clients (the official ``openai`` async client, streaming chat
-completions) sends ``--requests-per-client`` requests one after another; every request decodes
-exactly ``--max-tokens`` tokens greedily (``ignore_eos``), so all modes do the same work.
+the address; its start-up compiles every round program, and auto times them).  Each of ``c``
+clients (the official ``openai`` async client, streaming chat completions) sends
+``--requests-per-client`` requests one after another; every request decodes exactly
+``--max-tokens`` tokens greedily (``ignore_eos``), so all modes do the same work.
 
 Reported per (mode, clients): throughput (completion tokens / wall time of the level), time to
 first token and time per output token (p50 over requests; TPOT = (last token − first) / (n − 1)),
-and τ.  Then speedup = mode tokens/s ÷ plain tokens/s at the same concurrency, and the
-concurrency gain = tokens/s at the highest level ÷ at 1.
+τ, the rounds per mode and geometry with the tokens they committed against the tokens auto
+predicted (the server's ``/metrics``, before and after the level), and the requests' mode mix.
+Then speedup = mode tokens/s ÷ plain tokens/s at the same concurrency, auto ÷ the best fixed mode.
+
+``--mixed N``: one more level at N clients where half the requests are the benchmark's prompts
+and half random token ids (a drafter is useless on them): total tokens/s per mode, and auto's
+mode mix per kind of request.
 
     python infer/bench.py --cpu-threads 2 serve                      # demo target + drafter `small`
-    python infer/bench.py serve --target T --drafter D --tokenizer T --max-tokens 256 --num-slots 16
+    python infer/bench.py serve --target T --drafter D --tokenizer T --max-tokens 256 --num-slots 32
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import json
 import os
+import random
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 DEMO = ROOT / "artifacts" / "demo"
+MODES = ("plain", "sync", "async", "auto")
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -38,17 +48,26 @@ def add_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
     ap.add_argument("--target", default=str(DEMO / "models" / "target"))
     ap.add_argument("--drafter", default=str(DEMO / "drafters" / "small"))
     ap.add_argument("--tokenizer", default=str(DEMO / "tokenizer"))
-    ap.add_argument("--modes", default="plain,sync,async")
-    ap.add_argument("--concurrency", default="1,4,16", help="client counts, comma-separated")
+    ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--concurrency", default="1,4,8,16,32", help="client counts, comma-separated")
     ap.add_argument("--requests-per-client", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=64, help="tokens per request (EOS ignored)")
     ap.add_argument("--num-slots", type=int, default=None, help="default: the highest concurrency")
+    ap.add_argument("--dtype", default="float32", help="server --dtype (the demo models run in float32 on a CPU)")
     ap.add_argument("--prompts", default="shakespeare", help="benchmark whose first turns are the prompts")
     ap.add_argument("--passage-chars", type=int, default=300, help="prompt size for shakespeare/stdlib")
+    ap.add_argument("--mixed", type=int, default=0, metavar="N",
+                    help="also a level at N clients, half of the requests random token ids")
     ap.add_argument("--server-arg", action="append", default=[], metavar="ARG",
                     help="extra infer/serve.py argument (repeatable), e.g. --server-arg=--max-model-len=2048")
-    ap.add_argument("--timeout", type=float, default=900.0, help="seconds per mode (server start + load)")
+    ap.add_argument("--timeout", type=float, default=1800.0, help="seconds per mode (server start + load)")
     ap.add_argument("--out", default=None, help="also write the JSON report here")
+    proj = ap.add_argument_group("projection (nothing runs: d3d_jax/bench/serve_projection.py)")
+    proj.add_argument("--project", default=None, metavar="COSTS.json",
+                      help="project the table from infer/bench.py compile's JSON instead of measuring")
+    proj.add_argument("--tau", type=float, default=7.9, help="simulated τ at B = 16")
+    proj.add_argument("--hit-rate", type=float, default=0.7, help="simulated async hit rate")
+    proj.add_argument("--project-devices", type=int, default=1, help="1: verify and pack serialize")
     return ap
 
 
@@ -106,15 +125,21 @@ class ServerProcess:
         os.unlink(self.log.name)
 
 
-async def _one(client, model: str, prompt: str, max_tokens: int) -> dict:
+async def _one(client, model: str, prompt, max_tokens: int) -> dict:
+    """One streaming request: chat for a text prompt, a completion for token ids."""
     t0 = time.perf_counter()
     first = last = None
     usage = spec = None
-    stream = await client.chat.completions.create(
-        model=model, messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens, temperature=0,
-        stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+    common = dict(model=model, max_tokens=max_tokens, temperature=0, stream=True,
+                  stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+    if isinstance(prompt, str):
+        stream = await client.chat.completions.create(messages=[{"role": "user", "content": prompt}], **common)
+    else:
+        stream = await client.completions.create(prompt=prompt, **common)
     async for ch in stream:
-        if ch.choices and ch.choices[0].delta.content:
+        text = (ch.choices[0].delta.content if hasattr(ch.choices[0], "delta") else ch.choices[0].text) \
+            if ch.choices else None
+        if text:
             last = time.perf_counter()
             first = first or last
         if ch.usage is not None:
@@ -122,10 +147,47 @@ async def _one(client, model: str, prompt: str, max_tokens: int) -> dict:
     n = usage.completion_tokens if usage else 0
     return {"tokens": n, "ttft_s": (first or time.perf_counter()) - t0,
             "tpot_s": (last - first) / (n - 1) if first is not None and n > 1 else None,
-            "tau": spec.get("tau") if spec else None, "hit_rate": spec.get("hit_rate") if spec else None}
+            "tau": spec.get("tau") if spec else None, "hit_rate": spec.get("hit_rate") if spec else None,
+            "modes": (spec or {}).get("modes") or {}, "kind": "text" if isinstance(prompt, str) else "ids"}
 
 
-async def run_level(url: str, model: str, prompts: list[str], clients: int, per_client: int,
+def _scrape(url: str) -> dict:
+    """``d3d_mode_*`` counters of ``/metrics``: {geometry: {rounds, tokens, predicted_tokens}}."""
+    text = urllib.request.urlopen(url + "/metrics", timeout=30).read().decode()
+    out: dict = collections.defaultdict(dict)
+    names = {"d3d_mode_rounds_total": "rounds", "d3d_mode_tokens_total": "tokens",
+             "d3d_mode_predicted_tokens_total": "predicted_tokens"}
+    for line in text.splitlines():
+        name, _, rest = line.partition("{")
+        if name in names:
+            labels, _, value = rest.rpartition("} ")
+            fields = dict(kv.split("=") for kv in labels.split(","))
+            geom = fields["mode"].strip('"') + ("" if fields["geometry"] == '"-"' else "/" + fields["geometry"].strip('"'))
+            out[geom][names[name]] = float(value)
+    return dict(out)
+
+
+def _delta(before: dict, after: dict) -> dict:
+    out = {}
+    for geom, c in after.items():
+        d = {k: v - before.get(geom, {}).get(k, 0.0) for k, v in c.items()}
+        if d.get("rounds", 0) > 0:
+            d["tokens_per_round"] = d["tokens"] / d["rounds"]
+            d["predicted_per_round"] = d.get("predicted_tokens", 0.0) / d["rounds"]
+            out[geom] = d
+    return out
+
+
+def _mix(reqs: list[dict]) -> dict:
+    """Rounds per geometry over the requests, as shares."""
+    total = collections.Counter()
+    for r in reqs:
+        total.update(r["modes"])
+    n = sum(total.values())
+    return {g: c / n for g, c in sorted(total.items())} if n else {}
+
+
+async def run_level(url: str, model: str, prompts: list, clients: int, per_client: int,
                     max_tokens: int, api_key: str = "none", timeout_s: float = 600.0) -> dict:
     """``clients`` concurrent clients, each sending ``per_client`` requests in a row."""
     from openai import AsyncOpenAI
@@ -145,74 +207,143 @@ async def run_level(url: str, model: str, prompts: list[str], clients: int, per_
     taus = [r["tau"] for r in reqs if r["tau"] is not None]
     hits = [r["hit_rate"] for r in reqs if r["hit_rate"] is not None]
     tpots = [r["tpot_s"] for r in reqs if r["tpot_s"] is not None]
+    by_kind = {k: _mix([r for r in reqs if r["kind"] == k]) for k in sorted({r["kind"] for r in reqs})}
     return {"clients": clients, "requests": len(reqs), "tokens": tokens, "wall_s": wall,
             "tokens_per_s": tokens / wall, "ttft_ms_p50": 1e3 * statistics.median(r["ttft_s"] for r in reqs),
             "tpot_ms_p50": 1e3 * statistics.median(tpots) if tpots else None,
             "tau": statistics.mean(taus) if taus else None,
-            "hit_rate": statistics.mean(hits) if hits else None}
+            "hit_rate": statistics.mean(hits) if hits else None, "mode_mix": _mix(reqs),
+            "mode_mix_by_kind": by_kind}
 
 
 def _server_argv(args, mode: str, slots: int) -> list[str]:
     argv = ["--target", args.target, "--mode", mode, "--num-slots", str(slots), "--tokenizer", args.tokenizer,
-            "--served-model-name", "bench"]
+            "--served-model-name", "bench", "--dtype", args.dtype]
     return argv + (["--drafter", args.drafter] if mode != "plain" else []) + list(args.server_arg)
 
 
-def measure_mode(args, mode: str, levels: list[int], prompts: list[str]) -> dict:
-    slots = args.num_slots or max(levels)
+def _level(server, args, prompts, clients: int, max_tokens: int) -> dict:
+    before = _scrape(server.url)
+    res = asyncio.run(run_level(server.url, "bench", prompts, clients, args.requests_per_client,
+                                max_tokens, timeout_s=args.timeout))
+    res["rounds"] = _delta(before, _scrape(server.url))
+    return res
+
+
+def measure_mode(args, mode: str, levels: list[int], prompts: list[str], mixed: list | None) -> dict:
+    slots = args.num_slots or max(levels + [args.mixed])
     t0 = time.perf_counter()
     server = ServerProcess(_server_argv(args, mode, slots), args.timeout)
     try:
         started = time.perf_counter() - t0
-        # untimed: every prompt once at full load, so each prompt-length bucket is compiled
+        # untimed: every prompt once at full load (the programs are compiled at start-up)
         asyncio.run(run_level(server.url, "bench", prompts, max(levels), args.requests_per_client, 2,
                               timeout_s=args.timeout))
         out = {"server_start_s": started, "slots": slots, "levels": {}}
         for c in levels:
-            res = asyncio.run(run_level(server.url, "bench", prompts, c, args.requests_per_client,
-                                        args.max_tokens, timeout_s=args.timeout))
-            out["levels"][str(c)] = res
+            res = out["levels"][str(c)] = _level(server, args, prompts, c, args.max_tokens)
             print(f"[serve] {mode:6s} {c:3d} clients: {res['tokens_per_s']:8.1f} tok/s  "
-                  f"TTFT {res['ttft_ms_p50']:7.1f} ms  TPOT {res['tpot_ms_p50'] or 0:6.2f} ms", flush=True)
+                  f"TTFT {res['ttft_ms_p50']:7.1f} ms  TPOT {res['tpot_ms_p50'] or 0:6.2f} ms  "
+                  f"mix {_fmt_mix(res['mode_mix'])}", flush=True)
+        if mixed:
+            res = out["mixed"] = _level(server, args, mixed, args.mixed, args.max_tokens)
+            print(f"[serve] {mode:6s} mixed {args.mixed} clients: {res['tokens_per_s']:8.1f} tok/s  "
+                  + "  ".join(f"{k}: {_fmt_mix(v)}" for k, v in res["mode_mix_by_kind"].items()), flush=True)
         return out
     finally:
         server.stop()
 
 
+def _fmt_mix(mix: dict) -> str:
+    return ", ".join(f"{g} {share:.0%}" for g, share in sorted(mix.items(), key=lambda kv: -kv[1])) or "–"
+
+
+def _mixed_prompts(args, prompts: list[str]) -> list:
+    """Alternating: a benchmark prompt, then as many random token ids as it has characters / 4."""
+    from d3d_jax.io.hf import load_tokenizer
+
+    vocab = len(load_tokenizer(args.tokenizer)[0])
+    rng = random.Random(0)
+    out = []
+    for p in prompts:
+        out += [p, [rng.randrange(4, vocab) for _ in range(max(len(p) // 4, 8))]]
+    return out
+
+
 def tables(report: dict, levels: list[int]) -> str:
-    rows = ["| mode | clients | tokens/s | TTFT p50 (ms) | TPOT p50 (ms) | τ | hit rate |", "|---|---|---|---|---|---|---|"]
     fmt = lambda v, f: "–" if v is None else format(v, f)  # noqa: E731
+    rows = ["| mode | clients | tokens/s | TTFT p50 (ms) | TPOT p50 (ms) | τ | hit rate | rounds (tokens/round measured / predicted) |",
+            "|---|---|---|---|---|---|---|---|"]
     for mode, m in report["modes"].items():
         for c in levels:
             r = m["levels"][str(c)]
+            rounds = "; ".join(f"{g} {int(d['rounds'])} ({d['tokens_per_round']:.2f}"
+                               + (f" / {d['predicted_per_round']:.2f}" if d.get("predicted_per_round") else "")
+                               + ")" for g, d in r["rounds"].items())
             rows.append(f"| {mode} | {c} | {r['tokens_per_s']:.1f} | {r['ttft_ms_p50']:.1f} | "
-                        f"{fmt(r['tpot_ms_p50'], '.2f')} | {fmt(r['tau'], '.2f')} | {fmt(r['hit_rate'], '.2f')} |")
-    lo, hi = min(levels), max(levels)
-    rows += ["", f"| method | speedup @{lo} | speedup @{hi} |", "|---|---|---|"]
+                        f"{fmt(r['tpot_ms_p50'], '.2f')} | {fmt(r['tau'], '.2f')} | {fmt(r['hit_rate'], '.2f')} | "
+                        f"{rounds or '–'} |")
+    head = "| method | " + " | ".join(f"@{c}" for c in levels) + " |"
+    rows += ["", "Speedup over plain at each load (Table 2 form):", "", head,
+             "|---|" + "---|" * len(levels)]
     for mode, sp in report["speedup"].items():
-        rows.append(f"| {mode} | {sp[str(lo)]:.2f}× | {sp[str(hi)]:.2f}× |")
-    rows += ["", "concurrency gain (tokens/s at %d ÷ at %d): " % (hi, lo)
-             + ", ".join(f"{m} {g:.2f}×" for m, g in report["concurrency_gain"].items())]
+        rows.append(f"| {mode} | " + " | ".join(f"{sp[str(c)]:.2f}×" for c in levels) + " |")
+    if "auto_vs_best_fixed" in report:
+        rows.append("| auto ÷ best fixed | " + " | ".join(
+            f"{report['auto_vs_best_fixed'][str(c)]:.2f} ({report['best_fixed'][str(c)]})" for c in levels) + " |")
+    if any("mixed" in m for m in report["modes"].values()):
+        rows += ["", "Mixed quality (half benchmark prompts, half random token ids):", "",
+                 "| mode | tokens/s | mode mix: text prompts | mode mix: random ids |", "|---|---|---|---|"]
+        for mode, m in report["modes"].items():
+            r = m.get("mixed")
+            if r:
+                k = r["mode_mix_by_kind"]
+                rows.append(f"| {mode} | {r['tokens_per_s']:.1f} | {_fmt_mix(k.get('text', {}))} | "
+                            f"{_fmt_mix(k.get('ids', {}))} |")
     return "\n".join(rows)
+
+
+def _ratios(report: dict, levels: list[int]) -> None:
+    tps = {m: {str(c): r["levels"][str(c)]["tokens_per_s"] for c in levels} for m, r in report["modes"].items()}
+    report["concurrency_gain"] = {m: t[str(max(levels))] / t[str(min(levels))] for m, t in tps.items()}
+    report["speedup"] = ({m: {c: t[c] / tps["plain"][c] for c in t} for m, t in tps.items() if m != "plain"}
+                         if "plain" in tps else {})
+    fixed = [m for m in tps if m != "auto"]
+    if "auto" in tps and fixed:
+        report["best_fixed"] = {str(c): max(fixed, key=lambda m: tps[m][str(c)]) for c in levels}
+        report["auto_vs_best_fixed"] = {str(c): tps["auto"][str(c)] / tps[report["best_fixed"][str(c)]][str(c)]
+                                        for c in levels}
+
+
+def _projection(args, levels: list[int]) -> int:
+    from d3d_jax.bench import serve_projection as SP
+
+    p = SP.project(args.project, levels, args.tau, args.hit_rate, devices=args.project_devices)
+    print(SP.markdown(p, levels))
+    print(json.dumps(p))
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(p, indent=1))
+    return 0
 
 
 def main(args) -> int:
     levels = sorted({int(c) for c in args.concurrency.split(",") if c})
+    if args.project:
+        return _projection(args, levels)
     modes = [m for m in args.modes.split(",") if m]
     if not levels or min(levels) < 1 or args.requests_per_client < 1 or args.max_tokens < 1:
         raise SystemExit("error: --concurrency, --requests-per-client and --max-tokens must be >= 1")
-    if any(m not in ("plain", "sync", "async") for m in modes):
-        raise SystemExit(f"error: --modes: plain, sync or async, got {args.modes!r}")
-    prompts = _prompts(args, max(levels) * args.requests_per_client)
-    report: dict = {"settings": {k: v for k, v in vars(args).items() if k != "func"}, "modes": {}}
+    if any(m not in MODES for m in modes):
+        raise SystemExit(f"error: --modes: {', '.join(MODES)}, got {args.modes!r}")
+    prompts = _prompts(args, max(levels + [args.mixed]) * args.requests_per_client)
+    mixed = _mixed_prompts(args, prompts[: max(args.mixed * args.requests_per_client // 2, 1)]) if args.mixed else None
+    report: dict = {"settings": {k: v for k, v in vars(args).items() if k != "func"}, "modes": {},
+                    "load_avg_start": os.getloadavg()}
     for mode in modes:
-        report["modes"][mode] = measure_mode(args, mode, levels, prompts)
-    tps = {m: {str(c): r["levels"][str(c)]["tokens_per_s"] for c in levels} for m, r in report["modes"].items()}
-    report["concurrency_gain"] = {m: t[str(max(levels))] / t[str(min(levels))] for m, t in tps.items()}
-    if "plain" in tps:
-        report["speedup"] = {m: {c: t[c] / tps["plain"][c] for c in t} for m, t in tps.items() if m != "plain"}
-    else:
-        report["speedup"] = {}
+        report["modes"][mode] = measure_mode(args, mode, levels, prompts, mixed)
+    report["load_avg_end"] = os.getloadavg()
+    _ratios(report, levels)
     print(tables(report, levels))
     print(json.dumps(report, default=float))
     if args.out:

@@ -36,7 +36,7 @@ import numpy as np
 
 from d3d_jax.decoding import verify as V
 
-SALT_SIM_ACCEPT = 6  # verify.py uses salts 0..4, async_engine 5
+SALT_SIM_ACCEPT = 6  # verify.py uses salts 0..4, drafting.SALT_HIT 5
 SALT_SIM_HIT = 7
 SCHEDULE = "match-expected"
 

@@ -78,6 +78,10 @@ class CostedReplayDrafter(AsyncReplayDrafter):
     def commit(self, state: dict, lengths) -> dict:
         return dict(state, cache=self.model.commit(state["cache"], lengths))
 
+    def catch_up(self, params, state: dict, seq, upto, active, limit: int) -> dict:
+        return dict(state, cache=self.model.catch_up(params["model"], state["cache"], seq, upto,
+                                                     active, limit))
+
     def propose(self, params, state: dict, seq, anchor_pos, row_keys, sampling, block_size: int,
                 sample_drafts: bool, fanout: int = 0):
         real, cache = self.model.propose(params["model"], state["cache"], seq, anchor_pos, row_keys,

@@ -284,7 +284,9 @@ class DecodeCore:
         finish = jnp.where(hit_stop, jnp.where(is_eos, FINISH_EOS, FINISH_STOP), state.finish)
         finish = jnp.where(out_of_room, FINISH_LENGTH, finish).astype(jnp.int32)
         anchor_pos = state.anchor_pos + n_emit
-        hist = state.accept_hist + jax.nn.one_hot(accepted, w, dtype=jnp.int32) * active[:, None]
+        # the histogram may be wider than this round (auto mixes widths in one state)
+        hist = state.accept_hist + jax.nn.one_hot(accepted, state.accept_hist.shape[1],
+                                                  dtype=jnp.int32) * active[:, None]
         state = dataclasses.replace(
             state, target_cache=target_cache.with_lengths(anchor_pos), seq=seq,
             anchor_pos=anchor_pos, n_out=n_out, done=state.done | hit_stop | out_of_room,

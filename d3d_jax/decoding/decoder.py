@@ -1,82 +1,111 @@
 """The speculative decoder: one long-lived object with a fixed set of slots (continuous batching).
 
 ``SpecDecoder(target, drafter, config)`` splits and places the parameters once, flattens them to
-leaf lists once, and jits its methods with everything static bound in (tunix's sampler style):
-calling a method hashes nothing.  It owns the slots and the target and drafter state.  The
-contract (JetStream's prefill / insert / generate)::
+leaf lists once, and holds one round *strategy* (plain, sync, async or auto:
+:mod:`~d3d_jax.decoding.strategies`) that owns its jitted programs.  The decoder keeps the slots,
+their placement on device rows and the contract (JetStream's prefill / insert / generate)::
 
     dec = SpecDecoder(target, drafter, DecoderConfig(mode="sync", num_slots=8, ...))
-    prefix = dec.prefill(Request(prompt=[1, 2, 3], max_new_tokens=64))
-    dec.insert(prefix, dec.free_slots()[0])   # between rounds
+    dec.insert(dec.prefill(Request(prompt=[1, 2, 3], max_new_tokens=64)), dec.free_slots()[0])
     outs = dec.step()                         # one round for every active slot
     dec.free(slot)                            # finished or cancelled
+    dec.run_until_done()                      # or: every active slot to its end
 
-Plain and sync rounds are :meth:`DecodeCore.round`; :meth:`run_until_done` runs them in a
-``lax.while_loop`` on the device.  Async rounds are :class:`AsyncCore`'s three dispatches;
-``run_until_done`` drives them without waiting on the host (:mod:`async_loop`).
+* **Placement.** Live requests sit packed at the low device rows
+  (:class:`~d3d_jax.decoding.placement.RowPlacement`); a round runs over the smallest bucketed
+  window holding them, so its cost follows the live requests, not the slots.  Slots are stable
+  names; rows move (device-side swaps) when a request leaves.
+* **Admission.** ``prefill`` only checks and stages a request; the requests inserted between two
+  rounds are prefilled into their rows in one dispatch when the next round starts.
+* **Rounds without host waits.** ``step`` dispatches a round and returns the outcome of the
+  oldest one not yet read; while some request is certain to go on, the next round is queued
+  behind it first, so the device never waits on the host's reading (results one round behind).
+  The outcome of each round is a few per-row arrays read in one copy; a request's metrics are
+  counted on the host from them, so finishing one copies nothing from the device.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import itertools
 import time
-import warnings
-from typing import Any, Sequence
+from typing import Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from d3d_jax.config import ConfigError
 from d3d_jax.decoding import metrics as M
-from d3d_jax.decoding.async_core import AsyncCore
-from d3d_jax.decoding.core import FINISH_REASONS, MAX_STOP_IDS, DecodeCore, RowInput, TargetRows
+from d3d_jax.decoding import window as W
+from d3d_jax.decoding.async_loop import LiveRows
+from d3d_jax.decoding.core import FINISH_REASONS, MAX_STOP_IDS, RowInput
 from d3d_jax.decoding.decoder_config import (DecoderConfig, Request, RequestError, SlotError,
                                              StepOutput, request_problem)
 from d3d_jax.decoding.drafting import as_drafter
-from d3d_jax.decoding.placement import placer, resolve_slices
+from d3d_jax.decoding.placement import RowPlacement, placer, resolve_slices
+from d3d_jax.decoding.strategies import LOGPROB_KEYS, Context
 from d3d_jax.decoding.verify import SamplingParams
 
 __all__ = ["SpecDecoder", "DecoderConfig", "Request", "Prefix", "StepOutput", "RequestError",
            "SlotError", "SamplingParams"]
 
-# CPU backends cannot donate; the warning says nothing useful there.
-warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
-
 
 @dataclasses.dataclass
 class Prefix:
-    """Prefilled requests (rows), ready for :meth:`SpecDecoder.insert`."""
+    """Checked requests, ready for :meth:`SpecDecoder.insert` (prefilled when admitted)."""
 
     requests: list[Request]
-    target: TargetRows
-    drafter: Any  # sync: drafter rows; async: AsyncDraftState rows; plain: None
 
 
 @dataclasses.dataclass
-class _Slot:
+class SlotInfo:
+    """The host's record of one slot's request, counted from every round read."""
+
     request: Request
+    hist: np.ndarray  # rounds per acceptance length
     n_out: int = 0
     finish_reason: str | None = None
+    rounds: int = 0
+    accepted: int = 0
+    hits: int = 0
+    misses: int = 0
+    modes: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    stats: dict = dataclasses.field(default_factory=dict)  # the strategy's own (auto)
 
 
-def _logprobs(res, slot: int, n: int, top: int) -> list | None:
-    """One slot's emitted tokens' log-probabilities from a host copy of a round's result."""
+@dataclasses.dataclass
+class _Round:
+    parts: list  # [strategies.Part]
+    snapshot: list  # row -> (slot, SlotInfo) when dispatched
+    t_dispatch: float
+    clean: bool  # no admission ran just before it (its time is the round's own)
+
+
+def _logprobs(row: dict, n: int, top: int) -> list | None:
+    """One row's emitted tokens' log-probabilities (and ``top`` alternatives) from a round read."""
     if top < 0:
         return None
-    return [(float(res.logprob[slot, k]),
-             [(int(i), float(lp)) for i, lp in zip(res.top_ids[slot, k, :top], res.top_logprobs[slot, k, :top])])
+    return [(float(row["logprob"][k]),
+             [(int(i), float(lp)) for i, lp in zip(row["top_ids"][k, :top], row["top_logprobs"][k, :top])])
             for k in range(n)]
 
 
-def _bucket(n: int, cap: int) -> int:
-    """Prompt-length bucket: the next power of two >= n (at least 16), capped at the cache."""
-    return min(cap, max(16, 1 << (max(n, 1) - 1).bit_length()))
+OPS_PER_DISPATCH = 64  # row operations per row-ops dispatch (fixed shape; more: several)
+
+
+def _strategy(ctx: Context):
+    from d3d_jax.decoding.async_strategy import AsyncStrategy
+    from d3d_jax.decoding.auto import AutoStrategy
+    from d3d_jax.decoding.strategies import PlainStrategy, SyncStrategy
+
+    return {"plain": PlainStrategy, "sync": SyncStrategy, "async": AsyncStrategy,
+            "auto": AutoStrategy}[ctx.config.mode](ctx)
 
 
 class SpecDecoder:
-    """Plain, sync or async speculative decoding over a fixed set of slots (see module doc)."""
+    """Plain, sync, async or auto decoding over a fixed set of slots (see the module doc)."""
 
     def __init__(self, target, drafter, config: DecoderConfig):
         config.validate()
@@ -86,59 +115,38 @@ class SpecDecoder:
             raise ConfigError("drafter: mode plain takes no drafter")
         if cfg.mode != "plain" and drafter is None:
             raise ConfigError(f"drafter: mode {cfg.mode} needs a drafter")
-        self.drafter = as_drafter(drafter, vocab)
         if any(int(t) >= vocab for t in cfg.eos_token_ids):
             raise ConfigError(f"decoder.eos_token_ids: ids must be < vocab_size {vocab}")
+        self.drafter = as_drafter(drafter, vocab)
         self.vocab_size = vocab
-        self.core = DecodeCore(nnx.graphdef(target), target.config,
-                               self.drafter if cfg.mode == "sync" else None, width=cfg.width,
-                               cache_len=cfg.max_cache_len, sample_drafts=cfg.sample_drafts,
-                               acceptance_rule=cfg.acceptance_rule,
-                               override=cfg.acceptance_override)
-        self.async_core = AsyncCore(self.core, self.drafter, cfg.layout) if cfg.mode == "async" else None
-        self._slices(cfg)
-        self._jit()
-        self._t_tree = self._d_tree = None
+        self._trees = [None, None]
+        self.strategy = _strategy(self._context(target))
         self.load(target, drafter)
-        self._slots: list[_Slot | None] = [None] * cfg.num_slots
-        self._state = self._side = self._hand = None
-        self._stale = False
+        self.placement = RowPlacement(cfg.num_slots)
+        self._slots: dict[int, SlotInfo] = {}
+        self.carry = None
+        self._queue: list[tuple] = []  # ("admit", slot, row) | ("op", a, b, kind), in order
+        self._pending: collections.deque[_Round] = collections.deque()
+        self._last_read = 0.0
+        self._tally: dict[str, collections.Counter] = {}  # per geometry: rounds, tokens, predicted
+        self._stale = False  # after run_until_done: host counts lag the device
 
-    # ------------------------------------------------------------ set-up
-    def _slices(self, cfg: DecoderConfig) -> None:
-        if cfg.mode != "async":
-            ident = lambda tree: tree  # noqa: E731  plain/sync: parameters stay where they are
-            self._t_place = self._d_place = self._t_put = self._d_put = ident
-            self.shared = True
-            return
-        t_devs, d_devs = resolve_slices(cfg.target_devices, cfg.drafter_devices)
-        self.target_devices, self.drafter_devices = t_devs, d_devs
-        self.shared = list(t_devs) == list(d_devs)  # one slice: nothing moves between sides
-        self._t_place, self._t_put = placer(t_devs)
-        self._d_place, self._d_put = placer(d_devs)
+    def _context(self, target) -> Context:
+        cfg = self.config
+        ctx = Context(cfg, nnx.graphdef(target), target.config, self.drafter,
+                      lambda leaves: jax.tree.unflatten(self._trees[0], leaves),
+                      lambda leaves: jax.tree.unflatten(self._trees[1], leaves))
+        if cfg.mode == "async":
+            t_devs, d_devs = resolve_slices(cfg.target_devices, cfg.drafter_devices)
+            self.target_devices, self.drafter_devices = t_devs, d_devs
+            (self._t_place, ctx.t_put), (self._d_place, ctx.d_put) = placer(t_devs), placer(d_devs)
+            ctx.shared = list(t_devs) == list(d_devs)  # one slice: nothing moves between sides
+        else:
+            self._t_place = self._d_place = lambda tree: tree  # noqa: E731
+        self.shared = ctx.shared
+        return ctx
 
-    def _jit(self) -> None:
-        # jitted so every field is its own buffer (eager zeros may share one; fields are donated)
-        self._init_state = jax.jit(self.core.init_state, static_argnums=0)
-        if self.async_core is not None:
-            self._init_side = jax.jit(self.async_core.init_state, static_argnums=0)
-        self._prefill_target = jax.jit(self._prefill_target_fn)
-        self._prefill_drafter = jax.jit(self._prefill_drafter_fn)
-        self._insert = jax.jit(self.core.insert, donate_argnums=0)
-        self._admit = jax.jit(self._admit_fn, donate_argnums=2)
-        self._admit_run = jax.jit(self._admit_run_fn, donate_argnums=2)
-        self._free = jax.jit(self.core.free, donate_argnums=0)
-        self._round = jax.jit(self._round_fn, donate_argnums=2)
-        self._loop = jax.jit(self._loop_fn, donate_argnums=2)
-        self._draft = jax.jit(self._draft_fn, donate_argnums=1)
-        self._verify_commit = jax.jit(self._verify_commit_fn, donate_argnums=1)
-        if self.async_core is not None:
-            self._insert_drafter = jax.jit(self.async_core.insert, donate_argnums=0)
-            self._admit_drafter = jax.jit(self._admit_drafter_fn, donate_argnums=1)
-            self._target_step = jax.jit(self._target_step_fn, donate_argnums=1)
-            self._packed = jax.jit(self._packed_fn, donate_argnums=1)
-            self._select = jax.jit(self._select_fn, donate_argnums=1)
-
+    # ------------------------------------------------------------ weights
     def load(self, target, drafter=None) -> None:
         """(Re)bind weights: same structure as at construction (no recompile)."""
         self.load_params(nnx.state(target), drafter)
@@ -146,80 +154,27 @@ class SpecDecoder:
     def load_params(self, target_params, drafter=None) -> None:
         """:meth:`load` from the target's parameters (``nnx.state``) instead of the module."""
         t_leaves, t_tree = jax.tree.flatten(self._t_place(target_params))
-        if self._t_tree is not None and t_tree != self._t_tree:
+        if self._trees[0] is not None and t_tree != self._trees[0]:
             raise ConfigError("target: its structure differs from the one this decoder was built for")
-        self._t_leaves, self._t_tree = t_leaves, t_tree
-        if self.config.mode == "plain":
-            self._d_leaves, self._d_tree = jax.tree.flatten(None)
-            return
-        d = as_drafter(drafter, self.vocab_size)
-        if d.signature != self.drafter.signature:
-            raise ConfigError("drafter: its structure differs from the one this decoder was built for")
-        self.drafter = d
-        self.core.drafter = d if self.config.mode == "sync" else None
-        if self.async_core is not None:
-            self.async_core.drafter = d
-        d_leaves, d_tree = jax.tree.flatten(self._d_place(d.params))
-        if self._d_tree is not None and d_tree != self._d_tree:
-            raise ConfigError("drafter: its parameters differ in structure from the loaded ones")
-        self._d_leaves, self._d_tree = d_leaves, d_tree
+        d_leaves, d_tree = [], jax.tree.flatten(None)[1]
+        if self.config.mode != "plain":
+            d = as_drafter(drafter, self.vocab_size)
+            if d.signature != self.drafter.signature:
+                raise ConfigError("drafter: its structure differs from the one this decoder was built for")
+            d_leaves, d_tree = jax.tree.flatten(self._d_place(d.params))
+            if self._trees[1] is not None and d_tree != self._trees[1]:
+                raise ConfigError("drafter: its parameters differ in structure from the loaded ones")
+            # same signature, same traced programs; the host side (request data) is the new one's
+            self.drafter = d
+        self._trees = [t_tree, d_tree]
+        self._params = (t_leaves, d_leaves)
 
     def unload(self) -> None:
-        """Drop parameters and state (memory), keep the compiled methods; :meth:`load` rebinds."""
-        self._t_leaves = self._d_leaves = None
-        self._state = self._side = self._hand = None
-        self._slots = [None] * self.config.num_slots
-        self._stale = False
-
-    # ------------------------------------------------------------ traced bodies
-    def _tp(self, leaves):
-        return jax.tree.unflatten(self._t_tree, leaves)
-
-    def _dp(self, leaves):
-        return jax.tree.unflatten(self._d_tree, leaves)
-
-    def _prefill_target_fn(self, t_leaves, rows: RowInput):
-        return self.core.prefill_target(self._tp(t_leaves), rows)
-
-    def _prefill_drafter_fn(self, d_leaves, rows: RowInput):
-        if self.async_core is not None:
-            return self.async_core.prefill_drafter(self._dp(d_leaves), rows)
-        return self.core.prefill_drafter(self._dp(d_leaves), rows)
-
-    def _admit_fn(self, t_leaves, d_leaves, state, rows: RowInput, slots):
-        target = self._prefill_target_fn(t_leaves, rows)
-        drafter = self._prefill_drafter_fn(d_leaves, rows) if self.config.mode == "sync" else None
-        return self.core.insert(state, target, drafter, slots)
-
-    def _admit_run_fn(self, t_leaves, d_leaves, state, rows: RowInput, slots):
-        state = self._admit_fn(t_leaves, d_leaves, state, rows, slots)
-        return self._loop_fn(t_leaves, d_leaves, state)
-
-    def _admit_drafter_fn(self, d_leaves, side, rows: RowInput, slots):
-        return self.async_core.insert(side, self._prefill_drafter_fn(d_leaves, rows), slots)
-
-    def _round_fn(self, t_leaves, d_leaves, state):
-        return self.core.round(self._tp(t_leaves), self._dp(d_leaves), state)
-
-    def _loop_fn(self, t_leaves, d_leaves, state):
-        return self.core.run_until_done(self._tp(t_leaves), self._dp(d_leaves), state)
-
-    def _draft_fn(self, d_leaves, state):
-        return self.core.draft(self._dp(d_leaves), state)
-
-    def _verify_commit_fn(self, t_leaves, state, drafts, probs):
-        accepted, next_token, cache, lp = self.core.verify(self._tp(t_leaves), state, drafts, drafts,
-                                                           probs)
-        return self.core.commit(state, drafts, accepted, next_token, cache, lp)[0]
-
-    def _target_step_fn(self, t_leaves, state, hand):
-        return self.async_core.target_step(self._tp(t_leaves), state, hand)
-
-    def _packed_fn(self, d_leaves, side):
-        return self.async_core.packed(self._dp(d_leaves), side)
-
-    def _select_fn(self, d_leaves, side, drafts, decision):
-        return self.async_core.select(self._dp(d_leaves), side, drafts, decision)
+        """Drop parameters and state (memory), keep the compiled programs; :meth:`load` rebinds."""
+        self._params = None
+        self.carry = None
+        self.placement = RowPlacement(self.config.num_slots)
+        self._slots, self._queue, self._pending = {}, [], collections.deque()
 
     # ------------------------------------------------------------ requests and slots
     def validate_request(self, request: Request) -> None:
@@ -227,12 +182,75 @@ class SpecDecoder:
         if problem:
             raise RequestError(problem)
 
-    def _row_input(self, requests: Sequence[Request], pad_len: int, num_rows: int) -> RowInput:
-        """Host arrays for ``num_rows`` rows; rows past the requests repeat the first (dummies)."""
-        reqs = [requests[r] if r < len(requests) else requests[0] for r in range(num_rows)]
-        prompt = np.zeros((num_rows, pad_len), np.int32)
-        stop_ids = np.full((num_rows, MAX_STOP_IDS), -1, np.int32)
-        stop_is_eos = np.zeros((num_rows, MAX_STOP_IDS), bool)
+    def prefill(self, request: Request | Sequence[Request]) -> Prefix:
+        """Check one request (or several) for :meth:`insert`; the device prefill runs when it is
+        admitted, together with every other request inserted before the same round."""
+        requests = [request] if isinstance(request, Request) else list(request)
+        if not requests:
+            raise RequestError("no requests to prefill")
+        for req in requests:
+            self.validate_request(req)
+        return Prefix(requests)
+
+    def insert(self, prefix: Prefix, slot) -> None:
+        """Put prefilled requests into free slots (one slot per request); joins between rounds."""
+        slots = self._slot_list(slot)
+        if len(slots) != len(prefix.requests) or len(set(slots)) != len(slots):
+            raise SlotError(f"{len(prefix.requests)} requests need as many distinct slots, got {slots}")
+        busy = [s for s in slots if s in self._slots]
+        if busy:
+            raise SlotError(f"slot {busy[0]} is busy with an active request: free it first "
+                            f"(free slots: {self.free_slots()})")
+        for s, req in zip(slots, prefix.requests):
+            self._slots[s] = SlotInfo(req, np.zeros(self.config.width, np.int64))
+            row = self.placement.size
+            self._queue.append(("admit", s, row))
+            self._queue_swaps(self.placement.place(s, self.strategy.initial_class(req)))
+
+    def free(self, slot) -> None:
+        """The slot's request leaves (finished or cancelled); freeing a free slot does nothing.
+        ``slot`` may be a sequence of slots."""
+        for s in self._slot_list(slot):
+            info = self._slots.pop(s, None)
+            if info is None:
+                continue
+            if info.finish_reason is None:  # still running on the device: stop it there
+                self._queue.append(("op", self.placement.row_of[s], 0, W.OP_FREE))
+            self._queue_swaps(self.placement.remove(s))
+
+    def _queue_swaps(self, swaps) -> None:
+        self._queue += [("op", a, b, W.OP_SWAP) for a, b in swaps]
+
+    def active_slots(self) -> list[int]:
+        return sorted(self._slots)
+
+    def free_slots(self) -> list[int]:
+        return [s for s in range(self.config.num_slots) if s not in self._slots]
+
+    def _slot_list(self, slot) -> list[int]:
+        slots = [int(s) for s in (slot if isinstance(slot, Sequence) else [slot])]
+        bad = [s for s in slots if not 0 <= s < self.config.num_slots]
+        if bad:
+            raise SlotError(f"slot {bad[0]} is out of range [0, {self.config.num_slots})")
+        return slots
+
+    def _running(self) -> list[int]:
+        if self._stale:
+            self._refresh()
+        return [s for s, info in sorted(self._slots.items()) if info.finish_reason is None]
+
+    # ------------------------------------------------------------ device state
+    def _ensure_state(self) -> None:
+        if self.carry is None:
+            self.carry = self.strategy.init(self.config.num_slots)
+
+    def _row_input(self, requests: Sequence[Request]) -> RowInput:
+        """Host arrays for every slot's row (rows past the requests repeat the first: unused)."""
+        n, cap = self.config.num_slots, self.config.max_cache_len
+        reqs = [requests[r] if r < len(requests) else requests[0] for r in range(n)]
+        prompt = np.zeros((n, cap), np.int32)
+        stop_ids = np.full((n, MAX_STOP_IDS), -1, np.int32)
+        stop_is_eos = np.zeros((n, MAX_STOP_IDS), bool)
         for r, req in enumerate(reqs):
             prompt[r, : len(req.prompt)] = req.prompt
             eos = self.config.eos_token_ids if req.eos_token_ids is None else tuple(req.eos_token_ids)
@@ -240,250 +258,224 @@ class SpecDecoder:
             stop_ids[r, : len(ids)] = ids
             stop_is_eos[r, : len(eos)] = True
         ints = lambda f: np.asarray([int(f(q)) for q in reqs], np.int32)  # noqa: E731
-        data = None if self.drafter is None else self.drafter.request_data(reqs, self.config.max_cache_len)
+        data = None if self.drafter is None else self.drafter.request_data(reqs, cap)
         return RowInput(prompt, ints(lambda q: len(q.prompt)), ints(lambda q: q.seed),
                         ints(lambda q: q.index), ints(lambda q: q.max_new_tokens), stop_ids,
                         stop_is_eos, SamplingParams.stack([q.sampling for q in reqs]), data)
 
-    def prefill(self, request: Request) -> Prefix:
-        """Target (and drafter) prefill of one request; its prompt length is bucketed."""
-        return self.prefill_batch([request])
-
-    def prefill_batch(self, requests: Sequence[Request], pad_len: int | None = None,
-                      num_rows: int | None = None) -> Prefix:
-        """Prefill of several requests at once, prompts padded to ``pad_len`` (default: a power-
-        of-two bucket) and to ``num_rows`` rows (dummies), so shapes repeat across calls."""
-        rows = self._rows_for(requests, pad_len, num_rows)
-        target = self._prefill_target(self._t_leaves, self._t_put(rows))
-        drafter = None
-        if self.drafter is not None:
-            drafter = self._prefill_drafter(self._d_leaves, self._d_put(rows))
-        return Prefix(list(requests), target, drafter)
-
-    def _rows_for(self, requests: Sequence[Request], pad_len, num_rows) -> RowInput:
-        if not requests:
-            raise RequestError("no requests to prefill")
-        for req in requests:
-            self.validate_request(req)
-        longest = max(len(r.prompt) for r in requests)
-        pad_len = _bucket(longest, self.config.max_cache_len) if pad_len is None else int(pad_len)
-        return self._row_input(requests, pad_len, num_rows or len(requests))
-
-    def _ensure_state(self) -> None:
-        if self._state is None:
-            b = self.config.num_slots
-            self._state = self._t_put(self._init_state(b))
-            if self.async_core is not None:
-                self._side = self._d_put(self._init_side(b))
-
-    def _slot_index(self, slot) -> int:
-        if not 0 <= int(slot) < self.config.num_slots:
-            raise SlotError(f"slot {slot} is out of range [0, {self.config.num_slots})")
-        return int(slot)
-
-    def _claim(self, slot, n: int, rows: int) -> tuple[list[int], np.ndarray]:
-        """Check ``n`` distinct free slots; the row -> slot index for ``rows`` rows (dummy rows go
-        to an out-of-range slot: dropped)."""
-        slots = [self._slot_index(s) for s in (slot if isinstance(slot, Sequence) else [slot])]
-        if len(slots) != n or len(set(slots)) != len(slots):
-            raise SlotError(f"{n} requests need as many distinct slots, got {slots}")
-        busy = [s for s in slots if self._slots[s] is not None]
-        if busy:
-            raise SlotError(f"slot {busy[0]} is busy with an active request: free it first "
-                            f"(free slots: {self.free_slots()})")
-        index = np.full((rows,), self.config.num_slots, np.int32)
-        index[: len(slots)] = slots
+    def _flush(self) -> bool:
+        """Replay the queued admissions and row operations in order (consecutive ones of a kind
+        in one dispatch); True if anything was admitted."""
         self._ensure_state()
-        return slots, index
+        admitted, queue, self._queue = False, self._queue, []
+        while queue:
+            kind = queue[0][0]
+            run = list(itertools.takewhile(lambda e: e[0] == kind, queue))
+            queue = queue[len(run):]
+            if kind == "admit":
+                self._admit(run)
+                admitted = True
+            else:
+                self._row_ops(run)
+        return admitted
 
-    def insert(self, prefix: Prefix, slot) -> None:
-        """Put prefilled requests into free slots (one slot per request); joins between rounds."""
-        slots, index = self._claim(slot, len(prefix.requests), prefix.target.seq.shape[0])
-        drafter_rows = prefix.drafter if self.config.mode == "sync" else None
-        self._state = self._insert(self._state, prefix.target, drafter_rows, index)
-        if self.async_core is not None:
-            self._side, self._hand = self._insert_drafter(self._side, prefix.drafter, index)
-        for s, req in zip(slots, prefix.requests):
-            self._slots[s] = _Slot(req)
-
-    def insert_requests(self, requests: Sequence[Request], slot, pad_len: int | None = None,
-                        num_rows: int | None = None) -> None:
-        """:meth:`prefill_batch` and :meth:`insert` in one dispatch per side (no prefix is kept)."""
-        rows = self._rows_for(requests, pad_len, num_rows)
-        slots, index = self._claim(slot, len(requests), rows.prompt.shape[0])
-        # async: the drafter's leaves live on its own slice, and the target side never needs them
-        d_leaves = self._d_leaves if self.config.mode == "sync" else None
-        self._state = self._admit(self._t_leaves, d_leaves, self._state, self._t_put(rows), index)
-        if self.async_core is not None:
-            self._side, self._hand = self._admit_drafter(self._d_leaves, self._side,
-                                                         self._d_put(rows), index)
-        for s, req in zip(slots, requests):
-            self._slots[s] = _Slot(req)
-
-    def free(self, slot) -> None:
-        """The slot's request leaves (finished or cancelled); freeing a free slot does nothing.
-        ``slot`` may be a sequence of slots (one dispatch)."""
-        slots = [self._slot_index(s) for s in (slot if isinstance(slot, Sequence) else [slot])]
-        slots = [s for s in slots if self._slots[s] is not None]
-        running = [s for s in slots if self._slots[s].finish_reason is None]
-        for s in slots:
-            self._slots[s] = None
-        if not running:  # a finished row is already done on the device
+    def _admit(self, run: list[tuple]) -> None:
+        live = [(s, row) for _, s, row in run if s in self._slots]
+        if not live:
             return
-        slots = running
-        index = np.full((self.config.num_slots,), self.config.num_slots, np.int32)  # one shape
-        index[: len(slots)] = slots
-        self._state = self._free(self._state, index)
+        rows = self._row_input([self._slots[s].request for s, _ in live])
+        index = np.full((self.config.num_slots,), self.config.num_slots, np.int32)
+        index[: len(live)] = [row for _, row in live]
+        self.carry = self.strategy.admit(self.carry, self._params, rows, index, len(live))
 
-    def active_slots(self) -> list[int]:
-        return [s for s, info in enumerate(self._slots) if info is not None]
-
-    def free_slots(self) -> list[int]:
-        return [s for s, info in enumerate(self._slots) if info is None]
-
-    def _running(self) -> list[int]:
-        if self._stale:
-            self._refresh()
-        return [s for s, info in enumerate(self._slots) if info is not None and info.finish_reason is None]
+    def _row_ops(self, run: list[tuple]) -> None:
+        for k in range(0, len(run), OPS_PER_DISPATCH):
+            chunk = run[k: k + OPS_PER_DISPATCH]
+            ops = np.zeros((OPS_PER_DISPATCH, 3), np.int32)
+            ops[: len(chunk)] = [e[1:] for e in chunk]
+            self.carry = self.strategy.row_ops(self.carry, ops, len(chunk))
 
     # ------------------------------------------------------------ rounds
-    def _to_target(self, x):
-        return x if self.shared else self._t_put(x)  # device to device, never through the host
+    def _snapshot(self) -> list:
+        return [(s, self._slots.get(s)) if s is not None else (None, None)
+                for s in self.placement.slot_at]
 
-    def _to_drafter(self, x):
-        return x if self.shared else self._d_put(x)
+    def _dispatch(self) -> bool:
+        """Dispatch one round over the live rows (nothing waits); False if none is running."""
+        self._reclassify()
+        clean = not self._flush()
+        if not self._running():
+            return False
+        groups = self.placement.groups()
+        infos = [self._slots[s] for s in self.placement.slot_at[: self.placement.size]]
+        t0 = time.perf_counter()
+        self.carry, parts = self.strategy.dispatch(self.carry, self._params, groups, infos)
+        self._pending.append(_Round(parts, self._snapshot(), t0, clean))
+        return True
 
-    def dispatch_async_round(self):
-        """Dispatch one async round (verify, branch pack, selection); waits on nothing.
-        Returns ``(decision, branch drafts, view, result)`` (device arrays)."""
-        self._state, decision, result = self._target_step(self._t_leaves, self._state,
-                                                          self._to_target(self._hand))
-        drafts, self._side = self._packed(self._d_leaves, self._side)
-        self._side, self._hand, view = self._select(self._d_leaves, self._side, drafts,
-                                                    self._to_drafter(decision))
-        return decision, drafts, view, result
+    def _reclassify(self) -> None:
+        """Placement classes the strategy asks for (auto: requests set aside for plain rounds)."""
+        running = {s: self._slots[s] for s in self._running()}
+        for slot, cls in self.strategy.reclassify(running).items():
+            running[slot].stats["class"] = cls
+            self._queue_swaps(self.placement.set_class(slot, cls))
+
+    def _can_run_ahead(self) -> bool:
+        """Some request is sure to be running once every dispatched round has run."""
+        ahead = self.config.width * len(self._pending)
+        return any(info.n_out + ahead < info.request.max_new_tokens
+                   for info in self._slots.values() if info.finish_reason is None)
 
     def step(self) -> dict[int, StepOutput]:
-        """One round for every active slot; one device→host read of the round's result."""
+        """One round for every active slot (the oldest dispatched round not yet read)."""
+        if not self._pending and not self._dispatch():
+            return {}
+        if len(self._pending) == 1 and self._can_run_ahead():
+            self._dispatch()  # queued behind the one read below: the device keeps busy
+        return self._read(self._pending.popleft())
+
+    def _read(self, rnd: _Round) -> dict[int, StepOutput]:
+        wants = any(info is not None and info.request.sampling.logprobs >= 0
+                    for _, info in rnd.snapshot)
+        host = jax.device_get([p.out if wants else
+                               {k: v for k, v in p.out.items() if k not in LOGPROB_KEYS}
+                               for p in rnd.parts])
+        now = time.perf_counter()
+        seconds = now - max(rnd.t_dispatch, self._last_read) if rnd.clean else None
+        self._last_read = now
+        outs = {}
+        for part, h in zip(rnd.parts, host):
+            tally = self._tally.setdefault(part.label, collections.Counter())
+            tally["rounds"] += 1
+            tally["tokens"] += int(np.sum(h["count"]))
+            tally["predicted_tokens"] += part.predicted or 0.0
+            for i, row in enumerate(range(part.start, part.start + part.rows)):
+                slot, info = rnd.snapshot[row]
+                if part.lo <= row < part.hi and info is not None and self._slots.get(slot) is info \
+                        and info.finish_reason is None:
+                    outs[slot] = self._count(info, part.label, {k: v[i] for k, v in h.items()})
+        self.strategy.observe(rnd.parts, host, seconds, rnd.snapshot)
+        return outs
+
+    @staticmethod
+    def _count(info: SlotInfo, label: str, row: dict) -> StepOutput:
+        n, accepted = int(row["count"]), int(row["accepted"])
+        reason = FINISH_REASONS.get(int(row["finish"]))
+        hit = None if "hit" not in row else bool(row["hit"])
+        info.n_out += n
+        info.finish_reason = reason
+        info.rounds += 1
+        info.accepted += accepted
+        info.hist[accepted] += 1
+        info.hits += bool(hit)
+        info.misses += bool(row.get("miss", False))
+        info.modes[label] += 1
+        return StepOutput([int(t) for t in row["tokens"][:n]], reason is not None, reason,
+                          accepted, hit, _logprobs(row, n, info.request.sampling.logprobs))
+
+    def _drain(self) -> None:
+        while self._pending:
+            self._read(self._pending.popleft())
+
+    def run_until_done(self, hook=None, timer=None) -> dict:
+        """Decode every active slot to the end: plain/sync in one on-device loop (``timer``: a
+        host loop that times drafting and verifying apart), async by rounds that only dispatch
+        (``hook`` sees each), auto by :meth:`step`.  Returns the strategy's timings."""
+        self._drain()
+        self._flush()
         running = self._running()
         if not running:
             return {}
-        view = None
-        if self.async_core is not None:
-            _, _, view, result = self.dispatch_async_round()
-        else:
-            self._state, result = self._round(self._t_leaves, self._d_leaves, self._state)
-        res, view = jax.device_get((result, view))
-        outs = {}
-        for s in running:
-            n = int(res.count[s])
-            reason = FINISH_REASONS.get(int(res.finish[s]))
-            info = self._slots[s]
-            info.n_out += n
-            info.finish_reason = reason
-            outs[s] = StepOutput([int(t) for t in res.tokens[s, :n]], reason is not None, reason,
-                                 int(res.accepted[s]), None if view is None else bool(view[s, 1]),
-                                 _logprobs(res, s, n, info.request.sampling.logprobs))
-        return outs
-
-    def run_until_done(self, timeline: list | None = None) -> dict:
-        """Decode every active slot to the end: plain/sync in one on-device loop, async by rounds
-        that only dispatch.  Returns timings (async: per-round metrics)."""
-        running = self._running()
-        timings: dict = {}
-        if running:
-            if self.async_core is not None:
-                from d3d_jax.decoding.async_loop import run_rounds
-
-                bound = max(self._slots[s].request.max_new_tokens - self._slots[s].n_out
-                            for s in running)
-                timings = run_rounds(self, bound, timeline)
-            else:
-                self._state = self._loop(self._t_leaves, self._d_leaves, self._state)
-        self._stale = True  # which slots finished: read when next needed (results() reads it)
+        rows = np.asarray([self.placement.row_of[s] for s in running])
+        infos = [self._slots[s] for s in running]
+        live = LiveRows(rows, np.asarray([len(i.request.prompt) - 1 for i in infos]),
+                        np.asarray([i.request.max_new_tokens for i in infos]),
+                        np.asarray([i.n_out for i in infos]))
+        bound = int(max(live.max_new - live.n_out))  # every round commits >= 1 token per row
+        self.carry, timings = self.strategy.run_until_done(
+            self.carry, self._params, 0, self.placement.size, live=live, max_rounds=bound,
+            hook=hook, timer=timer, step=self._step_until_done)
+        self._stale = True  # which slots finished: read when next needed
         return timings
 
-    def run_requests(self, requests: Sequence[Request], slot, pad_len: int | None = None,
-                     num_rows: int | None = None) -> None:
-        """Plain/sync: prefill, insert and decode to the end in ONE dispatch (generate's batches:
-        one executable per prompt-length bucket, no host round trip in between)."""
-        if self.async_core is not None:
-            raise ConfigError("decoder.mode: run_requests serves plain and sync; async decodes "
-                              "with insert_requests + run_until_done")
-        rows = self._rows_for(requests, pad_len, num_rows)
-        slots, index = self._claim(slot, len(requests), rows.prompt.shape[0])
-        self._state = self._admit_run(self._t_leaves, self._d_leaves, self._state, rows, index)
-        for s, req in zip(slots, requests):
-            self._slots[s] = _Slot(req)
-        self._stale = True
+    def _step_until_done(self):
+        while self._running():
+            self.step()
+        return self.carry
 
     def wait(self) -> None:
         """Block until everything dispatched so far has run."""
-        jax.block_until_ready((self._state, self._side, self._hand))
+        jax.block_until_ready(self.carry)
 
-    def run_timed(self) -> dict:
-        """Plain/sync rounds driven from the host, timing drafting and verifying apart (slower:
-        one wait per phase; compilation is left out)."""
-        from d3d_jax.decoding.clock import CompileClock
+    def warm_up(self) -> float:
+        """Compile (and, auto, time) every round program before a client waits on one."""
+        self._ensure_state()
+        t0 = time.perf_counter()
+        self.carry = self.strategy.warm_up(self.carry, self._params)
+        return time.perf_counter() - t0
 
-        draft_s = verify_s = 0.0
-        for _ in range(max((self._slots[s].request.max_new_tokens for s in self._running()), default=0)):
-            if bool(np.all(jax.device_get(self._state.done))):
-                break
-            with CompileClock() as c1:
-                t0 = time.perf_counter()
-                if self.drafter is None:
-                    drafts = jnp.zeros((self.config.num_slots, 0), jnp.int32)
-                    probs = None
-                else:
-                    out, self._state = self._draft(self._d_leaves, self._state)
-                    drafts, probs = jax.block_until_ready((out.drafts, out.probs))
-                t1 = time.perf_counter()
-            with CompileClock() as c2:
-                self._state = jax.block_until_ready(
-                    self._verify_commit(self._t_leaves, self._state, drafts, probs))
-                t2 = time.perf_counter()
-            draft_s += t1 - t0 - c1.seconds
-            verify_s += t2 - t1 - c2.seconds
-        self._refresh()
-        return {"draft_s": draft_s if self.drafter is not None else 0.0, "verify_s": verify_s}
+    def decisions(self) -> dict[str, dict]:
+        """Per geometry (``plain``, ``sync/8``, ``async/12x2``): rounds run (step's, not the
+        on-device loop's), tokens committed and, auto, the tokens its choice predicted."""
+        return {label: dict(t) for label, t in sorted(self._tally.items())}
 
-    def _refresh(self, n_out=None, finish=None) -> None:
-        """Host view of which slots finished (one small read, unless given)."""
-        self._stale = False
-        if self._state is None:
-            return
-        if n_out is None:
-            n_out, finish = jax.device_get((self._state.n_out, self._state.finish))
-        for s in self._running():
-            self._slots[s].n_out = int(n_out[s])
-            self._slots[s].finish_reason = FINISH_REASONS.get(int(finish[s]))
+    @property
+    def compiled_programs(self) -> list[tuple[str, int]]:
+        """The (geometry, window rows) round programs run so far: one compile each."""
+        return sorted(self.strategy.compiled)
 
     # ------------------------------------------------------------ results
+    def _row_results(self, slots: Sequence[int]) -> dict:
+        rows = np.asarray([self.placement.row_of[s] for s in slots], np.int32)
+        return jax.device_get(self.strategy.row_results(self.carry, rows))
+
+    def _refresh(self) -> None:
+        """Host counts of the resident slots after an on-device loop (one small read)."""
+        self._stale = False
+        slots = sorted(self._slots)
+        if not slots:
+            return
+        res = self._row_results(slots)
+        for i, s in enumerate(slots):
+            info = self._slots[s]
+            info.n_out = int(res["n_out"][i])
+            info.finish_reason = FINISH_REASONS.get(int(res["finish"][i]))
+            info.hist = np.asarray(res["accept_hist"][i], np.int64)
+            info.rounds = int(info.hist.sum())
+            if "hits" in res:
+                info.hits, info.misses = int(res["hits"][i]), int(res["misses"][i])
+
     def results(self, slots: Sequence[int]) -> list[dict]:
         """Per slot: generated ``token_ids``, ``finish_reason``, ``accept_hist``, async
-        ``hits``/``misses`` (one device→host read)."""
-        st, side = self._state, self._side
-        side_rows = (side.hits, side.misses, side.sync_drafts) if side is not None else None
-        seq, plen, n_out, finish, hist, side_h = jax.device_get(
-            (st.seq, st.prompt_len, st.n_out, st.finish, st.accept_hist, side_rows))
+        ``hits``/``misses`` (one device→host read of those rows)."""
+        slots = list(slots)
+        self._drain()
+        self._flush()
+        res = self._row_results(slots)
         if self._stale:
-            self._refresh(n_out, finish)
+            self._refresh()
         out = []
-        for s in slots:
-            r = dict(token_ids=[int(t) for t in seq[s, plen[s]: plen[s] + n_out[s]]],
-                     finish_reason=FINISH_REASONS.get(int(finish[s]), "length"),
-                     accept_hist=hist[s])
-            if side_h is not None:
-                r.update(hits=int(side_h[0][s]), misses=int(side_h[1][s]),
-                         sync_drafts=int(side_h[2]))
+        for i, s in enumerate(slots):
+            plen, n = int(res["prompt_len"][i]), int(res["n_out"][i])
+            r = dict(token_ids=[int(t) for t in res["seq"][i, plen: plen + n]],
+                     finish_reason=FINISH_REASONS.get(int(res["finish"][i]), "length"),
+                     accept_hist=res["accept_hist"][i], modes=dict(self._slots[s].modes))
+            if "hits" in res:
+                r.update(hits=int(res["hits"][i]), misses=int(res["misses"][i]),
+                         sync_drafts=int(res["sync_drafts"]))
             out.append(r)
         return out
 
     def slot_metrics(self, slot) -> dict:
-        """τ, acceptance histogram, rounds, tokens so far, and (async) hits and misses."""
-        r = self.results([self._slot_index(slot)])[0]
-        hist = r["accept_hist"]
-        return dict(tau=M.tau_from_hist(hist), accept_hist=[int(x) for x in hist],
-                    rounds=int(hist.sum()), n_out=len(r["token_ids"]), hits=r.get("hits"),
-                    misses=r.get("misses"))
+        """τ, acceptance histogram, rounds, tokens so far, async hits and misses, and the rounds
+        per geometry (``modes``): counted on the host, nothing is read from the device."""
+        if self._stale:
+            self._refresh()
+        info = self._slots.get(self._slot_list(slot)[0])
+        if info is None:
+            raise SlotError(f"slot {slot} holds no request")
+        async_counts = self.config.mode in ("async", "auto")
+        return dict(tau=M.tau_from_hist(info.hist), accept_hist=[int(x) for x in info.hist],
+                    rounds=info.rounds, n_out=info.n_out, modes=dict(info.modes),
+                    hits=info.hits if async_counts else None,
+                    misses=info.misses if async_counts else None)

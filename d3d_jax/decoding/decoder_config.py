@@ -11,9 +11,32 @@ from d3d_jax.decoding import branches as br
 from d3d_jax.decoding.core import MAX_STOP_IDS
 from d3d_jax.decoding.verify import SamplingParams
 
-MODES = ("plain", "sync", "async")
+MODES = ("plain", "sync", "async", "auto")
 DEFAULT_BRANCH_POSITIONS = 12  # C (spec §5: the paper's optimum with F = 2)
 DEFAULT_BRANCH_FANOUT = 2  # F
+AUTO_SYNC_BLOCKS = (4, 8, 16)  # auto: sync block sizes b (<= block_size; the drafter trains at 16)
+AUTO_ASYNC_GEOMETRIES = ((4, 2), (12, 2))  # auto: async (C, F) menu
+MIN_PROMPT_BUCKET = 16
+
+
+def prompt_buckets(cap: int) -> tuple[int, ...]:
+    """The one rule for prompt-length buckets: 16, 32, 64 … (powers of two), the last ``cap``."""
+    out, n = [], MIN_PROMPT_BUCKET
+    while n < cap:
+        out.append(n)
+        n *= 2
+    return tuple(out) + (int(cap),)
+
+
+def prompt_bucket(n: int, cap: int) -> int:
+    """The bucket a prompt of ``n`` tokens is padded to (``cap`` at most)."""
+    return next(b for b in prompt_buckets(cap) if b >= min(max(int(n), 1), cap))
+
+
+def row_buckets(num_slots: int, given: tuple[int, ...] = ()) -> tuple[int, ...]:
+    """Window widths a round runs over: ``given`` (default powers of two), always ``num_slots``."""
+    base = given or tuple(1 << k for k in range(max(int(num_slots) - 1, 0).bit_length()))
+    return tuple(sorted({int(b) for b in base if 1 <= int(b) < num_slots} | {int(num_slots)}))
 
 
 class RequestError(ValueError):
@@ -32,11 +55,11 @@ def _devices(value):
 class DecoderConfig:
     """Static description of a decoder: changing any field builds (and compiles) another one."""
 
-    mode: str = "sync"  # "plain" | "sync" | "async"
+    mode: str = "sync"  # "plain" | "sync" | "async" | "auto" (picks one of the others per round)
     num_slots: int = 8  # fixed number of rows; requests join and leave between rounds
     max_cache_len: int = 1024  # KV slots per row: prompt + max_new_tokens + block_size must fit
-    block_size: int = 16  # B: tokens verified per round (plain decoding verifies 1)
-    branch_positions: int = DEFAULT_BRANCH_POSITIONS  # async: C, rejection slots 1..C-1 branch
+    block_size: int = 16  # B: tokens verified per round (plain decoding verifies 1); auto: the largest
+    branch_positions: int | None = None  # async: C, rejection slots 1..C-1 branch (min(12, B))
     branch_fanout: int = DEFAULT_BRANCH_FANOUT  # async: F alternatives per rejection slot
     eos_token_ids: tuple[int, ...] = ()  # finish reason "eos"; a request may override them
     target_devices: Any = None  # async: device list or count (None: both share one device)
@@ -46,12 +69,34 @@ class DecoderConfig:
     acceptance_override: Any = None
     sample_drafts: bool = False  # sync: sample drafts from q (sampling rows) instead of argmax
     acceptance_rule: Callable | None = None  # experiments: replaces verify.default_rule
+    # window widths (rows) a round may run over; () = powers of two up to num_slots, which is
+    # always one: a round over n live requests costs the smallest width >= n, whatever num_slots
+    row_buckets: tuple[int, ...] = ()
+    # auto's menu: sync block sizes b and async (C, F); None: the defaults that fit block_size
+    auto_sync_blocks: tuple[int, ...] | None = None
+    auto_async: tuple[tuple[int, int], ...] | None = None
+    # auto: the drafter's offline τ (of a block of max(16, block_size), as trained), the prior
+    # of every request's acceptance
+    prior_tau: float | None = None
 
     def __post_init__(self):
+        if self.branch_positions is None:  # the default C fits every block size
+            object.__setattr__(self, "branch_positions",
+                               min(DEFAULT_BRANCH_POSITIONS, int(self.block_size)))
         # device lists become tuples so the config stays hashable
         object.__setattr__(self, "target_devices", _devices(self.target_devices))
         object.__setattr__(self, "drafter_devices", _devices(self.drafter_devices))
         object.__setattr__(self, "eos_token_ids", tuple(self.eos_token_ids))
+        object.__setattr__(self, "row_buckets", tuple(int(b) for b in self.row_buckets))
+        b = int(self.block_size)
+        sync = self.auto_sync_blocks
+        if sync is None:
+            sync = sorted({x for x in AUTO_SYNC_BLOCKS if x < b} | {b})
+        geoms = self.auto_async
+        if geoms is None:
+            geoms = sorted({(min(c, b), f) for c, f in AUTO_ASYNC_GEOMETRIES}) if b >= 3 else ()
+        object.__setattr__(self, "auto_sync_blocks", tuple(int(x) for x in sync))
+        object.__setattr__(self, "auto_async", tuple((int(c), int(f)) for c, f in geoms))
 
     @property
     def width(self) -> int:
@@ -62,6 +107,15 @@ class DecoderConfig:
     def layout(self) -> br.BranchLayout:
         return br.BranchLayout(self.block_size, self.branch_positions, self.branch_fanout)
 
+    @property
+    def buckets(self) -> tuple[int, ...]:
+        """Window widths (rows) of a round, smallest first."""
+        return row_buckets(self.num_slots, self.row_buckets)
+
+    @property
+    def prompt_buckets(self) -> tuple[int, ...]:
+        return prompt_buckets(self.max_cache_len)
+
     def validate(self) -> None:
         if self.mode not in MODES:
             raise ConfigError(f"decoder.mode: must be one of {'|'.join(MODES)}, got {self.mode!r}")
@@ -71,6 +125,11 @@ class DecoderConfig:
             raise ConfigError(f"decoder.block_size: must be >= 2, got {self.block_size}")
         if self.mode == "async":
             self.layout.validate(prefix="decoder")
+        if self.mode == "auto":
+            self._validate_auto()
+        if any(not 1 <= b <= int(self.num_slots) for b in self.row_buckets):
+            raise ConfigError(f"decoder.row_buckets: widths must be in [1, num_slots "
+                              f"{self.num_slots}], got {self.row_buckets}")
         if int(self.max_cache_len) < self.width + 1:
             raise ConfigError(f"decoder.max_cache_len: {self.max_cache_len} leaves no room for a "
                               f"prompt and a block of {self.width}")
@@ -80,14 +139,25 @@ class DecoderConfig:
         for key in ("target_devices", "drafter_devices"):
             if getattr(self, key) is not None and self.mode != "async":
                 raise ConfigError(f"decoder.{key}: device slices are for mode async only")
-        if self.sample_drafts and self.mode == "async":
-            raise ConfigError("decoder.sample_drafts: mode async drafts the drafter's argmax "
+        if self.sample_drafts and self.mode in ("async", "auto"):
+            raise ConfigError(f"decoder.sample_drafts: mode {self.mode} drafts the drafter's argmax "
                               "(point masses); sample_drafts is not supported")
         self._validate_override()
         try:
             hash(self)
         except TypeError as e:
             raise ConfigError(f"decoder: every field must be hashable ({e})") from None
+
+    def _validate_auto(self) -> None:
+        b = int(self.block_size)
+        if not self.auto_sync_blocks or any(not 2 <= x <= b for x in self.auto_sync_blocks):
+            raise ConfigError(f"decoder.auto_sync_blocks: each in [2, block_size {b}], got "
+                              f"{self.auto_sync_blocks}")
+        for c, f in self.auto_async:
+            br.BranchLayout(b, c, f).validate(prefix="decoder.auto_async")
+        if self.prior_tau is not None and not 1.0 <= float(self.prior_tau) <= max(b, 16):
+            raise ConfigError(f"decoder.prior_tau: must be in [1, {max(b, 16)}] (τ of a block of "
+                              f"max(16, block_size) tokens), got {self.prior_tau}")
 
     def _validate_override(self) -> None:
         o = self.acceptance_override
@@ -98,13 +168,19 @@ class DecoderConfig:
             raise ConfigError(f"decoder.acceptance_override: {type(o).__name__} is not marked "
                               f"benchmark_only; simulated acceptance is for benchmarks only "
                               f"(infer/bench.py --simulate-tau, d3d_jax.bench.simulate)")
-        needed = ("accept", "hit") if self.mode == "async" else ("accept",)
+        needed = ("accept", "hit") if self.mode in ("async", "auto") else ("accept",)
         missing = [m for m in needed if not callable(getattr(o, m, None))]
         if missing:
             raise ConfigError(f"decoder.acceptance_override: {type(o).__name__} has no method "
                               f"{missing[0]}(...)")
         if self.mode == "plain":
             raise ConfigError("decoder.acceptance_override: plain decoding has no drafts to accept")
+
+
+def decoder_config(mode: str, **fields) -> DecoderConfig:
+    """The one builder of a :class:`DecoderConfig` from command-line style options: a field
+    given as None takes the config's default (C = min(12, B), F = 2, ...)."""
+    return DecoderConfig(mode=mode, **{k: v for k, v in fields.items() if v is not None})
 
 
 @dataclasses.dataclass(frozen=True)

@@ -77,6 +77,10 @@ class Drafter(Protocol):
     def commit(self, state, lengths: jax.Array) -> Any:
         """The state with everything before ``lengths[b]`` committed (caches roll back/forward)."""
 
+    def catch_up(self, params, state, seq, upto: jax.Array, active: jax.Array, limit: int) -> Any:
+        """The state holding every committed token before ``upto[b]`` but at most ``limit`` of
+        them (active rows): after plain rounds, which never run the drafter (auto mode)."""
+
 
 def insert_cache_rows(cache: kvc.KVCache, rows: kvc.KVCache, slots: jax.Array) -> kvc.KVCache:
     """Write the rows' caches (``[L, n, P, ...]``, P <= S) into ``slots`` of a cache ``[L, b, S, ...]``."""
@@ -103,6 +107,7 @@ def as_drafter(drafter, target_vocab: int, mask_token_id: int | None = None):
 
 
 UNCACHED_NARROW = 4  # uncached committed tokens fed by the drafter's narrow variant
+CATCH_UP_CHUNK = 16  # committed tokens a catch-up forward caches per row
 
 
 # --------------------------------------------------------------------------------------
@@ -145,6 +150,29 @@ class ModelDrafter:
 
     def commit(self, state: kvc.KVCache, lengths: jax.Array) -> kvc.KVCache:
         return state.with_lengths(lengths)
+
+    def catch_up(self, params, state: kvc.KVCache, seq, upto, active, limit: int):
+        """Causal forwards of :data:`CATCH_UP_CHUNK` committed tokens per lagging row (exactly
+        the K/V a prefill of them writes) until no active row lags by more than ``limit``."""
+        model = nnx.merge(self.graphdef, params)
+        c, s = CATCH_UP_CHUNK, seq.shape[1]
+
+        def lag(st):
+            return jnp.where(active, upto - st.lengths, 0)
+
+        def forward(span, cache, tokens, meta):
+            return model(tokens, meta, cache=cache, logits_start=c - 1, cache_span=span,
+                         defer_cache_write=True)
+
+        def body(st):
+            pos = st.lengths[:, None] + jnp.arange(c, dtype=jnp.int32)[None]
+            valid = (lag(st) > limit)[:, None] & (pos < upto[:, None])
+            tokens = jnp.take_along_axis(seq, jnp.minimum(pos, s - 1), axis=1)
+            _, write = kvc.call_with_span(forward, jnp.max(st.lengths), st, tokens,
+                                          causal_meta(pos, valid))
+            return write.apply(st).with_lengths(st.lengths + valid.sum(axis=1).astype(jnp.int32))
+
+        return jax.lax.while_loop(lambda st: jnp.max(lag(st)) > limit, body, state)
 
     def propose(self, params, state: kvc.KVCache, seq, anchor_pos, row_keys, sampling,
                 block_size: int, sample_drafts: bool, fanout: int = 0):
@@ -250,6 +278,9 @@ class ReplayDrafter:
 
     def commit(self, state, lengths):
         return state
+
+    def catch_up(self, params, state, seq, upto, active, limit: int):
+        return state  # a replay drafter caches nothing
 
     def _keys(self, state: dict, positions: jax.Array, salt: int) -> jax.Array:
         base = jax.vmap(lambda i: jax.random.fold_in(jax.random.key(self.seed), i))(

@@ -283,7 +283,8 @@ def _cell(v, fmt: str) -> str:
     return fmt.format(v) if v is not None else "–"
 
 
-def table1(results: dict[str, dict[str, dict]], methods: Sequence[str] = ("plain", "sync", "async", "hf_assisted"),
+def table1(results: dict[str, dict[str, dict]],
+           methods: Sequence[str] = ("plain", "sync", "async", "auto", "hf_assisted"),
            title: str = "") -> str:
     """A markdown table shaped like the paper's Table 1: one row per method, per benchmark
     ``speedup×`` and ``τ``, then the averages, target forwards per token (1/τ: the gain no
@@ -351,30 +352,49 @@ class EvalSettings:
     max_cache_len: int = 1024
     modes: tuple[str, ...] = ("plain", "sync", "async")
     async_options: dict = dataclasses.field(default_factory=dict)
+    auto_options: dict = dataclasses.field(default_factory=dict)  # mode auto: e.g. prior_tau
     concurrency: int = 1  # > 1: requests in flight in one long-lived decoder per mode
     async_timeline: bool = True  # time async rounds' parts (overlap fraction, drafter share)
     drafter_share_samples: int = 1  # sync: samples re-run with the host loop to split draft/verify
 
 
 def make_generate_fn(target, drafter, settings: EvalSettings, eos_token_ids: Sequence[int],
-                     mask_token_id: int | None, extra_options: dict | None = None) -> Callable:
+                     mask_token_id: int | None, extra_options: dict | None = None,
+                     decoders: dict | None = None) -> Callable:
+    """``fn(prompts, mode) -> [GenerationOutput]`` at batch 1; one decoder per mode, built on
+    first use and kept in ``decoders`` (every call reuses its compiled programs; callers that
+    pass one dict share them)."""
+    from d3d_jax.bench.clock import CompileClock
+    from d3d_jax.bench.timeline import AsyncTimeline
     from d3d_jax.decoding import engine
 
     if settings.concurrency > 1:
         from d3d_jax.evaluation import concurrent
 
         return concurrent.make_generate_fn(target, drafter, settings, eos_token_ids)
+    decoders = {} if decoders is None else decoders
+    extra = dict(extra_options or {})
+    timed = extra.pop("loop", "device") == "host"
 
     def fn(prompts, mode):
-        opts = dict(settings.async_options if mode == "async" else {})
-        if mode == "async" and settings.async_timeline:
-            opts["timeline"] = []
-        opts.update(extra_options or {})
-        return engine.generate(
-            target, prompts, mode=mode, drafter=None if mode == "plain" else drafter,
-            max_new_tokens=settings.max_new_tokens, eos_token_ids=tuple(eos_token_ids),
-            block_size=settings.block_size, mask_token_id=mask_token_id,
-            max_cache_len=settings.max_cache_len, batch_size=1, **opts)
+        key = (mode, tuple(sorted(extra.items())))
+        if key not in decoders:
+            opts = dict({"async": settings.async_options, "auto": settings.auto_options}.get(mode, {}),
+                        **extra)
+            decoders[key] = engine.make_decoder(
+                target, None if mode == "plain" else drafter, mode=mode, num_slots=1,
+                max_cache_len=settings.max_cache_len, block_size=settings.block_size,
+                mask_token_id=mask_token_id, **opts)
+        dec = decoders[key]
+        hook = AsyncTimeline(dec.shared) if mode == "async" and settings.async_timeline else None
+        timer = None
+        if timed and mode in ("plain", "sync"):
+            from d3d_jax.bench.clock import PhaseTimer
+
+            timer = PhaseTimer()
+        return engine.generate(dec, prompts, max_new_tokens=settings.max_new_tokens,
+                               eos_token_ids=tuple(eos_token_ids), hook=hook, timer=timer,
+                               clock=CompileClock)
 
     return fn
 
@@ -383,7 +403,8 @@ def evaluate(target, drafter, tokenizer, suites: dict[str, list[Sample]], settin
              eos_token_ids: Sequence[int], mask_token_id: int | None,
              encode_fn: Callable, progress: bool = True) -> tuple[dict, dict[str, dict[str, ModeRun]]]:
     """Run every suite in every mode; returns (summaries per benchmark, the raw runs)."""
-    gen = make_generate_fn(target, drafter, settings, eos_token_ids, mask_token_id)
+    decoders: dict = {}  # the caller's decoders: one per mode, shared by every run below
+    gen = make_generate_fn(target, drafter, settings, eos_token_ids, mask_token_id, decoders=decoders)
     results, raw = {}, {}
     for name, samples in suites.items():
         runs = {}
@@ -408,7 +429,8 @@ def evaluate(target, drafter, tokenizer, suites: dict[str, list[Sample]], settin
         results[name] = summarize(runs, settings.block_size)
         if "sync" in runs and settings.drafter_share_samples and settings.concurrency == 1:
             results[name]["sync"].update(sync_drafter_share(target, drafter, tokenizer, samples, settings,
-                                                            eos_token_ids, mask_token_id, encode_fn))
+                                                            eos_token_ids, mask_token_id, encode_fn,
+                                                            decoders))
         for mode, err in errors.items():
             results[name][mode] = {"error": err}
         results[name]["num_samples"] = len(samples)
@@ -417,12 +439,13 @@ def evaluate(target, drafter, tokenizer, suites: dict[str, list[Sample]], settin
 
 
 def sync_drafter_share(target, drafter, tokenizer, samples: Sequence[Sample], settings: EvalSettings,
-                       eos_token_ids, mask_token_id, encode_fn: Callable) -> dict:
+                       eos_token_ids, mask_token_id, encode_fn: Callable,
+                       decoders: dict | None = None) -> dict:
     """The drafter's share of a sync round: the first samples re-run with the host-driven loop,
     which waits after drafting and after verifying (the timed runs use the fused on-device loop,
     which has no such seams).  One untimed call warms up; compilation is never counted."""
     gen = make_generate_fn(target, drafter, settings, eos_token_ids, mask_token_id,
-                           extra_options={"loop": "host"})
+                           extra_options={"loop": "host"}, decoders=decoders)
     prompts = [encode_fn(tokenizer, [{"role": "user", "content": s.turns[0]}])
                for s in samples[: settings.drafter_share_samples]]
     gen(prompts[:1], "sync")  # warm-up

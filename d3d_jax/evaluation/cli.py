@@ -8,7 +8,7 @@ On a CPU-only host ``infer/bench.py`` gives the process two host devices for thi
 (``--cpu-devices``), so async places target and drafter on disjoint devices by default.
 
 Writes ``results.json``, ``table.md`` and the plots under ``--out`` and prints the table.
-Exit status 3 when any sync/async output differs from plain greedy decoding.
+Exit status 3 when any sync/async/auto output differs from plain greedy decoding.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
     ap.add_argument("--allow-beyond-context", action="store_true",
                     help="let prompt + max-new-tokens run past the target's max_position_embeddings")
     ap.add_argument("--block-size", type=int, default=None, help="default: the drafter's config")
-    ap.add_argument("--modes", default="plain,sync,async")
+    ap.add_argument("--modes", default="plain,sync,async", help="of plain, sync, async, auto")
     ap.add_argument("--template", choices=("standard", "plain"), default="standard")
     ap.add_argument("--branch-positions", type=int, default=None, help="async C (default min(12, B))")
     ap.add_argument("--branch-fanout", type=int, default=2, help="async F")
@@ -121,6 +121,10 @@ def main(args) -> int:
                               max_cache_len=-(-(2 * longest + 2 * args.max_new_tokens + 4 * block) // 64) * 64,
                               async_options={"branch_positions": args.branch_positions or min(12, block),
                                              "branch_fanout": args.branch_fanout} if "async" in modes else {})
+    if "auto" in modes:
+        from d3d_jax.decoding.auto import offline_tau
+
+        settings.auto_options = {"prior_tau": offline_tau(args.drafter)}
     if "async" in modes:
         import jax
 
@@ -156,6 +160,6 @@ def main(args) -> int:
     plots.acceptance_histogram(results, out / "acceptance_histogram.png")
     plots.tau_per_slot(results, out / "tau_per_slot.png")
     print(table)
-    ok = all(r[m].get("equals_plain", True) for r in results.values() for m in ("sync", "async") if m in r)
-    print(f"all sync/async outputs equal plain greedy: {ok}")
+    ok = all(r[m].get("equals_plain", True) for r in results.values() for m in ("sync", "async", "auto") if m in r)
+    print(f"all sync/async/auto outputs equal plain greedy: {ok}")
     return 0 if ok else 3

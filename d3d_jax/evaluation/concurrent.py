@@ -22,11 +22,13 @@ def make_generate_fn(target, drafter, settings, eos_token_ids: Sequence[int], *,
     decoders: dict = {}
 
     def build(mode):
-        from d3d_jax.decoding.decoder import DecoderConfig, SpecDecoder
+        from d3d_jax.decoding.decoder import SpecDecoder
+        from d3d_jax.decoding.decoder_config import decoder_config
 
-        cfg = DecoderConfig(mode=mode, num_slots=settings.concurrency, max_cache_len=settings.max_cache_len,
-                            block_size=settings.block_size, eos_token_ids=tuple(eos_token_ids),
-                            **(settings.async_options if mode == "async" else {}))
+        cfg = decoder_config(mode, num_slots=settings.concurrency, max_cache_len=settings.max_cache_len,
+                             block_size=settings.block_size, eos_token_ids=tuple(eos_token_ids),
+                             **{"async": settings.async_options,
+                                "auto": getattr(settings, "auto_options", {})}.get(mode, {}))
         return SpecDecoder(target, None if mode == "plain" else drafter, cfg)
 
     def fn(prompts, mode):
@@ -42,14 +44,14 @@ def make_generate_fn(target, drafter, settings, eos_token_ids: Sequence[int], *,
 def run_mode(generate_fn: Callable, tokenizer, samples, mode: str, encode_fn: Callable):
     """:func:`~d3d_jax.evaluation.benchmarks.run_mode` with the turns of all samples in flight.
 
-    One untimed wave of one prompt per 8-token length bucket compiles first."""
+    One untimed wave as wide as the decoder compiles first: as its requests finish, the rounds
+    pass through every window width the timed waves use (one program per width)."""
     from d3d_jax.evaluation.benchmarks import ModeRun
 
     conversations: list[list[dict]] = [[] for _ in samples]
     outputs: list[list] = [[None] * len(s.turns) for s in samples]
     firsts = [encode_fn(tokenizer, [{"role": "user", "content": s.turns[0]}]) for s in samples]
-    warm = {-(-len(ids) // 8): ids for ids in firsts}
-    generate_fn(list(warm.values()), mode)
+    generate_fn(firsts[: getattr(generate_fn, "concurrency", 1)], mode)
     seconds = 0.0
     for t in range(max((len(s.turns) for s in samples), default=0)):
         idx = [i for i, s in enumerate(samples) if len(s.turns) > t]
@@ -64,6 +66,6 @@ def run_mode(generate_fn: Callable, tokenizer, samples, mode: str, encode_fn: Ca
             conversations[i].append({"role": "assistant",
                                      "content": tokenizer.decode(out.token_ids, skip_special_tokens=True)})
     flat = [o for per in outputs for o in per]
-    drop = () if mode == "async" else ("hits", "misses", "hit_rate")  # no branch pack, no hit rate
+    drop = () if mode in ("async", "auto") else ("hits", "misses", "hit_rate")  # no branch pack
     metrics = [{k: v for k, v in (o.metrics or {}).items() if k not in drop} for o in flat]
     return ModeRun(mode, [list(o.token_ids) for o in flat], seconds, metrics)

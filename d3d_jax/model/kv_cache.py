@@ -38,6 +38,71 @@ class KVCache:
     def with_lengths(self, lengths: jax.Array) -> "KVCache":
         return KVCache(self.k_lbskh, self.v_lbskh, jnp.asarray(lengths, jnp.int32))
 
+    def written(self, write: "PendingWrite") -> "KVCache":
+        """The cache with ``write``'s kept rows scattered in (one scatter per K and V)."""
+        return KVCache(write_all(self.k_lbskh, write.k_lbtkh, write.positions_bt, write.keep_bt),
+                       write_all(self.v_lbskh, write.v_lbtkh, write.positions_bt, write.keep_bt),
+                       self.lengths)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class KVWindow:
+    """Rows ``start … start+rows-1`` of a full cache, read and written in place.
+
+    A round over a few live rows of a many-slot cache must not copy the cache: ``k_lbskh`` slices
+    lazily (the model slices it again per layer and span, and XLA fuses both slices into one
+    read), and :meth:`written` scatters into the full arrays at the window's rows.  ``lengths``
+    are the window's own rows.  Anything that reads a :class:`KVCache` reads a window alike.
+    """
+
+    k_full: jax.Array  # [L, B, S, K, H] the whole cache
+    v_full: jax.Array
+    lengths: jax.Array  # [rows]
+    start: jax.Array  # [] int32 first row of the window
+    rows: int = dataclasses.field(metadata=dict(static=True), default=1)
+
+    @property
+    def k_lbskh(self) -> jax.Array:
+        return jax.lax.dynamic_slice_in_dim(self.k_full, self.start, self.rows, axis=1)
+
+    @property
+    def v_lbskh(self) -> jax.Array:
+        return jax.lax.dynamic_slice_in_dim(self.v_full, self.start, self.rows, axis=1)
+
+    @property
+    def batch(self) -> int:
+        return self.rows
+
+    @property
+    def max_len(self) -> int:
+        return self.k_full.shape[2]
+
+    @property
+    def num_layers(self) -> int:
+        return self.k_full.shape[0]
+
+    def with_lengths(self, lengths: jax.Array) -> "KVWindow":
+        return dataclasses.replace(self, lengths=jnp.asarray(lengths, jnp.int32))
+
+    def written(self, write: "PendingWrite") -> "KVWindow":
+        rows = self.start + jnp.arange(self.rows, dtype=jnp.int32)
+        k = write_all(self.k_full, write.k_lbtkh, write.positions_bt, write.keep_bt, rows)
+        v = write_all(self.v_full, write.v_lbtkh, write.positions_bt, write.keep_bt, rows)
+        return dataclasses.replace(self, k_full=k, v_full=v)
+
+    @staticmethod
+    def of(cache: KVCache, start: jax.Array, rows: int) -> "KVWindow":
+        lengths = jax.lax.dynamic_slice_in_dim(cache.lengths, start, rows)
+        return KVWindow(cache.k_lbskh, cache.v_lbskh, lengths, jnp.asarray(start, jnp.int32), rows)
+
+    def merged(self, full_lengths: jax.Array, keep: jax.Array) -> KVCache:
+        """The full cache again; window rows where ``keep`` is False keep their old lengths."""
+        old = jax.lax.dynamic_slice_in_dim(full_lengths, self.start, self.rows)
+        lengths = jax.lax.dynamic_update_slice_in_dim(
+            full_lengths, jnp.where(keep, self.lengths, old), self.start, 0)
+        return KVCache(self.k_full, self.v_full, lengths)
+
 
 def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype: str | None = None) -> KVCache:
     dt = jnp.dtype(dtype or cfg.dtype)
@@ -65,14 +130,13 @@ class PendingWrite:
                             jnp.pad(self.positions_bt, ((0, 0), (0, extra))),
                             jnp.pad(self.keep_bt, ((0, 0), (0, extra))))
 
-    def apply(self, cache: KVCache) -> KVCache:
-        return KVCache(write_all(cache.k_lbskh, self.k_lbtkh, self.positions_bt, self.keep_bt),
-                       write_all(cache.v_lbskh, self.v_lbtkh, self.positions_bt, self.keep_bt),
-                       cache.lengths)
+    def apply(self, cache):
+        """``cache`` (a :class:`KVCache` or a :class:`KVWindow`) with these rows written."""
+        return cache.written(self)
 
 
 def write_all(cache_lbskh: jax.Array, new_lbtkh: jax.Array, positions_bt: jax.Array,
-              keep_bt: jax.Array) -> jax.Array:
+              keep_bt: jax.Array, rows_b: jax.Array | None = None) -> jax.Array:
     """One scatter of every layer's new K or V rows into the stacked cache.
 
     Writing once after the layer loop (instead of per layer, then stacking) keeps XLA from
@@ -82,7 +146,8 @@ def write_all(cache_lbskh: jax.Array, new_lbtkh: jax.Array, positions_bt: jax.Ar
     b, t = positions_bt.shape
     s = cache_lbskh.shape[2]
     idx = jnp.where(keep_bt, positions_bt, s)  # out of range -> dropped
-    rows = jnp.broadcast_to(jnp.arange(b)[:, None], (b, t))
+    rows_b = jnp.arange(b) if rows_b is None else rows_b  # a window writes its own rows
+    rows = jnp.broadcast_to(rows_b[:, None], (b, t))
     return cache_lbskh.at[:, rows, idx].set(new_lbtkh.astype(cache_lbskh.dtype), mode="drop")
 
 

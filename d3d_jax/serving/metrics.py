@@ -65,6 +65,7 @@ class ServerMetrics:
         self.counters = collections.Counter()
         self.requests = collections.Counter()  # by outcome: stop, length, cancelled, error
         self.http_errors = collections.Counter()  # by status code
+        self.decisions: dict = {}  # the decoder's rounds per geometry (serving.mode_metrics)
         self.histograms = {k: Histogram(b) for k, (b, _, _) in HISTOGRAMS.items()}
 
     def record_round(self, rows: int, tokens: int, accepted: int, hits: int = 0, misses: int = 0,
@@ -173,6 +174,9 @@ class ServerMetrics:
                 with self._lock:
                     samples = h.samples(extra)
                 lines.extend(f"{full}{suffix}{labels} {float(v):.6g}" for suffix, labels, v in samples)
+        from d3d_jax.serving import mode_metrics
+
+        lines += mode_metrics.render(self.decisions)
         return "\n".join(lines) + "\n"
 
 

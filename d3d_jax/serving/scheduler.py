@@ -78,6 +78,7 @@ def _request_metrics(h: Handle, slot_metrics: dict | None) -> dict:
     hist = m.get("accept_hist")
     return {"tau": tau, "accept_hist": None if hist is None else [int(x) for x in hist], "hit_rate": hits / (hits + misses) if hits + misses else None,
             "rounds": rounds, "accepted_tokens": h.accepted, "hits": hits, "misses": misses,
+            "modes": m.get("modes"),  # rounds per geometry: the request's mode mix
             "ttft_s": (h.t_first - h.t_submit) if h.t_first is not None else None,
             "latency_s": now - h.t_submit}
 
@@ -173,6 +174,8 @@ class Scheduler:
                 self._finish(slot, "error", error=f"decoder step failed: {type(e).__name__}: {e}")
             return True
         self._deliver(outs, time.perf_counter() - t0)
+        if hasattr(self.decoder, "decisions"):  # a fresh copy each round: /metrics reads it
+            self.metrics.decisions = self.decoder.decisions()
         return True
 
     def _reap_cancelled(self) -> None:

@@ -54,8 +54,16 @@ def default_compile_cache() -> str:
 
 def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--target", required=True, help="HF Qwen3 directory or d3d_jax parameter checkpoint")
-    p.add_argument("--drafter", default=None, help="drafter checkpoint (modes sync, async)")
-    p.add_argument("--mode", default="plain", choices=("plain", "sync", "async"))
+    p.add_argument("--drafter", default=None, help="drafter checkpoint (modes sync, async, auto)")
+    p.add_argument("--mode", default=None, choices=("plain", "sync", "async", "auto"),
+                   help="default: auto with --drafter (plain, sync or async picked every round), else plain")
+    p.add_argument("--auto-sync-blocks", default=None, metavar="B1,B2",
+                   help="auto: sync block sizes to choose from (default 4,8,16 up to the block size)")
+    p.add_argument("--auto-async", default=None, metavar="CxF,...",
+                   help="auto: async geometries to choose from (default 4x2,12x2; 'none': no async)")
+    p.add_argument("--prior-tau", type=float, default=None,
+                   help="auto: the drafter's τ before a request has any history (default: the offline "
+                        "τ in the drafter's result.json, else 2)")
     p.add_argument("--tokenizer", default=None, help="tokenizer dir (default: the target's, else the drafter's)")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: localhost only)")
     p.add_argument("--port", type=_int_in(0, 65535), default=8000)
@@ -67,7 +75,7 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="KV cache length per slot (default: min(2048, max_position_embeddings))")
     p.add_argument("--block-size", type=_int_in(2, 1024), default=None, help="default: the drafter's config, else 16")
     p.add_argument("--branch-positions", type=_int_in(1, 1024), default=None, help="async C (default min(12, B))")
-    p.add_argument("--branch-fanout", type=_int_in(1, 64), default=2, help="async F")
+    p.add_argument("--branch-fanout", type=_int_in(1, 64), default=None, help="async F (default 2)")
     p.add_argument("--target-devices", type=_int_in(1, 4096), default=None, help="async: devices for the target")
     p.add_argument("--drafter-devices", type=_int_in(1, 4096), default=None, help="async: devices for the drafter")
     p.add_argument("--dtype", default=None, help="parameter/compute dtype (float32, bfloat16)")
@@ -107,7 +115,7 @@ def _tokenizer_dir(args) -> str:
 
 def decoder_config(args, target_cfg, drafter_cfg):
     """The :class:`DecoderConfig` the flags ask for.  EOS ids stay per request (``ignore_eos``)."""
-    from d3d_jax.decoding.decoder import DecoderConfig
+    from d3d_jax.decoding.decoder_config import decoder_config as build
 
     block = args.block_size or (drafter_cfg.block_size if drafter_cfg is not None else None) or 16
     max_len = args.max_model_len or min(2048, target_cfg.max_position_embeddings)
@@ -116,13 +124,34 @@ def decoder_config(args, target_cfg, drafter_cfg):
 
         raise ConfigError(f"--max-model-len {max_len}: leaves no room for a prompt and a completion "
                           f"(must be >= block size {block} + 2)")
-    async_kw = {}
+    extra = {}
     if args.mode == "async":
-        async_kw = dict(branch_positions=args.branch_positions or min(12, block),
-                        branch_fanout=args.branch_fanout, target_devices=args.target_devices,
-                        drafter_devices=args.drafter_devices)
-    return DecoderConfig(mode=args.mode, num_slots=args.num_slots, max_cache_len=max_len,
-                         block_size=block, eos_token_ids=(), **async_kw)
+        extra = dict(branch_positions=args.branch_positions, branch_fanout=args.branch_fanout,
+                     target_devices=args.target_devices, drafter_devices=args.drafter_devices)
+    if args.mode == "auto":
+        from d3d_jax.decoding.auto import offline_tau
+
+        extra = dict(prior_tau=args.prior_tau if args.prior_tau is not None else offline_tau(args.drafter),
+                     auto_sync_blocks=_ints(args.auto_sync_blocks), auto_async=_geometries(args.auto_async))
+    return build(args.mode, num_slots=args.num_slots, max_cache_len=max_len, block_size=block,
+                 eos_token_ids=(), **extra)
+
+
+def _ints(text: str | None):
+    return None if text is None else tuple(int(x) for x in text.split(",") if x)
+
+
+def _geometries(text: str | None):
+    if text is None:
+        return None
+    if text == "none":
+        return ()
+    try:
+        return tuple(tuple(int(v) for v in g.split("x")) for g in text.split(",") if g)
+    except ValueError:
+        from d3d_jax.config import ConfigError
+
+        raise ConfigError(f"--auto-async: expected CxF,CxF (e.g. 4x2,12x2), got {text!r}") from None
 
 
 def load(args):
@@ -132,6 +161,8 @@ def load(args):
     from d3d_jax.io.checkpoint import load_model
     from d3d_jax.io.hf import eos_token_ids, load_tokenizer
 
+    if args.mode is None:
+        args.mode = "auto" if args.drafter is not None else "plain"
     if args.mode != "plain" and args.drafter is None:
         raise SystemExit(f"error: --mode {args.mode} needs --drafter")
     if args.mode == "plain" and args.drafter is not None:
@@ -192,10 +223,13 @@ def _warmup_request(svc, n: int, max_tokens: int | None):
 
 def warmup(svc, prompt_lengths=(16,), max_tokens: int | None = None) -> float:
     """Compile the decoder's programs with dummy requests before the first client waits on them
-    (on the calling thread: the scheduler is not running yet).  Left out of the metrics."""
+    (on the calling thread: the scheduler is not running yet) and every round program of every
+    window width (``decoder.warm_up``, which auto also times).  Left out of the metrics."""
     from d3d_jax.serving.scheduler import Event
 
     t0 = time.perf_counter()
+    if hasattr(svc.scheduler.decoder, "warm_up"):
+        svc.scheduler.decoder.warm_up()
     for n in prompt_lengths:
         errors: list[Event] = []
         svc.scheduler.submit(_warmup_request(svc, n, max_tokens),

@@ -209,10 +209,12 @@ def online_tau(drafter: Qwen3, target: Qwen3, prompts: Sequence[Sequence[int]], 
     from d3d_jax.decoding import engine
     from d3d_jax.decoding.metrics import summarize
 
-    outs = engine.generate(target, [list(p) for p in prompts], mode="sync", drafter=drafter,
-                           max_new_tokens=max_new_tokens, block_size=block_size,
-                           mask_token_id=mask_token_id, eos_token_ids=tuple(eos_token_ids),
-                           batch_size=batch_size)
+    prompts = [list(p) for p in prompts]
+    dec = engine.make_decoder(target, drafter, mode="sync", num_slots=batch_size or len(prompts),
+                              max_cache_len=engine.cache_len_for(prompts, max_new_tokens, block_size),
+                              block_size=block_size, mask_token_id=mask_token_id)
+    outs = engine.generate(dec, prompts, max_new_tokens=max_new_tokens,
+                           eos_token_ids=tuple(eos_token_ids))
     return float(summarize([o.metrics for o in outs])["tau"])
 
 

@@ -420,6 +420,7 @@ def regenerate(target, tokenizer, prompts_path: str | os.PathLike, out_path: str
     out.parent.mkdir(parents=True, exist_ok=True)
     bar = tqdm(total=todo_total, unit="prompt", desc=f"regenerate {out.name}", disable=not progress)
     start, cpu_start = time.perf_counter(), time.process_time()
+    decoders: dict = {}  # one decoder per cache-length bucket, kept for the whole run
     with open(out, "ab") as f:
         for batch in batches:
             if max_records is not None and summary.written >= max_records:
@@ -430,7 +431,7 @@ def regenerate(target, tokenizer, prompts_path: str | os.PathLike, out_path: str
             # The whole planned batch is regenerated (same rows as an uninterrupted run).
             outputs = _generate_batch(target, [token_ids[i] for i in batch],
                                       [record_seed(settings.seed, usable[i].id) for i in batch],
-                                      settings, eos_ids, batch_size, cache_multiple)
+                                      settings, eos_ids, batch_size, cache_multiple, decoders)
             records = []
             for i, o in zip(batch, outputs):
                 if i not in todo:
@@ -489,12 +490,13 @@ def _record(prompt: Prompt, prompt_ids: Sequence[int], output, tokenizer, genera
 
 
 def _generate_batch(target, prompt_ids: Sequence[Sequence[int]], row_seeds: list[int], settings: GenerationSettings,
-                    eos_ids: Sequence[int], batch_size: int, cache_multiple: int):
+                    eos_ids: Sequence[int], batch_size: int, cache_multiple: int, decoders: dict):
     """One planned batch through the engine's plain sampling.
 
-    Shapes are bucketed so the engine compiles once per bucket, not per batch: rows padded to
-    ``batch_size``, prompts to the longest rounded up to ``cache_multiple``, and the cache to that
-    plus ``max_new_tokens`` plus the engine's block slack, rounded up again.
+    Shapes are bucketed so the engine compiles once per bucket, not per batch: ``batch_size``
+    slots, and the cache to the longest prompt rounded up to ``cache_multiple`` plus
+    ``max_new_tokens`` plus the engine's block slack, rounded up again; ``decoders`` keeps one
+    decoder per cache length.
     """
     from d3d_jax.decoding import engine
 
@@ -502,7 +504,9 @@ def _generate_batch(target, prompt_ids: Sequence[Sequence[int]], row_seeds: list
     cache_len = _round_up(prompt_pad + settings.max_new_tokens + ENGINE_BLOCK_SLACK, cache_multiple)
     sampling = engine.SamplingParams(temperature=settings.temperature, top_p=settings.top_p,
                                      top_k=settings.top_k)
-    return engine.generate(target, prompt_ids, mode="plain", sampling=sampling,
+    if cache_len not in decoders:
+        decoders[cache_len] = engine.make_decoder(target, mode="plain", num_slots=batch_size,
+                                                  max_cache_len=cache_len)
+    return engine.generate(decoders[cache_len], prompt_ids, sampling=sampling,
                            max_new_tokens=settings.max_new_tokens, eos_token_ids=tuple(eos_ids),
-                           batch_size=batch_size, seed=settings.seed, row_seeds=row_seeds,
-                           max_cache_len=cache_len, prompt_pad_len=prompt_pad)
+                           seed=settings.seed, row_seeds=row_seeds)

@@ -1,0 +1,227 @@
+"""Auto mode: before every round, pick plain, sync with block ``b`` or async with ``(C, F)`` for
+the current batch, by expected tokens per second (:mod:`~d3d_jax.decoding.auto_policy`).
+
+Every geometry is a round program over the same state (one device slice):
+
+* **plain**: :meth:`DecodeCore.round` with no drafter; the drafter's cache is left as it is.
+* **sync/b**: the drafter first catches up on what plain rounds committed
+  (:meth:`Drafter.catch_up`: causal forwards of the missing committed tokens, the K/V a prefill
+  of them writes), then :meth:`DecodeCore.round` with a block of ``b``.
+* **async/CxF**: catch up fully, redraft the rows whose next block is stale (it was drafted in
+  another geometry's round, or not at all yet), then :class:`AsyncCore`'s verify, branch pack
+  and selection, fused in one program (one device: nothing to overlap).
+
+Every round verifies exactly, so outputs are plain decoding's whatever the mix (greedy: token for
+token; sampling: the same keyed draws).  Each (geometry, window width) is one program; all are
+compiled and timed at :meth:`AutoStrategy.warm_up` (start-up), or lazily when first run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from d3d_jax.decoding import window as W
+from d3d_jax.decoding.async_core import V_HIT, V_MISS, AsyncCore, handoff
+from d3d_jax.decoding.async_strategy import windowed_side
+from d3d_jax.decoding.auto_policy import Acceptance, Geometry, Policy, geometric_rate
+from d3d_jax.decoding.strategies import (Carry, Context, Part, Strategy, mark_done, result_out,
+                                         windowed)
+
+DEFAULT_PRIOR_TAU = 2.0  # a drafter of unknown quality: barely better than nothing
+CALIBRATION_ROUNDS = 2  # timed no-op rounds per program at start-up (after its compile)
+
+
+def offline_tau(drafter_dir) -> float | None:
+    """The drafter's offline τ on the dev split, from the ``result.json`` its training run left
+    beside the weights (None if there is none): auto's prior."""
+    path = Path(drafter_dir) / "result.json"
+    try:
+        tau = json.loads(path.read_text())["offline_tau_dev"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    tau = tau.get("tau") if isinstance(tau, dict) else tau
+    return float(tau) if isinstance(tau, (int, float)) else None
+
+
+class AutoStrategy(Strategy):
+    mode = "auto"
+    drafter_in_state = True
+
+    def __init__(self, ctx: Context):
+        super().__init__(ctx)
+        cfg = ctx.config
+        self.target_core = ctx.core(cfg.block_size, False)
+        self.cores = {"plain": ctx.core(1, False)}
+        self.cores.update({f"sync/{b}": ctx.core(b, True) for b in cfg.auto_sync_blocks})
+        self.async_cores = {f"async/{c}x{f}": AsyncCore(self.target_core, ctx.drafter,
+                                                        dataclasses.replace(cfg.layout, positions=c, fanout=f))
+                            for c, f in cfg.auto_async}
+        geoms = [Geometry(label, core.width) for label, core in self.cores.items()]
+        geoms += [Geometry(label, cfg.block_size) for label in self.async_cores]
+        self.geometry = {g.label: g for g in geoms}
+        self.policy = Policy(geoms, cfg.buckets)
+        tau = DEFAULT_PRIOR_TAU if cfg.prior_tau is None else float(cfg.prior_tau)
+        self.prior_rate = geometric_rate(tau, max(16, cfg.block_size))  # τ as trained: 16 tokens
+        self._sync = jax.jit(self._sync_fn, static_argnames=("label", "rows"), donate_argnums=2)
+        self._plain = jax.jit(self._plain_fn, static_argnames="rows", donate_argnums=2)
+        self._async = jax.jit(self._async_fn, static_argnames=("label", "rows"), donate_argnums=2)
+        self._admit_all = jax.jit(self._admit_all_fn, donate_argnums=2)
+        self._ops_all = jax.jit(self._ops_all_fn, donate_argnums=0)
+
+    # ------------------------------------------------------------ state, admission, row ops
+    def init(self, num_slots: int) -> Carry:
+        sides = {label: dataclasses.replace(jax.jit(a.init_state, static_argnums=0)(num_slots),
+                                            dstate=None, anchor=jnp.full((num_slots,), -1, jnp.int32))
+                 for label, a in self.async_cores.items()}
+        return Carry(super().init(num_slots).state, sides)
+
+    def _admit_all_fn(self, t_leaves, d_leaves, carry: Carry, rows, index, count):
+        state = self._admit_fn(t_leaves, d_leaves, carry.state, rows, index, count)
+        # a new request has no next block in any async geometry yet: its first round redrafts
+        stale = lambda side: dataclasses.replace(  # noqa: E731
+            side, anchor=side.anchor.at[jnp.where(jnp.arange(index.shape[0]) < count, index,
+                                                  side.anchor.shape[0])].set(-1, mode="drop"))
+        return Carry(state, {k: stale(v) for k, v in carry.side.items()})
+
+    def admit(self, carry: Carry, params, rows, index, count) -> Carry:
+        return self._admit_all(*params, carry, rows, index, count)
+
+    def _ops_all_fn(self, carry: Carry, ops, count):
+        mark = lambda c, row, flag: Carry(mark_done(c.state, row, flag), c.side)  # noqa: E731
+        return W.apply_row_ops(carry, ops, count, mark)
+
+    def row_ops(self, carry: Carry, ops, count) -> Carry:
+        return self._ops_all(carry, ops, count)
+
+    # ------------------------------------------------------------ round programs
+    def _plain_fn(self, t_leaves, d_leaves, carry: Carry, start, lo, hi, *, rows):
+        tp = self.ctx.tp(t_leaves)
+        state, res = windowed(lambda v: self.cores["plain"].round(tp, None, v), rows, carry.state,
+                              start, lo, hi)
+        return Carry(state, carry.side), result_out(res)
+
+    def _sync_fn(self, t_leaves, d_leaves, carry: Carry, start, lo, hi, *, label, rows):
+        tp, dp, core = self.ctx.tp(t_leaves), self.ctx.dp(d_leaves), self.cores[label]
+
+        def round_(v):
+            d = core.drafter.catch_up(dp, v.drafter_state, v.seq, v.anchor_pos, ~v.done, core.width)
+            return core.round(tp, dp, dataclasses.replace(v, drafter_state=d))
+
+        state, res = windowed(round_, rows, carry.state, start, lo, hi)
+        return Carry(state, carry.side), result_out(res)
+
+    def _async_fn(self, t_leaves, d_leaves, carry: Carry, start, lo, hi, *, label, rows):
+        tp, dp, acore = self.ctx.tp(t_leaves), self.ctx.dp(d_leaves), self.async_cores[label]
+        side_full = carry.side[label]
+        keep = W.window_mask(start, rows, lo, hi)
+
+        def round_(v, side):
+            side = self._fresh_blocks(acore, dp, v, side)
+            v, decision, res = acore.target_step(tp, dataclasses.replace(v, drafter_state=None),
+                                                 handoff(side.block, side.draft_len))
+            drafts, side = acore.packed(dp, side)
+            side, _, view = acore.select(dp, side, drafts, decision)
+            v = dataclasses.replace(v, drafter_state=side.dstate)
+            return v, (dataclasses.replace(side, dstate=None), res, view)
+
+        side_view = W.view(side_full, start, rows)
+        state, (side, res, view) = windowed(round_, rows, carry.state, start, lo, hi, side_view)
+        sides = dict(carry.side, **{label: W.merge(side_full, side, keep, start)})
+        return Carry(state, sides), dict(result_out(res), hit=view[:, V_HIT], miss=view[:, V_MISS])
+
+    @staticmethod
+    def _fresh_blocks(acore: AsyncCore, dp, v, side):
+        """The side with the drafter state caught up and a synchronous block for stale rows."""
+        d = acore.drafter.catch_up(dp, v.drafter_state, v.seq, v.anchor_pos, ~v.done, 0)
+        stale = (side.anchor != v.anchor_pos) & ~v.done
+        anchor_tok = jnp.take_along_axis(v.seq, v.anchor_pos[:, None], axis=1)[:, 0]
+
+        def redraft(ops):
+            block, alts, dl = acore.sync_block(dp, d, anchor_tok, v.anchor_pos, v.row_keys)
+            return tuple(jnp.where(stale.reshape((-1,) + (1,) * (new.ndim - 1)), new, old)
+                         for new, old in zip((block, alts, dl), ops))
+
+        block, alts, dl = jax.lax.cond(jnp.any(stale), redraft, lambda ops: ops,
+                                       (side.block, side.alts, side.draft_len))
+        return dataclasses.replace(side, dstate=d, block=block, alts=alts, draft_len=dl,
+                                   anchor=jnp.where(stale, v.anchor_pos, side.anchor),
+                                   key_data=v.key_data)
+
+    def _run(self, carry: Carry, params, label: str, start, lo, hi, rows):
+        if label == "plain":
+            return self._plain(*params, carry, start, lo, hi, rows=rows)
+        fn = self._async if label.startswith("async/") else self._sync
+        return fn(*params, carry, start, lo, hi, label=label, rows=rows)
+
+    # ------------------------------------------------------------ the choice
+    def _acceptance(self, info) -> Acceptance:
+        if "acceptance" not in info.stats:
+            info.stats["acceptance"] = Acceptance(self.ctx.config.block_size, self.prior_rate)
+        return info.stats["acceptance"]
+
+    def reclassify(self, infos: dict) -> dict:
+        """slot -> class (0 speculate, 1 plain rounds) for requests whose class changes."""
+        n = len(infos)
+        return {s: 1 for s, info in infos.items() if info.stats.get("class", 0) == 0
+                and self.policy.prefers_plain(self._acceptance(info), n)}
+
+    def dispatch(self, carry: Carry, params, groups, rows_info):
+        rows = [(self._acceptance(i), i.request.max_new_tokens - i.n_out) for i in rows_info]
+        boundary = groups[0][1] if groups[0][2] == 0 else 0
+        plan = self.policy.choose(rows, boundary)
+        parts = []
+        for lo, hi, geom in plan.groups:
+            start, width = self.ctx.window(lo, hi)
+            fresh = self.note((geom.label, width))
+            carry, out = self._run(carry, params, geom.label, start, lo, hi, width)
+            parts.append(Part(geom.label, start, width, lo, hi, out,
+                              self.policy.tokens(rows[lo:hi], geom), fresh))
+        return carry, parts
+
+    def observe(self, parts, host_outs, seconds, snapshot) -> None:
+        costs = [self.policy.costs.get(p.label, p.rows) for p in parts]
+        for part, out, cost in zip(parts, host_outs, costs):
+            width = self.geometry[part.label].width
+            for i, row in enumerate(range(part.start, part.start + part.rows)):
+                slot, info = snapshot[row]
+                if part.lo <= row < part.hi and info is not None and int(out["count"][i]) > 0:
+                    self._acceptance(info).record(width, int(out["accepted"][i]))
+            if seconds is not None and not any(p.fresh for p in parts):
+                # a two-part round's time is shared as its estimates are
+                total = sum(costs)
+                share = cost / total if np.isfinite(total) and total > 0 else 1 / len(parts)
+                self.policy.costs.measured(part.label, part.rows, seconds * share)
+
+    def run_until_done(self, carry: Carry, params, lo: int, hi: int, *, step, **_):
+        """Rounds chosen one at a time: the decoder's own :meth:`step` loop (``step()`` returns
+        the carry once every row is done)."""
+        return step(), {}
+
+    # ------------------------------------------------------------ start-up
+    def warm_up(self, carry: Carry, params) -> Carry:
+        """Compile every (geometry, width) program and time it: the costs' starting point."""
+        n = self.ctx.config.num_slots
+        carry = self.admit(carry, params, self._dummy_rows(n), np.full((n,), n, np.int32), 0)
+        for label in self.geometry:
+            for width in self.ctx.config.buckets:
+                carry = self._calibrate(carry, params, label, width)
+        return carry
+
+    def _calibrate(self, carry: Carry, params, label: str, width: int) -> Carry:
+        self.note((label, width))
+        carry, _ = self._run(carry, params, label, 0, 0, 0, width)  # compiles
+        jax.block_until_ready(carry)
+        t0 = time.perf_counter()
+        for _ in range(CALIBRATION_ROUNDS):
+            carry, _ = self._run(carry, params, label, 0, 0, 0, width)
+        jax.block_until_ready(carry)
+        self.policy.costs.calibrate(label, width, (time.perf_counter() - t0) / CALIBRATION_ROUNDS)
+        return carry
+

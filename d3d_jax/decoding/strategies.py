@@ -1,0 +1,303 @@
+"""Round strategies: how one round of every live request is computed (plain, sync, async; auto
+in :mod:`~d3d_jax.decoding.auto`).
+
+Every strategy works on the same slots and the same device state (:class:`Carry`) over the same
+:class:`~d3d_jax.decoding.core.DecodeCore` (and :class:`~d3d_jax.decoding.async_core.AsyncCore`),
+and owns its round: ``init`` (its state), ``admit`` (what prefill writes for it: one dispatch per
+device slice), ``dispatch`` (one round over windows of the live rows, dispatch only) and
+``run_until_done``.  The :class:`~d3d_jax.decoding.decoder.SpecDecoder` keeps the slots, the
+placement and the contract, and never asks which strategy it holds.
+
+A round's outcome is a list of :class:`Part` s (one per dispatched window), each with per-row
+device arrays in ``out`` (``tokens``, ``count``, ``finish``, ``accepted``, and whatever else a
+strategy reports: ``hit`` for async), read by the decoder in one copy; the target's log-probs
+(``LOGPROB_KEYS``) ride along in every mode and are copied only when some request asked.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from d3d_jax.decoding import window as W
+from d3d_jax.decoding.admission import admit as admit_rows
+from d3d_jax.decoding.core import MAX_STOP_IDS, DecodeCore, DecodeState, RoundResult, RowInput
+from d3d_jax.decoding.decoder_config import Request
+from d3d_jax.decoding.verify import SamplingParams
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Carry:
+    """Every slot's device state: the target side (with the drafter's state in sync and auto),
+    and async's drafter side and its hand-off on the target slice."""
+
+    state: DecodeState
+    side: Any = None
+    hand: Any = None
+
+
+@dataclasses.dataclass
+class Part:
+    """One dispatched window of a round: rows ``start … start+rows-1``, of which ``lo … hi-1``
+    took part, in geometry ``label``; ``out`` holds per-row device arrays (window order)."""
+
+    label: str
+    start: int
+    rows: int
+    lo: int
+    hi: int
+    out: dict
+    predicted: float | None = None  # auto: the tokens its choice expected of this part
+    fresh: bool = False  # its program ran for the first time (its time includes the compile)
+
+
+@dataclasses.dataclass
+class Context:
+    """What strategies are built from (the decoder makes it once)."""
+
+    config: Any  # DecoderConfig
+    target_graphdef: Any
+    target_config: Any
+    drafter: Any  # a Drafter or None
+    tp: Callable  # target leaves -> parameters
+    dp: Callable  # drafter leaves -> parameters (None for plain)
+    t_put: Callable = lambda x: x  # noqa: E731  onto the target slice
+    d_put: Callable = lambda x: x  # noqa: E731  onto the drafter slice
+    shared: bool = True  # one slice: nothing moves between sides
+
+    def core(self, width: int, with_drafter: bool) -> DecodeCore:
+        cfg = self.config
+        return DecodeCore(self.target_graphdef, self.target_config,
+                          self.drafter if with_drafter else None, width=width,
+                          cache_len=cfg.max_cache_len, sample_drafts=cfg.sample_drafts,
+                          acceptance_rule=cfg.acceptance_rule, override=cfg.acceptance_override)
+
+    def window(self, lo: int, hi: int) -> tuple[int, int]:
+        """``(start, rows)``: the smallest bucketed window holding rows ``lo … hi-1``."""
+        rows = next(b for b in self.config.buckets if b >= hi - lo)
+        return min(lo, self.config.num_slots - rows), rows
+
+
+LOGPROB_KEYS = ("logprob", "top_ids", "top_logprobs")  # read only when some row asked
+
+
+def result_out(res: RoundResult) -> dict:
+    return dict(tokens=res.tokens, count=res.count, finish=res.finish, accepted=res.accepted,
+                logprob=res.logprob, top_ids=res.top_ids, top_logprobs=res.top_logprobs)
+
+
+def mark_done(state: DecodeState, row: jax.Array, flag: jax.Array) -> DecodeState:
+    return dataclasses.replace(state, done=state.done.at[row].set(state.done[row] | flag))
+
+
+def windowed(fn: Callable, rows: int, state, start, lo, hi, *args):
+    """``fn(view, *args) -> (view, out)`` on the window; rows outside ``[lo, hi)`` are done for
+    the round and keep every per-row value."""
+    keep = W.window_mask(start, rows, lo, hi)
+    v = W.view(state, start, rows)
+    v, out = fn(dataclasses.replace(v, done=v.done | ~keep), *args)
+    return W.merge(state, v, keep, start), out
+
+
+class Strategy:
+    """The shared machinery: one home core for the state layout, admission and row operations."""
+
+    mode = "?"
+    drafter_in_state = False  # sync/auto: the drafter's state rides in DecodeState
+
+    def __init__(self, ctx: Context):
+        self.ctx = ctx
+        cfg = ctx.config
+        self.home = ctx.core(cfg.width, self.drafter_in_state)
+        self.compiled: set[tuple[str, int]] = set()  # (program, rows): a program each
+        self._init = jax.jit(self.home.init_state, static_argnums=0)
+        self._admit = jax.jit(self._admit_fn, donate_argnums=2)
+        self._ops = jax.jit(lambda st, ops, n: W.apply_row_ops(st, ops, n, mark_done),
+                            donate_argnums=0)
+
+    # ------------------------------------------------------------ state and admission
+    def init(self, num_slots: int) -> Carry:
+        return Carry(self.ctx.t_put(self._init(num_slots)))
+
+    def _prefill_parts(self, t_leaves, d_leaves, row: RowInput):
+        target = self.home.prefill_target(self.ctx.tp(t_leaves), row)
+        drafter = (self.home.prefill_drafter(self.ctx.dp(d_leaves), row)
+                   if self.drafter_in_state else None)
+        return target, drafter
+
+    def _admit_fn(self, t_leaves, d_leaves, state, rows: RowInput, index, count):
+        cfg = self.ctx.config
+        return admit_rows(state, rows, index, count,
+                          prefill=lambda r: self._prefill_parts(t_leaves, d_leaves, r),
+                          insert=lambda st, parts, slot: self.home.insert(st, *parts, slot),
+                          buckets=cfg.prompt_buckets, cache_len=cfg.max_cache_len)
+
+    def admit(self, carry: Carry, params, rows: RowInput, index, count) -> Carry:
+        """Prefill and insert ``count`` rows (one dispatch per device slice)."""
+        t_leaves, d_leaves = params
+        d_leaves = d_leaves if self.drafter_in_state else None
+        state = self._admit(t_leaves, d_leaves, carry.state, self.ctx.t_put(rows), index, count)
+        return dataclasses.replace(carry, state=state)
+
+    def row_ops(self, carry: Carry, ops, count) -> Carry:
+        return dataclasses.replace(carry, state=self._ops(carry.state, self.ctx.t_put(ops), count))
+
+    def row_results(self, carry: Carry, rows: np.ndarray) -> dict:
+        """Device arrays of rows ``rows``: tokens, lengths, finish, histogram (and async counts)."""
+        st = carry.state
+        out = dict(seq=st.seq[rows], prompt_len=st.prompt_len[rows], n_out=st.n_out[rows],
+                   finish=st.finish[rows], accept_hist=st.accept_hist[rows])
+        if carry.side is not None and getattr(carry.side, "hits", None) is not None:
+            out.update(hits=carry.side.hits[rows], misses=carry.side.misses[rows],
+                       sync_drafts=carry.side.sync_drafts)
+        return out
+
+    # ------------------------------------------------------------ rounds
+    def dispatch(self, carry: Carry, params, groups, rows_info) -> tuple[Carry, list[Part]]:
+        raise NotImplementedError
+
+    def observe(self, parts: list[Part], host_outs: list[dict], seconds: float | None,
+                snapshot: list) -> None:
+        """The read outcome of a round (auto learns from it; the fixed strategies do not):
+        ``seconds`` is its time on the device (None when an admission ran just before it),
+        ``snapshot`` each row's (slot, SlotInfo) when it was dispatched."""
+
+    def reclassify(self, infos: dict) -> dict:
+        """slot -> new placement class, for the running requests (``infos``: slot -> SlotInfo)."""
+        return {}
+
+    def initial_class(self, request) -> int:
+        """The placement class of a new request (auto: 0 speculates, 1 runs plain)."""
+        return 0
+
+    def note(self, key: tuple[str, int]) -> bool:
+        """Record a (program, rows) about to run; True the first time (it compiles now)."""
+        fresh = key not in self.compiled
+        self.compiled.add(key)
+        return fresh
+
+    def warm_up(self, carry: Carry, params) -> Carry:
+        """Compile admission and every window width's round (no-op rounds: no row takes part)."""
+        n = self.ctx.config.num_slots
+        carry = self.admit(carry, params, self._dummy_rows(n), np.full((n,), n, np.int32), 0)
+        for width in self.ctx.config.buckets:
+            carry = self._noop(carry, params, width)
+        jax.block_until_ready(carry)
+        return carry
+
+    def _noop(self, carry: Carry, params, rows: int) -> Carry:
+        """One round over a window of ``rows`` rows in which no row takes part (compiles it)."""
+        raise NotImplementedError
+
+    def _dummy_rows(self, n: int) -> RowInput:
+        cfg, zeros = self.ctx.config, np.zeros((n,), np.int32)
+        data = None
+        if self.ctx.drafter is not None:
+            data = self.ctx.drafter.request_data([Request([0], 1)] * n, cfg.max_cache_len)
+        return RowInput(np.zeros((n, cfg.max_cache_len), np.int32), zeros + 1, zeros, zeros,
+                        zeros + 1, np.full((n, MAX_STOP_IDS), -1, np.int32),
+                        np.zeros((n, MAX_STOP_IDS), bool),
+                        SamplingParams.stack([SamplingParams()] * n), data)
+
+
+class CoreStrategy(Strategy):
+    """Plain or sync: a round is :meth:`DecodeCore.round` (one dispatch), and ``run_until_done``
+    is the core's on-device loop."""
+
+    def __init__(self, ctx: Context):
+        super().__init__(ctx)
+        self.core = self.home
+        self.label = self.mode if self.mode == "plain" else f"sync/{ctx.config.block_size}"
+        self._round = jax.jit(self._round_fn, static_argnames="rows", donate_argnums=2)
+        self._loop = jax.jit(self._loop_fn, static_argnames="rows", donate_argnums=2)
+        self._draft = jax.jit(self._draft_fn, static_argnames="rows", donate_argnums=1)
+        self._verify = jax.jit(self._verify_fn, static_argnames="rows", donate_argnums=1)
+
+    def _round_fn(self, t_leaves, d_leaves, state, start, lo, hi, *, rows):
+        tp, dp = self.ctx.tp(t_leaves), self.ctx.dp(d_leaves)
+        return windowed(lambda v: self.core.round(tp, dp, v), rows, state, start, lo, hi)
+
+    def _loop_fn(self, t_leaves, d_leaves, state, start, lo, hi, *, rows):
+        tp, dp = self.ctx.tp(t_leaves), self.ctx.dp(d_leaves)
+        return windowed(lambda v: (self.core.run_until_done(tp, dp, v), None), rows, state,
+                        start, lo, hi)[0]
+
+    def dispatch(self, carry, params, groups, rows_info):
+        lo, hi = groups[0][0], groups[-1][1]
+        start, rows = self.ctx.window(lo, hi)
+        self.note((self.label, rows))
+        state, res = self._round(*params, carry.state, start, lo, hi, rows=rows)
+        return (dataclasses.replace(carry, state=state),
+                [Part(self.label, start, rows, lo, hi, result_out(res))])
+
+    def _noop(self, carry, params, rows):
+        self.note((self.label, rows))
+        state, _ = self._round(*params, carry.state, 0, 0, 0, rows=rows)
+        return dataclasses.replace(carry, state=state)
+
+    def run_until_done(self, carry: Carry, params, lo: int, hi: int, *, max_rounds: int = 0,
+                       timer=None, **_) -> tuple[Carry, dict]:
+        """The core's on-device loop over the window (with ``timer``: :meth:`run_phased`)."""
+        if timer is not None:
+            return (self.run_phased(carry, params, lo, hi, max_rounds, timer),
+                    dict(dict(draft_s=0.0, verify_s=0.0), **timer.totals))
+        start, rows = self.ctx.window(lo, hi)
+        self.note((self.label + "/loop", rows))
+        return dataclasses.replace(carry, state=self._loop(*params, carry.state, start, lo, hi,
+                                                           rows=rows)), {}
+
+    def run_phased(self, carry: Carry, params, lo: int, hi: int, rounds: int, timer):
+        """Rounds driven from the host, drafting and verifying timed apart by ``timer`` (its
+        ``phase(name)`` context; see :mod:`d3d_jax.bench.clock`).  Slower: a wait per phase."""
+        start, rows = self.ctx.window(lo, hi)
+        state = carry.state
+        for _ in range(rounds):
+            if bool(np.all(jax.device_get(state.done[start:start + rows]))):
+                break
+            state = self._phased_round(params, state, start, lo, hi, rows, timer)
+        return dataclasses.replace(carry, state=state)
+
+    def _phased_round(self, params, state, start, lo, hi, rows, timer):
+        t_leaves, d_leaves = params
+        drafts = probs = None
+        if self.core.drafter is not None:
+            with timer.phase("draft_s"):
+                state, drafts, probs = jax.block_until_ready(
+                    self._draft(d_leaves, state, start, lo, hi, rows=rows))
+        with timer.phase("verify_s"):
+            return jax.block_until_ready(self._verify(t_leaves, state, drafts, probs, start, lo,
+                                                      hi, rows=rows))
+
+    def _draft_fn(self, d_leaves, state, start, lo, hi, *, rows):
+        dp = self.ctx.dp(d_leaves)
+
+        def draft(v):
+            out, v = self.core.draft(dp, v)
+            return v, (out.drafts, out.probs)
+
+        state, (drafts, probs) = windowed(draft, rows, state, start, lo, hi)
+        return state, drafts, probs
+
+    def _verify_fn(self, t_leaves, state, drafts, probs, start, lo, hi, *, rows):
+        tp, core = self.ctx.tp(t_leaves), self.core
+
+        def verify(v):
+            fed = drafts if drafts is not None else jnp.zeros((rows, core.width - 1), jnp.int32)
+            accepted, nxt, cache, logprobs = core.verify(tp, v, fed, fed, probs)
+            return core.commit(v, fed, accepted, nxt, cache, logprobs)
+
+        return windowed(verify, rows, state, start, lo, hi)[0]
+
+
+class PlainStrategy(CoreStrategy):
+    mode = "plain"
+
+
+class SyncStrategy(CoreStrategy):
+    mode = "sync"
+    drafter_in_state = True

@@ -1,0 +1,265 @@
+"""Auto mode (issue 25) and what it rests on: row placement, windows, batched admission.
+
+References: each request decoded alone by plain decoding (test_engine checks plain against
+transformers) for "lossless in every mix of modes"; a fresh drafter prefill of the committed
+tokens for "the drafter's cache stays exact across plain rounds"; closed forms for the policy's
+expected tokens; a brute-force list model for the placement's swaps; counted dispatches for
+"8 arrivals, one prefill".
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from d3d_jax.bench.generator import Generator
+from d3d_jax.config import ModelConfig
+from d3d_jax.decoding.async_replay import CostedReplayDrafter
+from d3d_jax.decoding.auto_policy import Acceptance, Geometry, Plan, Policy, geometric_rate
+from d3d_jax.decoding.decoder import DecoderConfig, Request, SpecDecoder
+from d3d_jax.decoding.drafting import ModelDrafter
+from d3d_jax.decoding.placement import RowPlacement
+from d3d_jax.model.qwen3 import init_model
+
+VOCAB, MASK, BLOCK, CACHE, SLOTS = 32, 31, 4, 96, 3
+LENGTHS = (1, 9, 4, 7, 2, 5)
+MAX_NEW = (30, 14, 26, 12, 20, 28)
+
+
+def _randomized(model, seed: int, std: float):
+    graphdef, state = nnx.split(model)
+    leaves, tree = jax.tree.flatten(state)
+    keys = jax.random.split(jax.random.key(seed), len(leaves))
+    leaves = [x if x.ndim == 1 else std * jax.random.normal(k, x.shape, x.dtype)
+              for k, x in zip(keys, leaves)]
+    return nnx.merge(graphdef, jax.tree.unflatten(tree, leaves))
+
+
+@pytest.fixture(scope="module")
+def setup():
+    tcfg = ModelConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_layers=2,
+                       num_heads=4, num_kv_heads=2, head_dim=8, mask_token_id=MASK)
+    dcfg = ModelConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_layers=1,
+                       num_heads=2, num_kv_heads=1, head_dim=16, mask_token_id=MASK)
+    target = _randomized(init_model(tcfg, seed=0), 0, 0.6)
+    drafter_model = _randomized(init_model(dcfg, seed=7), 7, 0.3)
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(0, MASK, n).tolist() for n in LENGTHS]
+    solo = [o.token_ids for o in Generator()(target, prompts, max_new_tokens=max(MAX_NEW),
+                                             batch_size=1, block_size=BLOCK, max_cache_len=CACHE)]
+    assert all(len(set(s)) > 4 for s in solo)
+    # real drafter compute and cache, acceptance from a replay of the solo outputs (τ > 1)
+    drafter = CostedReplayDrafter(solo, VOCAB, drafter_model, error_rate=0.25, hit_rate=0.6,
+                                  seed=1, mask_token_id=MASK)
+    cfg = DecoderConfig(mode="auto", num_slots=SLOTS, max_cache_len=CACHE, block_size=BLOCK)
+    return dict(target=target, drafter_model=drafter_model, prompts=prompts, solo=solo,
+                drafter=drafter, auto=SpecDecoder(target, drafter, cfg))
+
+
+class Cycle:
+    """A stand-in for the policy's choice: every plan in turn (whole batch in each geometry,
+    and the split into a speculative and a plain group), so every mix of modes happens."""
+
+    def __init__(self, policy: Policy):
+        self.policy, self.i = policy, 0
+
+    def __call__(self, rows, boundary):
+        n, geoms = len(rows), self.policy.geometries
+        plans = [[(0, n, g)] for g in geoms]
+        if n > 1:
+            plans += [[(0, n // 2 + 1, g), (n // 2 + 1, n, self.policy.plain)]
+                      for g in self.policy.speculative]
+        self.i += 1
+        return Plan(plans[self.i % len(plans)], 0.0, 1.0)
+
+
+def _serve(dec, requests, schedule, cancel=None):
+    tokens = {i: [] for i in range(len(requests))}
+    reasons, slot_of, queue, metrics = {}, {}, [], {}
+    for rnd in itertools.count():
+        assert rnd < 400
+        if len(reasons) == len(requests):
+            return tokens, reasons, metrics
+        queue += [i for i, at in enumerate(schedule) if at == rnd]
+        for i, at in (cancel or {}).items():
+            if at == rnd and i in slot_of:
+                dec.free(slot_of.pop(i))
+                reasons[i] = "cancelled"
+        while queue and dec.free_slots():
+            i = queue.pop(0)
+            slot_of[i] = dec.free_slots()[0]
+            dec.insert(dec.prefill(requests[i]), slot_of[i])
+        outs = dec.step()
+        for i, slot in list(slot_of.items()):
+            if slot in outs:
+                tokens[i] += outs[slot].token_ids
+                if outs[slot].finished:
+                    reasons[i] = outs[slot].finish_reason
+                    metrics[i] = dec.slot_metrics(slot)
+                    dec.free(slot_of.pop(i))
+
+
+def test_auto_greedy_equals_plain_in_every_mix_of_modes(setup, monkeypatch):
+    """Plain, sync, async and split rounds in turn, requests joining, leaving and cancelled:
+    every completed request gets exactly its solo plain output, and its rounds are counted
+    per geometry."""
+    s, dec = setup, setup["auto"]
+    monkeypatch.setattr(dec.strategy.policy, "choose", Cycle(dec.strategy.policy))
+    reqs = [Request(p, n, index=i) for i, (p, n) in enumerate(zip(s["prompts"], MAX_NEW))]
+    tokens, reasons, metrics = _serve(dec, reqs, schedule=[0, 0, 1, 2, 2, 5], cancel={1: 4})
+    assert reasons[1] == "cancelled" and tokens[1] == s["solo"][1][: len(tokens[1])]
+    for i in (0, 2, 3, 4, 5):
+        assert tokens[i] == s["solo"][i][: MAX_NEW[i]], i
+    mixed = [m["modes"] for m in metrics.values()]
+    assert all(sum(m.values()) == r for m, r in zip(mixed, (mm["rounds"] for mm in metrics.values())))
+    seen = set().union(*mixed)
+    assert seen == {"plain", "sync/4", "async/4x2"}, seen
+    assert max(m.get("async/4x2", 0) for m in mixed) > 0 and dec.active_slots() == []
+    assert sum(m["accept_hist"][1:] != [0] * (BLOCK - 1) for m in metrics.values()) >= 3  # drafts accepted
+
+
+def test_the_drafter_cache_stays_exact_across_plain_rounds(setup, monkeypatch):
+    """After plain rounds (no drafter) and a sync round, the drafter's cache holds exactly the
+    K/V a fresh prefill of the committed tokens writes, position by position."""
+    s, dec = setup, setup["auto"]
+    policy = dec.strategy.policy
+    plain = next(g for g in policy.geometries if g.label == "plain")
+    sync = next(g for g in policy.geometries if g.label == "sync/4")
+    order = itertools.chain([plain] * 9 + [sync] + [plain] * 21 + [sync], itertools.repeat(plain))
+    monkeypatch.setattr(policy, "choose", lambda rows, b: Plan([(0, len(rows), next(order))], 0, 1))
+    for slot, i in enumerate((1, 3)):
+        dec.insert(dec.prefill(Request(s["prompts"][i], 60, index=i)), slot)
+    for steps in (10, 22):
+        for _ in range(steps):
+            dec.step()
+        dec._drain()
+        _check_cache_equals_prefill(dec, s["drafter_model"])
+    dec.free(dec.active_slots())
+
+
+def _check_cache_equals_prefill(dec, drafter_model):
+    st = jax.device_get(dec.carry.state)
+    cache = st.drafter_state["cache"]  # the costed replay drafter's real model cache
+    md = ModelDrafter(drafter_model)
+    for slot in dec.active_slots():
+        row = dec.placement.row_of[slot]
+        n = int(cache.lengths[row])
+        assert n >= int(st.prompt_len[row]) + 8  # the plain rounds' tokens were caught up
+        ref = md.prefill(md.params, None, np.asarray(st.seq[row: row + 1, :n]), np.asarray([n]))
+        for got, want in ((cache.k_lbskh, ref.k_lbskh), (cache.v_lbskh, ref.v_lbskh)):
+            np.testing.assert_allclose(np.asarray(got[:, row, :n]), np.asarray(want[:, 0, :n]),
+                                       atol=2e-5)
+
+
+def test_mixed_quality_useless_requests_get_plain_rounds(setup, monkeypatch):
+    """A drafter that knows half the requests (replay of their output) and not the other half
+    (a replay of something else): auto's own choice gives the useless half plain rounds and the
+    others speculative ones, and every output is still the plain one."""
+    s, dec = setup, setup["auto"]
+    good = [0, 2, 4]
+    cont = [s["solo"][i] if i in good else s["solo"][(i + 3) % 6][::-1] for i in range(6)]
+    # the same drafter structure as the fixture's: the decoder is rebound, nothing recompiles
+    dec.load(s["target"], CostedReplayDrafter(cont, VOCAB, s["drafter_model"], error_rate=0.25,
+                                              hit_rate=0.6, seed=1, mask_token_id=MASK))
+    policy = dec.strategy.policy
+    monkeypatch.setattr(dec.strategy, "prior_rate", geometric_rate(6.0, 16))
+    costs = policy.costs  # a device where a round costs its tokens (no overhead)
+    for rows in dec.config.buckets:
+        monkeypatch.setitem(costs.seconds, ("plain", rows), 0.01 * rows)
+        monkeypatch.setitem(costs.seconds, ("sync/4", rows), 0.02 * rows)
+        monkeypatch.setitem(costs.seconds, ("async/4x2", rows), 0.05 * rows)
+    monkeypatch.setattr(costs, "measured", lambda *a: None)
+    reqs = [Request(p, n, index=i) for i, (p, n) in enumerate(zip(s["prompts"], MAX_NEW))]
+    tokens, _, metrics = _serve(dec, reqs, schedule=[0] * 6)
+    dec.load(s["target"], s["drafter"])
+    for i in range(6):
+        assert tokens[i] == s["solo"][i][: MAX_NEW[i]], i
+        modes = metrics[i]["modes"]
+        plain_share = modes.get("plain", 0) / sum(modes.values())
+        assert (plain_share < 0.2) if i in good else (plain_share > 0.6), (i, modes)
+
+
+def test_policy_expected_tokens_and_choice():
+    """Expected tokens per round are 1 + Σ_k Π_{j≤k} c_j (closed form), from the prior before any
+    round and from the request's own counts after; the choice maximizes tokens per second."""
+    c = geometric_rate(4.0, 16)
+    assert abs(1 + sum(c ** k for k in range(1, 16)) - 4.0) < 1e-6
+    acc = Acceptance(16, prior_rate=0.5)
+    assert acc.expected(4) == pytest.approx(1 + 0.5 + 0.25 + 0.125)
+    for _ in range(30):
+        acc.record(8, 7)  # every draft of every 8-wide round accepted
+    rate = (30 + 3 * 0.5) / (30 + 3)
+    assert acc.expected(8) == pytest.approx(1 + sum(rate ** k for k in range(1, 8)))
+    assert acc.expected(8, left=3) == 3.0  # never more than the request has left
+    assert acc.rate(9) == 0.5  # slot 9 was never judged: the prior
+    geoms = [Geometry("plain", 1), Geometry("sync/8", 8)]
+    pol = Policy(geoms, (1, 2, 4))
+    pol.costs.calibrate("plain", 2, 1.0)
+    pol.costs.calibrate("sync/8", 2, 3.0)
+    sure, useless = Acceptance(16, 0.99), Acceptance(16, 0.01)
+    assert pol.choose([(sure, 100)] * 2, 2).key == ("sync/8",)
+    assert pol.choose([(useless, 100)] * 2, 2).key == ("plain",)
+    assert pol.costs.get("plain", 4) == pytest.approx(2 ** 0.5)  # scaled from the nearest width
+
+
+def test_placement_keeps_live_rows_packed_in_class_order():
+    """Random joins, leaves and class changes: the swaps, replayed on a plain list (the device's
+    view), put every slot where the placement says, live rows at [0, n), class 0 first."""
+    rng = random.Random(0)
+    pl, rows = RowPlacement(8), [None] * 8
+    for _ in range(400):
+        live = list(pl.row_of)
+        op = rng.random()
+        if op < 0.4 and pl.size < 8:
+            slot = next(s for s in range(8) if s not in pl.row_of)
+            rows[pl.size] = slot  # admitted into the next row, then moved
+            ops = pl.place(slot, rng.randrange(2))
+        elif op < 0.7 and live:
+            ops = pl.remove(rng.choice(live))
+        elif live:
+            slot = rng.choice(live)
+            ops = pl.set_class(slot, 1 - pl.cls[slot])
+        else:
+            continue
+        for a, b in ops:
+            rows[a], rows[b] = rows[b], rows[a]
+        for slot, row in pl.row_of.items():
+            assert rows[row] == slot
+        assert sorted(pl.row_of.values()) == list(range(pl.size))
+        classes = [pl.cls[rows[r]] for r in range(pl.size)]
+        assert classes == sorted(classes) and classes.count(0) == pl.boundary
+
+
+def test_one_admission_dispatch_for_eight_arrivals(setup, monkeypatch):
+    """8 requests arriving together are prefilled in ONE dispatch (each at its own length
+    bucket), and each then decodes exactly its solo output; a round over 1 live row in 8 slots
+    runs the 1-row program."""
+    from d3d_jax.serving.scheduler import Scheduler
+
+    s = setup
+    dec = SpecDecoder(s["target"], None, DecoderConfig(mode="plain", num_slots=8,
+                                                       max_cache_len=CACHE, block_size=BLOCK))
+    calls = []
+    real = dec.strategy._admit
+    monkeypatch.setattr(dec.strategy, "_admit", lambda *a: calls.append(int(a[-1])) or real(*a))
+    sched = Scheduler(dec)
+    got = {i: [] for i in range(8)}
+    for i in range(8):
+        k = i % 6
+        sched.submit(Request(s["prompts"][k], 6 + i, index=i), lambda ev, i=i: got[i].extend(ev.token_ids))
+    sched.run_until_idle(timeout_s=300)
+    assert calls == [8]
+    for i in range(8):
+        assert got[i] == s["solo"][i % 6][: 6 + i], i
+    assert ("plain", 8) in dec.compiled_programs
+    dec.insert(dec.prefill(Request(s["prompts"][0], 3)), 5)
+    while dec.active_slots():
+        for slot, out in dec.step().items():
+            if out.finished:
+                dec.free(slot)
+    assert calls == [8, 1] and dec.strategy.compiled >= {("plain", 1)}
