@@ -34,12 +34,3 @@ def continuation_pairs(split: str, passage_chars: int = 700, max_pairs: int | No
                     pairs.append({"source": src, "prompt": head, "response": tail})
     random.Random(seed).shuffle(pairs)
     return pairs[:max_pairs] if max_pairs else pairs
-
-
-def chat_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
-    """Token ids of ``messages`` + the assistant header in non-thinking mode (Qwen3's template)."""
-    ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True,
-                                        enable_thinking=False)
-    if isinstance(ids, dict) or hasattr(ids, "keys"):
-        ids = ids["input_ids"]
-    return list(ids)

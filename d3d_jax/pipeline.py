@@ -20,6 +20,7 @@ import numpy as np
 from d3d_jax import config as C
 from d3d_jax import demo
 from d3d_jax.io import tokenizer as tok_lib
+from d3d_jax.io.chat import chat_prompt_ids
 
 
 def _log(msg: str) -> None:
@@ -151,7 +152,7 @@ class Pipeline:
         tmp = path.with_suffix(".tmp")
         with open(tmp, "w") as f:
             for p in pairs:
-                ids = demo.chat_prompt_ids(tok, [{"role": "user", "content": p["prompt"]}])
+                ids = chat_prompt_ids(tok, [{"role": "user", "content": p["prompt"]}])
                 ids += tok(p["response"])["input_ids"]  # the LM loader appends <|im_end|>
                 f.write(json.dumps({"token_ids": ids}) + "\n")
         tmp.replace(path)

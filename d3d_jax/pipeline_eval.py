@@ -9,9 +9,11 @@ from pathlib import Path
 
 import numpy as np
 
-from d3d_jax import demo
-from d3d_jax.evaluation import benchmarks as B
-from d3d_jax.evaluation import plots
+from d3d_jax.bench.evaluation import benchmarks as B
+from d3d_jax.bench.evaluation import plots
+from d3d_jax.bench.evaluation import runner as R
+from d3d_jax.config.evaluation import EvalSettings
+from d3d_jax.io.chat import chat_prompt_ids
 
 
 def prune(p) -> None:
@@ -65,19 +67,19 @@ def _suites(p) -> dict[str, list[B.Sample]]:
     suites = {}
     for name in c.eval_benchmarks:
         samples = B.load_benchmark(name, template="plain", passage_chars=c.passage_chars)
-        lengths = [len(demo.chat_prompt_ids(tok, [{"role": "user", "content": s.turns[0]}])) for s in samples]
+        lengths = [len(chat_prompt_ids(tok, [{"role": "user", "content": s.turns[0]}])) for s in samples]
         keep = [i for i, n in enumerate(lengths) if n <= 384]
         suites[name] = B.select_by_length([samples[i] for i in keep], [lengths[i] for i in keep],
                                           c.eval_samples)
     return suites
 
 
-def _settings(p, has_async: bool) -> B.EvalSettings:
+def _settings(p, has_async: bool) -> EvalSettings:
     import jax
 
     c = p.cfg
     b = c.eval_block
-    settings = B.EvalSettings(max_new_tokens=c.eval_max_new_tokens, block_size=b,
+    settings = EvalSettings(max_new_tokens=c.eval_max_new_tokens, block_size=b,
                               max_cache_len=384 + c.eval_max_new_tokens + 4 * max(b, *c.eval_compare_blocks),
                               modes=("plain", "sync", "async") if has_async else ("plain", "sync"),
                               async_options={"branch_positions": min(c.async_positions, b),
@@ -93,7 +95,7 @@ def _sync_against(p, target, drafter, suites, settings, plain_runs, kw, block: i
     with the drafter's share of round time when asked."""
     s_set = B.dataclasses.replace(settings, modes=("sync",), block_size=block or settings.block_size,
                                   drafter_share_samples=int(drafter_share))
-    res, raw = B.evaluate(target, drafter, p.tokenizer(), suites, s_set, **kw)
+    res, raw = R.evaluate(target, drafter, p.tokenizer(), suites, s_set, **kw)
     out = {}
     for s in suites:
         out[s] = B.summarize({"plain": plain_runs[s], "sync": raw[s]["sync"]}, s_set.block_size)["sync"]
@@ -124,11 +126,11 @@ def _ablations(p, target, suites, settings, report, plain_runs, kw) -> dict:
 
 def _hf_peer(p, suites, report, plain_runs) -> None:
     """transformers' assisted generation with the same target and drafter (AR assistant)."""
-    from d3d_jax.evaluation.assisted import hf_assisted_generation
+    from d3d_jax.bench.evaluation.assisted import hf_assisted_generation
 
     c, tok, main = p.cfg, p.tokenizer(), p.cfg.eval_drafters[0]
     for s, samples in suites.items():
-        prompts = [demo.chat_prompt_ids(tok, [{"role": "user", "content": x.turns[0]}]) for x in samples]
+        prompts = [chat_prompt_ids(tok, [{"role": "user", "content": x.turns[0]}]) for x in samples]
         peer = hf_assisted_generation(str(p.model_dir("target")), str(p.drafter_dir(main)), prompts,
                                       max_new_tokens=c.eval_max_new_tokens, eos_token_ids=p.eos_ids(),
                                       pad_token_id=p.special_ids()["pad"],
@@ -148,14 +150,14 @@ def benchmark(p) -> dict:
     suites = _suites(p)
     has_async = _async_available()
     settings = _settings(p, has_async)
-    kw = dict(eos_token_ids=p.eos_ids(), mask_token_id=p.special_ids()["mask"], encode_fn=demo.chat_prompt_ids)
+    kw = dict(eos_token_ids=p.eos_ids(), mask_token_id=p.special_ids()["mask"], encode_fn=chat_prompt_ids)
     report: dict = {"suites": {k: len(v) for k, v in suites.items()}, "modes": list(settings.modes),
                     "devices": [str(d) for d in jax.devices()], "block_size_trained": c.block_size,
                     "async_available": has_async, "settings": vars(settings) | {}, "drafters": {}}
     plain_runs = None
     for dname in c.eval_drafters:
         drafter = p.load(p.drafter_dir(dname))
-        res, raw = B.evaluate(target, drafter, tok, suites, settings, **kw)
+        res, raw = R.evaluate(target, drafter, tok, suites, settings, **kw)
         report["drafters"][dname] = {"layers": drafter.config.num_layers, "results": res}
         if plain_runs is None:
             plain_runs = {s: raw[s]["plain"] for s in raw}
@@ -172,7 +174,7 @@ def benchmark(p) -> dict:
     if has_async and c.async_sweep:  # on the first suite
         first = next(iter(suites))
         grid = [(min(cc, settings.block_size), f) for cc, f in c.async_sweep]
-        sweep = B.budget_sweep(target, p.load(p.drafter_dir(main)), tok, suites[first], settings,
+        sweep = R.budget_sweep(target, p.load(p.drafter_dir(main)), tok, suites[first], settings,
                                list(dict.fromkeys(grid)), plain_runs[first], **kw)
     report["async_sweep"] = sweep
     report["eval_seconds"] = time.time() - t_start

@@ -1,7 +1,7 @@
 """``infer/bench.py eval``'s config: the models, the decoder, and which benchmarks to run how.
 
 Every flag sets one field (``--samples`` is ``eval.samples``, ``--block-size`` is
-``decoder.block_size`` …; the flag declarations in :mod:`d3d_jax.evaluation.cli` are the table).
+``decoder.block_size`` …; the flag declarations in :mod:`d3d_jax.bench.evaluation.cli` are the table).
 The run decodes in every mode of ``eval.modes``, so ``decoder.mode`` stays unset; the other
 decoder fields and their derived defaults are the ones the server and ``infer/generate.py`` use.
 """
@@ -14,6 +14,32 @@ from d3d_jax.config.base import _require
 from d3d_jax.config.decoding import MODES, DecoderSettings, ModelPaths
 
 TEMPLATES = ("standard", "plain")
+ASYNC_OPTIONS = ("branch_positions", "branch_fanout", "target_devices", "drafter_devices")
+AUTO_OPTIONS = ("auto_sync_blocks", "auto_async", "prior_tau")
+
+
+@dataclasses.dataclass
+class EvalSettings:
+    """What the runner (:mod:`~d3d_jax.bench.evaluation.runner`) decodes with: one decoder per mode."""
+
+    max_new_tokens: int = 128
+    block_size: int = 16
+    max_cache_len: int = 1024
+    modes: tuple[str, ...] = ("plain", "sync", "async")
+    async_options: dict = dataclasses.field(default_factory=dict)  # mode async: ASYNC_OPTIONS fields
+    auto_options: dict = dataclasses.field(default_factory=dict)  # mode auto: AUTO_OPTIONS fields
+    concurrency: int = 1  # > 1: requests in flight in one long-lived decoder per mode
+    async_timeline: bool = True  # time async rounds' parts (overlap fraction, drafter share)
+    drafter_share_samples: int = 1  # sync: samples re-run with the host loop to split draft/verify
+
+    def validate(self, prefix: str = "eval") -> None:
+        for key in ("max_new_tokens", "block_size", "max_cache_len", "concurrency"):
+            _require(getattr(self, key) >= 1, f"{prefix}.{key}", f"must be >= 1, got {getattr(self, key)}")
+        bad = [m for m in self.modes if m not in MODES]
+        _require(not bad, f"{prefix}.modes", f"each of {'|'.join(MODES)}, got {bad[0] if bad else ''!r}")
+        for key, allowed in (("async_options", ASYNC_OPTIONS), ("auto_options", AUTO_OPTIONS)):
+            unknown = sorted(set(getattr(self, key)) - set(allowed))
+            _require(not unknown, f"{prefix}.{key}", f"unknown fields {unknown} (known: {', '.join(allowed)})")
 
 
 @dataclasses.dataclass(frozen=True)

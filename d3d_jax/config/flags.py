@@ -25,6 +25,8 @@ def add_config_arguments(p: argparse.ArgumentParser, example: str) -> None:
 
 def config_flag(p, *names: str, key: str, **kwargs) -> argparse.Action:
     """An argparse flag that sets config field ``key`` (e.g. ``decoder.block_size``) when given."""
+    if kwargs.get("action") not in ("store_true", "store_false") and "choices" not in kwargs:
+        kwargs.setdefault("metavar", key)  # --help shows the field each flag sets
     return p.add_argument(*names, dest=key, default=argparse.SUPPRESS, **kwargs)
 
 
@@ -37,3 +39,16 @@ def load_command_config(cls: type, args: argparse.Namespace) -> Any:
     """``cls`` from ``args.config`` files, the config flags given, and ``args.overrides``."""
     return load_config(cls, getattr(args, "config", ()) or (), getattr(args, "overrides", ()) or (),
                        flags=flag_values(args))
+
+
+def parse_geometries(text: str) -> tuple[tuple[int, int], ...]:
+    """An argparse type: ``CxF,CxF`` (e.g. ``4x2,12x2``) as ``((4, 2), (12, 2))``; ``none``: ``()``."""
+    if text == "none":
+        return ()
+    try:
+        out = tuple(tuple(int(v) for v in g.split("x")) for g in text.split(",") if g)
+    except ValueError:
+        out = ()
+    if not out or any(len(g) != 2 for g in out):
+        raise argparse.ArgumentTypeError(f"expected CxF,CxF (e.g. 4x2,12x2), got {text!r}")
+    return out

@@ -2,7 +2,9 @@
 
 Every flag sets one field (``--temperature`` is ``generate.temperature``, ``--batch-size`` is
 ``decoder.num_slots`` …; the flag declarations in ``infer/generate.py`` are the table).  The
-prompts themselves (``--prompt``, ``--prompt-ids``) are input, not settings, and stay flags.
+prompts themselves (``--prompt``, ``--prompt-ids``, ``--prompts-file``, ``--chat``) are input, not
+settings, and stay flags; sampling values are checked where every caller's are
+(:class:`~d3d_jax.decoding.verify.SamplingParams`), still before any decoding.
 """
 
 from __future__ import annotations
@@ -19,8 +21,6 @@ LOOPS = ("device", "host")
 class GenerateSettings:
     """Sampling, stopping and output of one ``infer/generate.py`` run (the ``generate:`` section)."""
 
-    prompts_file: str | None = None  # JSONL: prompt_ids | prompt | messages per line
-    chat: bool = False  # wrap text prompts as a user turn in the chat template
     max_new_tokens: int = 128
     allow_beyond_context: bool = False  # let prompt + max_new_tokens run past max_position_embeddings
     temperature: float = 0.0  # 0: greedy
@@ -37,9 +37,6 @@ class GenerateSettings:
 
     def validate(self, prefix: str = "generate") -> None:
         _require(self.max_new_tokens >= 1, f"{prefix}.max_new_tokens", f"must be >= 1, got {self.max_new_tokens}")
-        _require(self.temperature >= 0, f"{prefix}.temperature", f"must be >= 0, got {self.temperature}")
-        _require(0 < self.top_p <= 1, f"{prefix}.top_p", f"must be in (0, 1], got {self.top_p}")
-        _require(self.top_k >= 0, f"{prefix}.top_k", f"must be >= 0, got {self.top_k}")
         _require(self.loop in LOOPS, f"{prefix}.loop", f"must be one of {'|'.join(LOOPS)}, got {self.loop!r}")
 
 

@@ -146,3 +146,13 @@ def render_prompt(tokenizer, messages: Sequence[dict]) -> list[int]:
     text = tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True,
                                          enable_thinking=False)
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def chat_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
+    """Token ids of ``messages`` + the assistant header in non-thinking mode (Qwen3's template),
+    tokenized by the template itself (the server, evaluation and the demo's pretraining rows)."""
+    ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True,
+                                        enable_thinking=False)
+    if isinstance(ids, dict) or hasattr(ids, "keys"):
+        ids = ids["input_ids"]
+    return list(ids)

@@ -53,7 +53,7 @@ class Service:
 
     def encode_chat(self, messages) -> list[int]:
         if self.chat_encode is None:
-            from d3d_jax.demo import chat_prompt_ids
+            from d3d_jax.io.chat import chat_prompt_ids
 
             self.chat_encode = chat_prompt_ids
         try:
