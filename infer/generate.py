@@ -38,20 +38,16 @@ BENCHMARK_ONLY_OPTIONS = ("acceptance_rule", "acceptance_override")
 
 def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Every flag but the prompts sets a :class:`~d3d_jax.config.generate.GenerateConfig` field."""
-    from d3d_jax.config import MODES, add_config_arguments, config_flag
+    from d3d_jax.config import add_config_arguments, add_model_flags, config_flag
 
     add_config_arguments(p, "generate.yaml")
     flag = functools.partial(config_flag, p)
-    flag("--target", key="models.target", help="HF directory or d3d_jax parameter checkpoint")
-    flag("--drafter", key="models.drafter", help="drafter checkpoint (modes sync, async, auto)")
-    flag("--mode", key="decoder.mode", choices=MODES,
-         help="default: auto with --drafter (it picks plain, sync or async each round), else plain")
+    add_model_flags(p)
     src = p.add_argument_group("prompts (any mix; at least one)")
     src.add_argument("--prompt", action="append", default=[], help="text prompt (repeatable)")
     src.add_argument("--prompt-ids", action="append", default=[], help="comma-separated ids (repeatable)")
     src.add_argument("--prompts-file", default=None, help="JSONL: prompt_ids | prompt | messages")
     src.add_argument("--chat", action="store_true", help="wrap --prompt texts as a user turn in the chat template")
-    flag("--tokenizer", key="models.tokenizer", help="tokenizer directory (default: the target's)")
     flag("--max-new-tokens", key="generate.max_new_tokens", type=int, help="default 128")
     flag("--allow-beyond-context", key="generate.allow_beyond_context", action="store_true",
          help="let prompt + max-new-tokens run past the model's max_position_embeddings")
@@ -66,7 +62,6 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     flag("--eos-ids", key="generate.eos_ids", help="comma-separated; default: config + tokenizer EOS")
     flag("--ignore-eos", key="generate.ignore_eos", action="store_true")
     flag("--stop-ids", key="generate.stop_ids", help="comma-separated extra stop token ids")
-    flag("--dtype", key="models.dtype", help="parameter/compute dtype (float32, bfloat16)")
     flag("--sample-drafts", key="decoder.sample_drafts", action="store_true", help="sample drafts from q (sampling only)")
     flag("--loop", key="generate.loop", choices=("device", "host"),
          help="device: fused on-device loop; host: per-round loop that times draft/verify")

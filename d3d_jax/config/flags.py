@@ -13,6 +13,7 @@ import argparse
 from typing import Any
 
 from d3d_jax.config.base import load_config
+from d3d_jax.config.decoding import MODES
 
 
 def add_config_arguments(p: argparse.ArgumentParser, example: str) -> None:
@@ -28,6 +29,19 @@ def config_flag(p, *names: str, key: str, **kwargs) -> argparse.Action:
     if kwargs.get("action") not in ("store_true", "store_false") and "choices" not in kwargs:
         kwargs.setdefault("metavar", key)  # --help shows the field each flag sets
     return p.add_argument(*names, dest=key, default=argparse.SUPPRESS, **kwargs)
+
+
+def add_model_flags(p, *, mode: bool = True) -> None:
+    """The ``models:`` flags every decoding command takes, and ``--mode`` (unless the command runs
+    every mode)."""
+    config_flag(p, "--target", key="models.target", help="HF Qwen3 directory or d3d_jax parameter checkpoint")
+    config_flag(p, "--drafter", key="models.drafter", help="drafter checkpoint (every mode but plain)")
+    if mode:
+        config_flag(p, "--mode", key="decoder.mode", choices=MODES,
+                    help="default: auto with --drafter (it picks plain, sync or async each round), else plain")
+    config_flag(p, "--tokenizer", key="models.tokenizer", help="tokenizer dir (default: the target's)")
+    config_flag(p, "--dtype", key="models.dtype",
+                help="parameter/compute dtype of the models (default: each checkpoint's; on a CPU float32 is the fast one)")
 
 
 def flag_values(args: argparse.Namespace) -> dict[str, Any]:

@@ -25,8 +25,9 @@ from pathlib import Path
 from typing import Any
 
 from d3d_jax.config import ConfigError
-from d3d_jax.config.decoding import MAX_BLOCK_SIZE, MAX_BRANCH_FANOUT, MAX_SLOTS, MODES
-from d3d_jax.config.flags import add_config_arguments, config_flag, load_command_config, parse_geometries
+from d3d_jax.config.decoding import MAX_BLOCK_SIZE, MAX_BRANCH_FANOUT, MAX_SLOTS
+from d3d_jax.config.flags import (add_config_arguments, add_model_flags, config_flag, load_command_config,
+                                  parse_geometries)
 from d3d_jax.config.serve import INT32, MAX_CACHE_LEN, NUM_SLOTS, ServeConfig
 from d3d_jax.serving import protocol as P
 
@@ -54,17 +55,13 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Every flag sets one :class:`~d3d_jax.config.serve.ServeConfig` field (its defaults are there)."""
     add_config_arguments(p, "configs/serve/demo.yaml")
     flag = functools.partial(config_flag, p)
-    flag("--target", key="models.target", help="HF Qwen3 directory or d3d_jax parameter checkpoint")
-    flag("--drafter", key="models.drafter", help="drafter checkpoint (modes sync, async, auto)")
-    flag("--mode", key="decoder.mode", choices=MODES,
-         help="default: auto with --drafter (it picks plain, sync or async each round), else plain")
+    add_model_flags(p)
     flag("--auto-sync-blocks", key="decoder.auto_sync_blocks", metavar="B1,B2",
          help="auto: sync block sizes (default: 4, 8, 16 up to the block size)")
     flag("--auto-async", key="decoder.auto_async", type=parse_geometries, metavar="CxF,...",
          help="auto: async geometries (default 4x2,12x2; 'none': no async)")
     flag("--prior-tau", key="decoder.prior_tau", type=float,
          help="auto: the drafter's offline τ (default: its result.json's)")
-    flag("--tokenizer", key="models.tokenizer", help="tokenizer dir (default: the target's, else the drafter's)")
     flag("--host", key="server.host", help="bind address (default: localhost only)")
     flag("--port", key="server.port", type=_int_in(0, 65535), help="default 8000; 0: a free port")
     flag("--api-key", key="server.api_key",
@@ -82,7 +79,6 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     flag("--target-devices", key="decoder.target_devices", type=_int_in(1, MAX_SLOTS), help="async: devices for the target")
     flag("--drafter-devices", key="decoder.drafter_devices", type=_int_in(1, MAX_SLOTS),
          help="async: devices for the drafter")
-    flag("--dtype", key="models.dtype", help="parameter/compute dtype (float32, bfloat16)")
     flag("--max-body-bytes", key="server.max_body_bytes", type=_int_in(1, 1 << 30), help="larger bodies get 413")
     flag("--max-prompt-tokens", key="server.max_prompt_tokens", type=_int_in(1, INT32),
          help="default: the context length - 1")

@@ -22,7 +22,8 @@ import os
 from pathlib import Path
 
 from d3d_jax.config.evaluation import TEMPLATES, EvalConfig, EvalSettings
-from d3d_jax.config.flags import add_config_arguments, config_flag, load_command_config, parse_geometries
+from d3d_jax.config.flags import (add_config_arguments, add_model_flags, config_flag, load_command_config,
+                                  parse_geometries)
 from d3d_jax.errors import UsageError
 
 
@@ -31,9 +32,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
     ap.formatter_class = argparse.RawDescriptionHelpFormatter
     add_config_arguments(ap, "eval.yaml")
     flag = functools.partial(config_flag, ap)
-    flag("--target", key="models.target", help="HF Qwen3 directory or d3d_jax parameter checkpoint")
-    flag("--drafter", key="models.drafter")
-    flag("--tokenizer", key="models.tokenizer", help="tokenizer dir (default: the target's dir)")
+    add_model_flags(ap, mode=False)
     flag("--benchmarks", key="eval.benchmarks", nargs="+",
          help="NAME or NAME=PATH (gsm8k, math500, aime25, humaneval, mbpp, livecodebench, mtbench, shakespeare, "
               "stdlib; default humaneval)")
@@ -55,8 +54,6 @@ def add_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
               "and drafter run on disjoint devices; with one, both share it)")
     flag("--drafter-devices", key="decoder.drafter_devices", type=int,
          help="async: devices for the drafter (default: the rest)")
-    flag("--dtype", key="models.dtype",
-         help="parameter/compute dtype of both models (default: each checkpoint's; on a CPU, float32 is the fast one)")
     flag("--out", key="eval.out", help="default runs/eval")
     return ap
 
