@@ -142,11 +142,11 @@ def test_async_parts_pool_the_timed_rounds():
            "packed_devices": ["b"]},
           {"packed_s": 2.0, "overlap_s": 0.5, "sync_s": 0.0, "span_s": 3.0},
           {"accept_hist": [1]}]  # not timed: left out
-    got = B._async_parts(ms)
+    got = B.async_parts(ms)
     assert got["overlap_fraction"] == pytest.approx(2.0 / 4.0)
     assert got["drafter_share"] == pytest.approx(4.5 / 8.0)
     assert (got["verify_devices"], got["packed_devices"]) == (["a"], ["b"])
-    assert B._async_parts([{"accept_hist": [1]}]) == {}
+    assert B.async_parts([{"accept_hist": [1]}]) == {}
 
 
 def test_select_by_length_takes_the_fullest_buckets():
