@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 
 from d3d_jax.config.base import _require
-from d3d_jax.config.decoding import MODES, DecoderSettings, ModelPaths
+from d3d_jax.config.decoding import DEFAULT_BLOCK_SIZE, MODES, DecoderSettings, ModelPaths
 
 TEMPLATES = ("standard", "plain")
 ASYNC_OPTIONS = ("branch_positions", "branch_fanout", "target_devices", "drafter_devices")
@@ -23,7 +23,7 @@ class EvalSettings:
     """What the runner (:mod:`~d3d_jax.bench.evaluation.runner`) decodes with: one decoder per mode."""
 
     max_new_tokens: int = 128
-    block_size: int = 16
+    block_size: int = DEFAULT_BLOCK_SIZE
     max_cache_len: int = 1024
     modes: tuple[str, ...] = ("plain", "sync", "async")
     async_options: dict = dataclasses.field(default_factory=dict)  # mode async: ASYNC_OPTIONS fields
