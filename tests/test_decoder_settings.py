@@ -132,7 +132,8 @@ def _eval(flags, target_cfg, drafter_cfg):
 
 @pytest.mark.parametrize("flags", [["--mode", "sync"], ["--mode", "async"], ["--mode", "auto"],
                                    ["--mode", "async", "--block-size", "4"], ["--mode", "async", "--branch-fanout", "3"],
-                                   ["--mode", "sync", "--block-size", "8"]])
+                                   ["--mode", "sync", "--block-size", "8"],
+                                   ["--mode", "auto", "--auto-async", "none"]])
 def test_serve_generate_and_eval_build_the_same_decoder(tmp_path, flags):
     """No command keeps defaults of its own: with the same flags and the same drafter (trained at
     B = 8, offline τ 3.5 in its result.json) the server, infer/generate.py and infer/bench.py eval
@@ -156,3 +157,5 @@ def test_serve_generate_and_eval_build_the_same_decoder(tmp_path, flags):
         f = int(flags[flags.index("--branch-fanout") + 1]) if "--branch-fanout" in flags else 2
         assert (cfg.branch_positions, cfg.branch_fanout) == (min(12, want_b), f)
     assert cfg.prior_tau == (3.5 if cfg.mode == "auto" else None)
+    if "--auto-async" in flags:
+        assert cfg.auto_async == ()  # 'none': auto without async geometries

@@ -44,6 +44,16 @@ def add_model_flags(p, *, mode: bool = True) -> None:
                 help="parameter/compute dtype of the models (default: each checkpoint's; on a CPU float32 is the fast one)")
 
 
+def add_auto_flags(p) -> None:
+    """Mode auto's menu and prior, the same flags for every decoding command."""
+    config_flag(p, "--auto-sync-blocks", key="decoder.auto_sync_blocks", metavar="B1,B2",
+                help="auto: sync block sizes (default: 4, 8, 16 up to the block size)")
+    config_flag(p, "--auto-async", key="decoder.auto_async", type=parse_geometries, metavar="CxF,...",
+                help="auto: async geometries (default 4x2,12x2; 'none': no async)")
+    config_flag(p, "--prior-tau", key="decoder.prior_tau", type=float,
+                help="auto: the drafter's offline τ (default: its result.json's)")
+
+
 def flag_values(args: argparse.Namespace) -> dict[str, Any]:
     """``{dotted key: value}`` of the config flags that were given."""
     return {k: v for k, v in vars(args).items() if "." in k}

@@ -30,7 +30,9 @@ def decoder_fields(settings: DecoderSettings, drafter_path=None) -> dict:
         fields["prior_tau"] = offline_tau(drafter_path)
     if not fields["sample_drafts"]:
         fields["sample_drafts"] = None
-    return {k: v for k, v in fields.items() if v is not None and v != ()}
+    if not fields["row_buckets"]:
+        fields["row_buckets"] = None  # () is the config's own default; auto_async () means no async
+    return {k: v for k, v in fields.items() if v is not None}
 
 
 def decoder_config_for(settings: DecoderSettings, *, drafter_path=None, **extra) -> DecoderConfig:

@@ -26,8 +26,8 @@ from typing import Any
 
 from d3d_jax.config import ConfigError
 from d3d_jax.config.decoding import MAX_BLOCK_SIZE, MAX_BRANCH_FANOUT, MAX_SLOTS
-from d3d_jax.config.flags import (add_config_arguments, add_model_flags, config_flag, load_command_config,
-                                  parse_geometries)
+from d3d_jax.config.flags import (add_auto_flags, add_config_arguments, add_model_flags, config_flag,
+                                  load_command_config)
 from d3d_jax.config.serve import INT32, MAX_CACHE_LEN, NUM_SLOTS, ServeConfig
 from d3d_jax.serving import protocol as P
 
@@ -56,12 +56,7 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     add_config_arguments(p, "configs/serve/demo.yaml")
     flag = functools.partial(config_flag, p)
     add_model_flags(p)
-    flag("--auto-sync-blocks", key="decoder.auto_sync_blocks", metavar="B1,B2",
-         help="auto: sync block sizes (default: 4, 8, 16 up to the block size)")
-    flag("--auto-async", key="decoder.auto_async", type=parse_geometries, metavar="CxF,...",
-         help="auto: async geometries (default 4x2,12x2; 'none': no async)")
-    flag("--prior-tau", key="decoder.prior_tau", type=float,
-         help="auto: the drafter's offline τ (default: its result.json's)")
+    add_auto_flags(p)
     flag("--host", key="server.host", help="bind address (default: localhost only)")
     flag("--port", key="server.port", type=_int_in(0, 65535), help="default 8000; 0: a free port")
     flag("--api-key", key="server.api_key",

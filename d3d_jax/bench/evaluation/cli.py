@@ -22,8 +22,8 @@ import os
 from pathlib import Path
 
 from d3d_jax.config.evaluation import TEMPLATES, EvalConfig, EvalSettings
-from d3d_jax.config.flags import (add_config_arguments, add_model_flags, config_flag, load_command_config,
-                                  parse_geometries)
+from d3d_jax.config.flags import (add_auto_flags, add_config_arguments, add_model_flags, config_flag,
+                                  load_command_config, parse_geometries)
 from d3d_jax.errors import UsageError
 
 
@@ -46,6 +46,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
     flag("--branch-positions", key="decoder.branch_positions", type=int, help="async C (default min(12, B))")
     flag("--branch-fanout", key="decoder.branch_fanout", type=int, help="async F (default 2)")
     flag("--async-sweep", key="eval.async_sweep", type=parse_geometries, help="C×F points, e.g. 4x2,8x2,12x2")
+    add_auto_flags(ap)
     flag("--hf-peer", key="eval.hf_peer", action="store_true", help="also transformers assisted generation")
     flag("--concurrency", key="eval.concurrency", type=int,
          help="requests in flight in one long-lived decoder per mode (default 1: batch 1)")
