@@ -95,26 +95,30 @@ def check_limits(cfg: EvalConfig, target, longest: int, block: int) -> None:
 
 
 def eval_settings(cfg: EvalConfig, drafter_block: int | None, longest: int, devices: int) -> EvalSettings:
-    """The runner's settings: every mode's decoder from the one ``decoder`` section, a cache that
-    holds the longest conversation, and async's device split."""
-    from d3d_jax.decoding.auto import offline_tau
+    """The runner's settings: every mode's decoder from the one ``decoder`` section (the same
+    derived defaults as the server and generate), a cache that holds the longest conversation,
+    and async's device split."""
+    from d3d_jax.config.evaluation import ASYNC_OPTIONS, AUTO_OPTIONS
+    from d3d_jax.decoding.settings import decoder_fields
 
     run, modes = cfg.eval, cfg.eval.modes
-    block = cfg.mode_settings("sync", drafter_block).block_size
+    block = cfg.mode_settings("plain", drafter_block).block_size
     settings = EvalSettings(max_new_tokens=run.max_new_tokens, block_size=block, modes=modes,
                             concurrency=run.concurrency,
                             max_cache_len=-(-(2 * longest + 2 * run.max_new_tokens + 4 * block) // 64) * 64)
+
+    def options(mode: str, keys) -> dict:
+        fields = decoder_fields(cfg.mode_settings(mode, drafter_block), cfg.models.drafter)
+        return {k: v for k, v in fields.items() if k in keys}
+
     if "async" in modes:
-        a = cfg.mode_settings("async", drafter_block)
-        settings.async_options = {"branch_positions": a.branch_positions, "branch_fanout": a.branch_fanout}
-        td, dd = device_split(a.target_devices, a.drafter_devices, devices)
+        settings.async_options = options("async", ASYNC_OPTIONS)
+        td, dd = device_split(settings.async_options.pop("target_devices", None),
+                              settings.async_options.pop("drafter_devices", None), devices)
         if td is not None:
             settings.async_options.update(target_devices=td, drafter_devices=dd)
     if "auto" in modes:
-        a = cfg.mode_settings("auto", drafter_block)
-        prior = a.prior_tau if a.prior_tau is not None else offline_tau(cfg.models.drafter)
-        settings.auto_options = {k: v for k, v in (("prior_tau", prior), ("auto_sync_blocks", a.auto_sync_blocks),
-                                                   ("auto_async", a.auto_async)) if v is not None}
+        settings.auto_options = options("auto", AUTO_OPTIONS)
     settings.validate()
     return settings
 
