@@ -49,6 +49,7 @@ def test_serve_demo_yaml_loads_and_layers_win_in_order():
     (EvalConfig, ["models.drafter=d", "eval.modes=sync,async"], "eval.modes"),
     (EvalConfig, ["models.drafter=d", "decoder.mode=sync"], "decoder.mode"),
     (EvalConfig, [], "models.drafter"),
+    (EvalConfig, ["models.drafter=d", "eval.benchmarks=[humaneval,eval.samples=4]"], "eval.benchmarks"),
 ])
 def test_bad_values_fail_at_load_naming_the_key(cls, overrides, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):

@@ -61,6 +61,10 @@ class EvalRunSettings:
 
     def validate(self, prefix: str = "eval") -> None:
         _require(bool(self.benchmarks), f"{prefix}.benchmarks", "needs at least one benchmark")
+        # --benchmarks takes every word after it, so an override written there lands here
+        stray = [b for b in self.benchmarks if b.split("=", 1)[0].startswith(("eval.", "decoder.", "models."))]
+        _require(not stray, f"{prefix}.benchmarks", f"{stray[0] if stray else ''!r} is a key=value override: "
+                                                    "put overrides before --benchmarks")
         _require(self.samples >= 1, f"{prefix}.samples", f"must be >= 1, got {self.samples}")
         _require(self.max_new_tokens >= 1, f"{prefix}.max_new_tokens", f"must be >= 1, got {self.max_new_tokens}")
         bad = [m for m in self.modes if m not in MODES]
