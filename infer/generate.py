@@ -9,6 +9,8 @@ config carries ``mask_token_id`` and ``block_size``; ``--mask-token-id`` / ``--b
 override or supply them.  A prompts file holds one JSON object per line with ``prompt_ids`` (token
 ids), ``prompt`` (text) or ``messages`` (chat turns; the chat template is applied with
 ``enable_thinking=False``).  ``--json`` prints one JSON object per prompt.
+Every flag but the prompts sets a field of d3d_jax/config/generate.py's GenerateConfig; ``--config
+FILE`` and ``key=value`` overrides (``decoder.branch_fanout=3``) set them too (files, flags, overrides).
 The longest prompt plus ``--max-new-tokens`` must fit each model's ``max_position_embeddings``
 (``--allow-beyond-context`` lifts that).  Bad input ends in one line on stderr (exit 2: flags and
 paths, 1: file contents); ``--debug`` shows the traceback.
@@ -17,6 +19,7 @@ paths, 1: file contents); ``--debug`` shows the traceback.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -26,56 +29,67 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 from d3d_jax.errors import DataError, RecordError, UsageError  # noqa: E402
-from d3d_jax.training import records  # noqa: E402
+from d3d_jax.io import records  # noqa: E402
 
 
 BENCHMARK_ONLY_FLAGS = ("--simulate-tau", "--simulate-hit-rate", "--simulate-seed")
 BENCHMARK_ONLY_OPTIONS = ("acceptance_rule", "acceptance_override")
 
 
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--target", required=True, help="HF directory or d3d_jax parameter checkpoint")
-    p.add_argument("--drafter", default=None, help="drafter checkpoint (modes sync, async)")
-    p.add_argument("--mode", default=None, choices=("plain", "sync", "async", "auto"),
-                   help="default: auto with --drafter (it picks plain, sync or async each round), else plain")
+def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Every flag but the prompts sets a :class:`~d3d_jax.config.generate.GenerateConfig` field."""
+    from d3d_jax.config import add_auto_flags, add_config_arguments, add_model_flags, config_flag
+
+    add_config_arguments(p, "generate.yaml")
+    flag = functools.partial(config_flag, p)
+    add_model_flags(p)
     src = p.add_argument_group("prompts (any mix; at least one)")
     src.add_argument("--prompt", action="append", default=[], help="text prompt (repeatable)")
     src.add_argument("--prompt-ids", action="append", default=[], help="comma-separated ids (repeatable)")
     src.add_argument("--prompts-file", default=None, help="JSONL: prompt_ids | prompt | messages")
-    p.add_argument("--chat", action="store_true", help="wrap --prompt texts as a user turn in the chat template")
-    p.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the target's)")
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--allow-beyond-context", action="store_true",
-                   help="let prompt + max-new-tokens run past the model's max_position_embeddings")
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--batch-size", type=int, default=None)
-    p.add_argument("--block-size", type=int, default=None, help="default: the drafter's config, else 16")
-    p.add_argument("--mask-token-id", type=int, default=None, help="default: the drafter's config")
-    p.add_argument("--max-cache-len", type=int, default=None)
-    p.add_argument("--eos-ids", default=None, help="comma-separated; default: config + tokenizer EOS")
-    p.add_argument("--ignore-eos", action="store_true")
-    p.add_argument("--stop-ids", default="", help="comma-separated extra stop token ids")
-    p.add_argument("--dtype", default=None, help="parameter/compute dtype (float32, bfloat16)")
-    p.add_argument("--sample-drafts", action="store_true", help="sample drafts from q (sampling only)")
-    p.add_argument("--loop", default="device", choices=("device", "host"),
-                   help="device: fused on-device loop; host: per-round loop that times draft/verify")
+    src.add_argument("--chat", action="store_true", help="wrap --prompt texts as a user turn in the chat template")
+    flag("--max-new-tokens", key="generate.max_new_tokens", type=int, help="default 128")
+    flag("--allow-beyond-context", key="generate.allow_beyond_context", action="store_true",
+         help="let prompt + max-new-tokens run past the model's max_position_embeddings")
+    flag("--temperature", key="generate.temperature", type=float, help="default 0: greedy")
+    flag("--top-p", key="generate.top_p", type=float)
+    flag("--top-k", key="generate.top_k", type=int)
+    flag("--seed", key="generate.seed", type=int)
+    flag("--batch-size", key="decoder.num_slots", type=int, help="default: every prompt in one batch")
+    flag("--block-size", key="decoder.block_size", type=int, help="default: the drafter's config, else 16")
+    flag("--mask-token-id", key="generate.mask_token_id", type=int, help="default: the drafter's config")
+    flag("--max-cache-len", key="decoder.max_cache_len", type=int, help="default: what the prompts need")
+    flag("--eos-ids", key="generate.eos_ids", help="comma-separated; default: config + tokenizer EOS")
+    flag("--ignore-eos", key="generate.ignore_eos", action="store_true")
+    flag("--stop-ids", key="generate.stop_ids", help="comma-separated extra stop token ids")
+    flag("--sample-drafts", key="decoder.sample_drafts", action="store_true", help="sample drafts from q (sampling only)")
+    flag("--loop", key="generate.loop", choices=("device", "host"),
+         help="device: fused on-device loop; host: per-round loop that times draft/verify")
     asy = p.add_argument_group("async mode (spec §5)")
-    asy.add_argument("--branch-positions", type=int, default=None,
+    asy.add_argument("--branch-positions", dest="decoder.branch_positions", type=int, default=argparse.SUPPRESS,
                      help="C: rejection slots 1..C-1 get branches (default min(12, block size))")
-    asy.add_argument("--branch-fanout", type=int, default=None, help="F: alternatives per slot (default 2)")
-    asy.add_argument("--target-devices", type=int, default=None,
+    asy.add_argument("--branch-fanout", dest="decoder.branch_fanout", type=int, default=argparse.SUPPRESS,
+                     help="F: alternatives per slot (default 2)")
+    asy.add_argument("--target-devices", dest="decoder.target_devices", type=int, default=argparse.SUPPRESS,
                      help="devices for the target (with --drafter-devices: disjoint slices)")
-    asy.add_argument("--drafter-devices", type=int, default=None, help="devices for the drafter")
+    asy.add_argument("--drafter-devices", dest="decoder.drafter_devices", type=int, default=argparse.SUPPRESS,
+                     help="devices for the drafter")
+    add_auto_flags(p)
     p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
-                   help="extra DecoderConfig field (repeatable), e.g. --option prior_tau=4")
-    p.add_argument("--json", action="store_true", help="one JSON object per prompt")
-    p.add_argument("--show-special-tokens", action="store_true",
-                   help="keep special tokens (EOS, <|im_end|>...) in the text; by default they are "
-                        "skipped, as the server, OpenAI, vLLM and transformers' skip_special_tokens do")
+                   help="extra DecoderConfig field (repeatable), e.g. --option row_buckets=[1,4]")
+    flag("--json", key="generate.json", action="store_true", help="one JSON object per prompt")
+    flag("--show-special-tokens", key="generate.show_special_tokens", action="store_true",
+         help="keep special tokens (EOS, <|im_end|>...) in the text; by default they are "
+              "skipped, as the server, OpenAI, vLLM and transformers' skip_special_tokens do")
+    return p
+
+
+def parse_args(argv=None):
+    """``(args, GenerateConfig)``: ``--config`` files, then the flags, then ``key=value`` overrides."""
+    from d3d_jax.config import GenerateConfig, load_command_config
+
+    p = add_arguments(argparse.ArgumentParser(description=__doc__,
+                                              formatter_class=argparse.RawDescriptionHelpFormatter))
     argv = sys.argv[1:] if argv is None else list(argv)
     # simulated acceptance fakes τ and hit rate: it exists for benchmarks and nowhere else
     def refuse(name):
@@ -85,30 +99,31 @@ def parse_args(argv=None):
     for a in argv:  # before parsing, which would only say "unrecognized arguments"
         if a.split("=", 1)[0] in BENCHMARK_ONLY_FLAGS:
             refuse(a.split("=", 1)[0])
-    args = p.parse_args(argv)
-    if args.mode is None:
-        args.mode = "auto" if args.drafter is not None else "plain"
+    args = p.parse_intermixed_args(argv)
     for o in args.option:
         if o.split("=", 1)[0].strip() in BENCHMARK_ONLY_OPTIONS:
             refuse(f"--option {o.split('=', 1)[0].strip()}")
     check_limits(args)
-    return args
+    return args, load_command_config(GenerateConfig, args)
 
 
 def check_limits(args) -> None:
-    """Every number a flag gives, against what the program can do (:mod:`d3d_jax.config.limits`)."""
+    """Every number a flag gives, against what the program can do (:mod:`d3d_jax.config.limits`),
+    named by its flag (a flag's destination is the config field it sets)."""
     from d3d_jax.config import limits as L
 
-    L.check_sampling("--", temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
-                     max_new_tokens=args.max_new_tokens)
-    for flag, value, lo, hi in (("--batch-size", args.batch_size, 1, L.MAX_SLOTS),
-                                ("--block-size", args.block_size, 2, L.MAX_BLOCK_SIZE),
-                                ("--max-cache-len", args.max_cache_len, 2, L.MAX_CACHE_LEN),
-                                ("--mask-token-id", args.mask_token_id, 0, L.INT32_MAX),
-                                ("--branch-positions", args.branch_positions, 2, L.MAX_BLOCK_SIZE),
-                                ("--branch-fanout", args.branch_fanout, 1, L.MAX_SLOTS)):
-        if value is not None:
-            L.require_int(value, flag, lo, hi)
+    given = lambda key, default: getattr(args, key, default)  # noqa: E731  (flags not given are absent)
+    L.check_sampling("--", temperature=given("generate.temperature", 0.0), top_p=given("generate.top_p", 1.0),
+                     top_k=given("generate.top_k", 0), seed=given("generate.seed", 0),
+                     max_new_tokens=given("generate.max_new_tokens", 1))
+    for flag, key, lo, hi in (("--batch-size", "decoder.num_slots", 1, L.MAX_SLOTS),
+                              ("--block-size", "decoder.block_size", 2, L.MAX_BLOCK_SIZE),
+                              ("--max-cache-len", "decoder.max_cache_len", 2, L.MAX_CACHE_LEN),
+                              ("--mask-token-id", "generate.mask_token_id", 0, L.INT32_MAX),
+                              ("--branch-positions", "decoder.branch_positions", 2, L.MAX_BLOCK_SIZE),
+                              ("--branch-fanout", "decoder.branch_fanout", 1, L.MAX_SLOTS)):
+        if given(key, None) is not None:
+            L.require_int(given(key, None), flag, lo, hi)
 
 
 def _ids(text: str, what: str) -> list[int]:
@@ -167,11 +182,11 @@ def _file_prompt(rec, vocab_size: int, encode_messages, encode_text) -> list[int
     raise RecordError("needs prompt_ids (ids), prompt (text) or messages (chat turns)")
 
 
-def eos_ids(args, target_cfg, tokenizer) -> list[int]:
-    if args.ignore_eos:
+def eos_ids(g, target_cfg, tokenizer) -> list[int]:
+    if g.ignore_eos:
         return []
-    if args.eos_ids is not None:
-        return _ids(args.eos_ids, "--eos-ids")
+    if g.eos_ids is not None:
+        return list(g.eos_ids)
     from d3d_jax.io.hf import eos_token_ids
 
     return list(eos_token_ids(target_cfg, tokenizer))
@@ -186,92 +201,62 @@ def parse_option(text: str):
     return key.strip(), yaml.safe_load(value)
 
 
-def load_drafter(args, load_model):
-    """``(drafter or None, block size, mask id)`` for the mode, from flags and the drafter's config."""
-    drafter, block, mask = None, args.block_size, args.mask_token_id
-    if args.mode != "plain":
-        if args.drafter is None:
-            raise UsageError(f"--mode {args.mode} needs --drafter")
-        drafter = load_model(args.drafter, dtype=args.dtype)
-        mask = mask if mask is not None else drafter.config.mask_token_id
-        trained = drafter.config.block_size
-        if block is not None and trained is not None and block > trained:
-            raise UsageError(f"--block-size {block} is more than the drafter was trained for ({trained}): its "
-                             f"slots past {trained} were never trained; use --block-size {trained} or less")
-        block = block if block is not None else trained
-        if mask is None:
-            raise UsageError("the drafter's config has no mask_token_id: pass --mask-token-id")
-    elif args.drafter is not None:
-        raise UsageError("--drafter given with --mode plain")
-    return drafter, block or 16, mask
+def load_drafter(cfg, load_model):
+    """``(drafter or None, its mask id)`` for the mode; the mode and the drafter agree (checked at load)."""
+    if cfg.models.drafter is None:
+        return None, cfg.generate.mask_token_id
+    drafter = load_model(cfg.models.drafter, dtype=cfg.models.dtype)
+    trained, block = drafter.config.block_size, cfg.decoder.block_size
+    if block is not None and trained is not None and block > trained:
+        raise UsageError(f"--block-size {block} is more than the drafter was trained for ({trained}): its "
+                         f"slots past {trained} were never trained; use --block-size {trained} or less")
+    mask = cfg.generate.mask_token_id
+    mask = mask if mask is not None else drafter.config.mask_token_id
+    if mask is None:
+        raise UsageError("the drafter's config has no mask_token_id: pass --mask-token-id")
+    return drafter, mask
 
 
-def mode_options(args, block: int) -> dict:
-    """DecoderConfig fields of the flags; an async branch pack is sized (and refused) here, before work."""
+def decoder_settings(cfg, drafter_cfg, num_prompts: int):
+    """The decoder settings with every default filled in (the cache length is the prompts' to set)."""
+    return cfg.decoder.resolved(has_drafter=drafter_cfg is not None,
+                                drafter_block_size=drafter_cfg.block_size if drafter_cfg is not None else None,
+                                num_slots=num_prompts)
+
+
+def mode_options(args, settings, drafter_path) -> dict:
+    """DecoderConfig fields of the settings and ``--option``; an async branch pack is sized (and
+    refused) here, before work."""
     from d3d_jax.decoding.branches import BranchLayout
+    from d3d_jax.decoding.settings import decoder_fields
 
-    options = dict(parse_option(o) for o in args.option)
+    options = decoder_fields(settings, drafter_path)
+    for key in ("mode", "num_slots", "max_cache_len", "block_size"):
+        options.pop(key, None)
+    options.update(parse_option(o) for o in args.option)
     options.pop("verbose", None)  # an old engine option: the decoder prints nothing
-    if args.sample_drafts:
-        options.update(sample_drafts=True)
-    async_flags = {k: getattr(args, k) for k in ("branch_positions", "branch_fanout", "target_devices",
-                                                 "drafter_devices") if getattr(args, k) is not None}
-    if args.mode == "async":
-        options.update(branch_positions=min(12, block), branch_fanout=2)
-        options.update(async_flags)
-        BranchLayout(block, int(options["branch_positions"]), int(options["branch_fanout"])).validate()
-    elif async_flags:
-        raise UsageError(f"--{next(iter(async_flags)).replace('_', '-')} needs --mode async")
-    if args.mode == "auto" and "prior_tau" not in options:
-        from d3d_jax.decoding.auto import offline_tau
-
-        options["prior_tau"] = offline_tau(args.drafter)
+    if settings.mode == "async":
+        BranchLayout(settings.block_size, int(options["branch_positions"]), int(options["branch_fanout"])).validate()
     return options
 
 
-def main(argv=None):
-    args = parse_args(argv)
-    from d3d_jax.decoding import engine
-    from d3d_jax.io.checkpoint import load_model
-    from d3d_jax.io.hf import has_tokenizer, load_tokenizer
-    from d3d_jax.io.pairing import check_pairing
-
-    target = load_model(args.target, dtype=args.dtype)
-    vocab = target.config.vocab_size
-    tok_path = Path(args.tokenizer) if args.tokenizer else Path(args.target)
-    tokenizer = load_tokenizer(tok_path, vocab)[0] if args.tokenizer or has_tokenizer(tok_path) else None
-    prompts = collect_prompts(args, tokenizer, vocab)
-    drafter, block, mask = load_drafter(args, load_model)
-    eos = eos_ids(args, target.config, tokenizer)
-    mask = check_pairing(tokenizer, target.config, drafter.config if drafter is not None else None,
-                         mask_token_id=args.mask_token_id, eos_ids=eos, where=f"--drafter {args.drafter}")
+def _check_context(cfg, prompts, target, drafter) -> None:
+    g = cfg.generate
     for flag, model in (("--target", target), ("--drafter", drafter)):
         if model is not None:
-            records.check_context(max(map(len, prompts)), args.max_new_tokens, model.config.context_length,
-                                  model=f"{flag} {getattr(args, flag[2:])}", allow_beyond=args.allow_beyond_context,
+            records.check_context(max(map(len, prompts)), g.max_new_tokens, model.config.context_length,
+                                  model=f"{flag} {getattr(cfg.models, flag[2:])}", allow_beyond=g.allow_beyond_context,
                                   hint="--allow-beyond-context")
-    options = mode_options(args, block)
-    loop = options.pop("loop", args.loop)
-    try:
-        cache_len = engine.cache_len_for(prompts, args.max_new_tokens, block, args.max_cache_len)
-        dec = engine.make_decoder(target, drafter, mode=args.mode, num_slots=args.batch_size or len(prompts),
-                                  max_cache_len=cache_len, block_size=block, mask_token_id=mask, **options)
-        timer = None
-        if loop == "host" and args.mode in ("plain", "sync"):
-            from d3d_jax.bench.clock import PhaseTimer
 
-            timer = PhaseTimer()
-        outs = engine.generate(dec, prompts, sampling=engine.SamplingParams(args.temperature, args.top_p, args.top_k),
-                               max_new_tokens=args.max_new_tokens, eos_token_ids=eos,
-                               stop_token_ids=_ids(args.stop_ids, "--stop-ids"), seed=args.seed, timer=timer)
-    except UsageError:
-        raise
-    except ValueError as e:  # the engine checks its arguments with ValueError
-        raise UsageError(str(e)) from None
+
+def _print(cfg, outs, tokenizer) -> None:
+    from d3d_jax.decoding import engine
+
+    g = cfg.generate
     for i, o in enumerate(outs):
-        text = (tokenizer.decode(o.token_ids, skip_special_tokens=not args.show_special_tokens)
+        text = (tokenizer.decode(o.token_ids, skip_special_tokens=not g.show_special_tokens)
                 if tokenizer is not None else None)
-        if args.json:
+        if g.json:
             print(json.dumps({"index": i, "token_ids": o.token_ids, "text": text,
                               "finish_reason": o.finish_reason, "tau": o.metrics["tau"],
                               "tokens_per_s": o.metrics["tokens_per_s"], "metrics": o.metrics}))
@@ -279,9 +264,50 @@ def main(argv=None):
             print(f"--- [{i}] {o.finish_reason}, {len(o.token_ids)} tokens, tau {o.metrics['tau']:.2f}")
             print(text if text is not None else " ".join(map(str, o.token_ids)))
     summary = engine.summarize_outputs(outs)
-    print(json.dumps({"summary": summary}) if args.json else
+    print(json.dumps({"summary": summary}) if g.json else
           f"=== {summary['requests']} prompts, {summary['num_tokens']} tokens, tau {summary['tau']:.2f}, "
           f"{summary['tokens_per_s']:.1f} tokens/s", file=sys.stderr)
+
+
+def main(argv=None):
+    args, cfg = parse_args(argv)
+    from d3d_jax.decoding import engine
+    from d3d_jax.io.checkpoint import load_model
+    from d3d_jax.io.hf import has_tokenizer, load_tokenizer
+    from d3d_jax.io.pairing import check_pairing
+
+    g, m = cfg.generate, cfg.models
+    target = load_model(m.target, dtype=m.dtype)
+    vocab = target.config.vocab_size
+    tok_path = Path(m.tokenizer) if m.tokenizer else Path(m.target)
+    tokenizer = load_tokenizer(tok_path, vocab)[0] if m.tokenizer or has_tokenizer(tok_path) else None
+    prompts = collect_prompts(args, tokenizer, vocab)
+    drafter, mask = load_drafter(cfg, load_model)
+    eos = eos_ids(g, target.config, tokenizer)
+    mask = check_pairing(tokenizer, target.config, drafter.config if drafter is not None else None,
+                         mask_token_id=g.mask_token_id, eos_ids=eos, where=f"--drafter {m.drafter}")
+    _check_context(cfg, prompts, target, drafter)
+    settings = decoder_settings(cfg, drafter.config if drafter is not None else None, len(prompts))
+    options = mode_options(args, settings, m.drafter)
+    loop = options.pop("loop", g.loop)
+    try:
+        cache_len = engine.cache_len_for(prompts, g.max_new_tokens, settings.block_size, settings.max_cache_len)
+        dec = engine.make_decoder(target, drafter, mode=settings.mode, num_slots=settings.num_slots,
+                                  max_cache_len=cache_len, block_size=settings.block_size, mask_token_id=mask,
+                                  **options)
+        timer = None
+        if loop == "host" and settings.mode in ("plain", "sync"):
+            from d3d_jax.bench.clock import PhaseTimer
+
+            timer = PhaseTimer()
+        outs = engine.generate(dec, prompts, sampling=engine.SamplingParams(g.temperature, g.top_p, g.top_k),
+                               max_new_tokens=g.max_new_tokens, eos_token_ids=eos,
+                               stop_token_ids=list(g.stop_ids), seed=g.seed, timer=timer)
+    except UsageError:
+        raise
+    except ValueError as e:  # the engine checks its arguments with ValueError
+        raise UsageError(str(e)) from None
+    _print(cfg, outs, tokenizer)
     return outs
 
 

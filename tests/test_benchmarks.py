@@ -6,8 +6,10 @@ import numpy as np
 import pytest
 from d3d_jax.bench.generator import Generator
 
-from d3d_jax.evaluation import benchmarks as B
-from d3d_jax.evaluation import plots
+from d3d_jax.bench.evaluation import benchmarks as B
+from d3d_jax.bench.evaluation import runner as R
+from d3d_jax.config.evaluation import EvalSettings
+from d3d_jax.bench.evaluation import plots
 
 
 def _jsonl(path, recs):
@@ -74,7 +76,7 @@ def test_mtbench_multi_turn_answers_join_the_conversation(tmp_path):
     def gen(prompts, mode):
         return [Out([7, len(seen)])]
 
-    run = B.run_mode(gen, Tok(), samples, "plain", encode)
+    run = R.Runner(gen).run_mode(Tok(), samples, "plain", encode)
     turn_calls = [m for m in seen if len(m) > 1 or m[0]["content"] != "Write a poem."] or seen
     second = [m for m in seen if len(m) == 3]
     assert second and second[-1][1]["role"] == "assistant"
@@ -140,11 +142,11 @@ def test_async_parts_pool_the_timed_rounds():
            "packed_devices": ["b"]},
           {"packed_s": 2.0, "overlap_s": 0.5, "sync_s": 0.0, "span_s": 3.0},
           {"accept_hist": [1]}]  # not timed: left out
-    got = B._async_parts(ms)
+    got = B.async_parts(ms)
     assert got["overlap_fraction"] == pytest.approx(2.0 / 4.0)
     assert got["drafter_share"] == pytest.approx(4.5 / 8.0)
     assert (got["verify_devices"], got["packed_devices"]) == (["a"], ["b"])
-    assert B._async_parts([{"accept_hist": [1]}]) == {}
+    assert B.async_parts([{"accept_hist": [1]}]) == {}
 
 
 def test_select_by_length_takes_the_fullest_buckets():
@@ -197,8 +199,8 @@ def _encode(tok, messages):  # deterministic ids per conversation, all in one le
 def test_evaluate_with_engine_sync_equals_plain(tiny_pair):
     target, drafter, _ = tiny_pair
     suites = {"toy": [B.Sample(f"s{i}", [f"prompt number {i}"]) for i in range(3)]}
-    settings = B.EvalSettings(max_new_tokens=12, block_size=4, max_cache_len=64, modes=("plain", "sync"))
-    res, raw = B.evaluate(target, drafter, _IdTok(), suites, settings, eos_token_ids=(), mask_token_id=63,
+    settings = EvalSettings(max_new_tokens=12, block_size=4, max_cache_len=64, modes=("plain", "sync"))
+    res, raw = R.evaluate(target, drafter, _IdTok(), suites, settings, eos_token_ids=(), mask_token_id=63,
                           encode_fn=_encode, progress=False)
     r = res["toy"]
     assert r["sync"]["equals_plain"] and r["plain"]["new_tokens"] == 36
@@ -215,7 +217,7 @@ def test_evaluate_with_engine_sync_equals_plain(tiny_pair):
 
 def test_eval_device_split_defaults_to_disjoint_halves():
     from d3d_jax.errors import UsageError
-    from d3d_jax.evaluation.cli import device_split
+    from d3d_jax.bench.evaluation.cli import device_split
 
     assert device_split(None, None, 1) == (None, None)  # one device: both share it
     assert device_split(None, None, 2) == (1, 1)
@@ -230,7 +232,7 @@ def test_eval_device_split_defaults_to_disjoint_halves():
 
 def test_hf_assisted_generation_peer(tiny_pair):
     from d3d_jax.decoding import engine
-    from d3d_jax.evaluation.assisted import hf_assisted_generation
+    from d3d_jax.bench.evaluation.assisted import hf_assisted_generation
 
     target, _, root = tiny_pair
     prompts = [[5, 6, 7, 8, 9], [10, 11, 12]]

@@ -117,7 +117,7 @@ def split_texts():
     from pathlib import Path
 
     from d3d_jax.config import PipelineConfig, load_config
-    from d3d_jax.evaluation.benchmarks import load_benchmark
+    from d3d_jax.bench.evaluation.benchmarks import load_benchmark
     from d3d_jax.pipeline.pretraining import pretrain_pairs
 
     cfg = load_config(PipelineConfig, ["configs/pipelines/demo.yaml"], [])

@@ -13,7 +13,7 @@ from d3d_jax.config import DataConfig, TrainRunConfig, load_config
 from d3d_jax.errors import DataError, NonFiniteError, RecordError, UsageError
 from d3d_jax.training import data as D
 from d3d_jax.training import objectives as obj
-from d3d_jax.training import records
+from d3d_jax.io import records
 from d3d_jax.training.loop import Trainer, run
 
 VOCAB = 64
@@ -206,15 +206,16 @@ def test_context_limit_is_checked_before_work():
 def test_eval_entry_point_checks_context_and_branch_budget_before_decoding():
     import types
 
-    from d3d_jax.config import ConfigError
-    from d3d_jax.evaluation.cli import check_limits
+    from d3d_jax.bench.evaluation.cli import check_limits
+    from d3d_jax.config import ConfigError, EvalConfig, load_config
 
     target = types.SimpleNamespace(config=types.SimpleNamespace(max_position_embeddings=256))
-    args = types.SimpleNamespace(max_new_tokens=300, target="t", allow_beyond_context=False,
-                                 branch_positions=None, branch_fanout=5000)
+    base = ["models.target=t", "models.drafter=d", "eval.max_new_tokens=300", "decoder.branch_fanout=64"]
+    cfg = load_config(EvalConfig, [], base + ["eval.modes=plain,async"])
     with pytest.raises(UsageError, match=r"= 310 exceeds max_position_embeddings 256 of --target t"):
-        check_limits(args, target, 10, 16, ("plain", "async"))
-    args.allow_beyond_context = True
-    check_limits(args, target, 10, 16, ("plain", "sync"))
-    with pytest.raises(ConfigError, match="= 880032 tokens"):
-        check_limits(args, target, 10, 16, ("plain", "async"))
+        check_limits(cfg, target, 10, 16)
+    check_limits(load_config(EvalConfig, [], base + ["eval.allow_beyond_context=true", "eval.modes=plain,sync"]),
+                 target, 10, 16)
+    cfg = load_config(EvalConfig, [], base + ["eval.allow_beyond_context=true", "eval.modes=plain,async"])
+    with pytest.raises(ConfigError, match=r"16·\(\(12-1\)·64 \+ 2\) = 11296 tokens"):
+        check_limits(cfg, target, 10, 16)

@@ -126,7 +126,7 @@ def test_completions_stream_and_full_equal_the_solo_reference(make_server, mode)
 
 
 def test_chat_uses_the_non_thinking_template(make_server):
-    from d3d_jax.demo import chat_prompt_ids
+    from d3d_jax.io.chat import chat_prompt_ids
 
     s = make_server(mode="sync")
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}]
@@ -366,8 +366,8 @@ def test_prometheus_metrics(make_server, mode):
 # The evaluation harness's --concurrency N (scheduler rounds without HTTP)
 # --------------------------------------------------------------------------------------------
 def test_eval_concurrency_keeps_n_in_flight_and_matches_solo(tokenizer):
-    from d3d_jax.demo import chat_prompt_ids
-    from d3d_jax.evaluation import benchmarks as B
+    from d3d_jax.io.chat import chat_prompt_ids
+    from d3d_jax.bench.evaluation import benchmarks as B
 
     made = {}
 
@@ -375,13 +375,15 @@ def test_eval_concurrency_keeps_n_in_flight_and_matches_solo(tokenizer):
         made[mode] = FakeDecoder(FakeConfig(mode=mode, num_slots=3, max_cache_len=512))
         return made[mode]
 
-    settings = B.EvalSettings(max_new_tokens=12, block_size=4, max_cache_len=512, concurrency=3)
-    from d3d_jax.evaluation import concurrent
+    from d3d_jax.bench.evaluation.runner import make_runner
+    from d3d_jax.config.evaluation import EvalSettings
 
-    gen = concurrent.make_generate_fn(None, None, settings, (EOS,), decoder_factory=factory, request_cls=Request)
+    settings = EvalSettings(max_new_tokens=12, block_size=4, max_cache_len=512, concurrency=3)
+
+    runner = make_runner(None, None, settings, (EOS,), None, decoder_factory=factory, request_cls=Request)
     samples = [B.Sample(f"s/{i}", [f"question {i} " * (i + 1)] + ([f"and then {i}?"] if i % 3 == 0 else []), "")
                for i in range(7)]
-    runs = {m: B.run_mode(gen, tokenizer, samples, m, chat_prompt_ids) for m in ("plain", "sync", "async")}
+    runs = {m: runner.run_mode(tokenizer, samples, m, chat_prompt_ids) for m in ("plain", "sync", "async")}
     # the solo reference, conversation by conversation (a later turn sees the earlier answer)
     expected = []
     for s in samples:

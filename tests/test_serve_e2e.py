@@ -219,8 +219,12 @@ def test_load_200_requests_with_cancellations(models, tmp_path):
 @pytest.mark.slow
 def test_eval_concurrency_equals_batch_one(reference, models):
     """``infer/bench.py eval --concurrency 3``: plain and sync give the batch-1 harness's plain outputs."""
-    from d3d_jax.demo import chat_prompt_ids
-    from d3d_jax.evaluation import benchmarks as B
+    import dataclasses
+
+    from d3d_jax.bench.evaluation import benchmarks as B
+    from d3d_jax.bench.evaluation import runner as R
+    from d3d_jax.config.evaluation import EvalSettings
+    from d3d_jax.io.chat import chat_prompt_ids
     from d3d_jax.io.hf import eos_token_ids
 
     tok, _ = reference
@@ -229,9 +233,9 @@ def test_eval_concurrency_equals_batch_one(reference, models):
     kw = dict(eos_token_ids=eos_token_ids(target.config, tok), mask_token_id=None, encode_fn=chat_prompt_ids,
               progress=False)
     # async goes through the same code (covered with the toy decoder in test_serve.py): not compiled here
-    base = B.EvalSettings(max_new_tokens=12, block_size=16, max_cache_len=192, modes=("plain", "sync"))
-    _, raw_one = B.evaluate(target, drafter, tok, suites, B.dataclasses.replace(base, modes=("plain",)), **kw)
-    three, raw_three = B.evaluate(target, drafter, tok, suites, B.dataclasses.replace(base, concurrency=3), **kw)
+    base = EvalSettings(max_new_tokens=12, block_size=16, max_cache_len=192, modes=("plain", "sync"))
+    _, raw_one = R.evaluate(target, drafter, tok, suites, dataclasses.replace(base, modes=("plain",)), **kw)
+    three, raw_three = R.evaluate(target, drafter, tok, suites, dataclasses.replace(base, concurrency=3), **kw)
     for mode in base.modes:
         assert raw_three["toy"][mode].outputs == raw_one["toy"]["plain"].outputs, mode
         assert len(raw_three["toy"][mode].outputs) == 6 and three["toy"][mode]["equals_plain"]

@@ -32,7 +32,7 @@ def check_before_loading(args, cfg):
     from d3d_jax.io.checkpoint import stored_model_config
     from d3d_jax.io.hf import eos_token_ids, open_tokenizer
     from d3d_jax.io.pairing import check_pairing
-    from d3d_jax.training import records
+    from d3d_jax.io import records
 
     if not os.path.isfile(args.prompts):
         raise UsageError(f"--prompts {args.prompts}: no such file")

@@ -24,8 +24,6 @@ import numpy as np
 
 from d3d_jax.bench import kernel_cost
 
-_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "bf16": 2, "f16": 2, "s32": 4,
-                "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8}
 _SHAPE = re.compile(r"\b(pred|[suf]\d+|bf16)\[([\d,]*)\]")
 _COMP = re.compile(r"^(ENTRY )?%([\w.\-]+) \(.*\) -> .* \{$")
 _INSTR = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = (.+?) ([a-z][\w\-]*)\((.*)$")
@@ -36,10 +34,6 @@ _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 def shapes_in(text: str) -> list[tuple[str, tuple[int, ...]]]:
     """Every ``dtype[dims]`` in ``text``, in order."""
     return [(dt, tuple(int(d) for d in dims.split(",") if d)) for dt, dims in _SHAPE.findall(text)]
-
-
-def nbytes(dtype: str, shape: tuple[int, ...]) -> int:
-    return _DTYPE_BYTES.get(dtype, 4) * int(np.prod(shape, dtype=np.int64))
 
 
 # --------------------------------------------------------------------------------------
@@ -120,7 +114,7 @@ def _lookup_overcount(line: str, out_type: str, shapes: dict, tables: set) -> fl
     if src is None or src not in tables:
         return 0.0
     out = shapes_in(out_type)
-    return max(nbytes(*src) - sum(nbytes(*o) for o in out), 0)
+    return max(kernel_cost.nbytes(*src) - sum(kernel_cost.nbytes(*o) for o in out), 0)
 
 
 def walk(hlo: str, tables: set = frozenset(), kernel_costs=None) -> tuple[Extras, list[dict]]:

@@ -102,29 +102,39 @@ def target_step_fn(model, width: int, context_len: int, cache_len: int, iters: i
     return lambda: jax.block_until_ready(run(params, cache, ctx))
 
 
-def run(args) -> dict:
+def _clock(args) -> str:
+    return ("cpu" if jax.default_backend() == "cpu" else "wall") if args.clock == "auto" else args.clock
+
+
+def _header(args, clock: str, sim) -> dict:
     import torch
 
-    sim = simulate.from_args(args, hits=False)  # bad flags fail here, before any work
-    if sim is not None:
-        sim.check_block(args.block_size)
-    sim_kw = {} if sim is None else {"acceptance_override": sim}
-    clock = args.clock
-    if clock == "auto":
-        clock = "cpu" if jax.default_backend() == "cpu" else "wall"
+    return {"config": {k: v for k, v in vars(args).items() if k not in ("func", "json_out")},
+            "load_avg_1m": os.getloadavg()[0], "cpu_count": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(), "xla_flags": os.environ.get("XLA_FLAGS", ""),
+            "device": str(jax.devices()[0]), "simulated_acceptance": simulate.record(sim),
+            "timing": f"{clock} clock, minimum over {args.repeats} interleaved repeats"}
+
+
+def _best_of_interleaved(measures: dict, repeats: int) -> dict:
+    """The minimum of each measure over ``repeats`` rounds, interleaved so that every measure sees
+    the same machine load."""
+    best = {k: float("inf") for k in measures}
+    for _ in range(repeats):
+        for k, fn in measures.items():
+            best[k] = min(best[k], fn())
+    return best
+
+
+def _measures(args, hf, target, prompt, clock: str, sim_kw: dict):
+    """``(measures, plain output, sync output, transformers tokens or None)``: every timed callable,
+    compiled (and run once) here."""
+    import torch
+
     time_key = "batch_cpu_s" if clock == "cpu" else "batch_wall_s"
     now = _CLOCK[clock]
-    hf, target = _build_models(args)
-    rng = np.random.default_rng(0)
-    prompt = rng.integers(0, args.vocab, args.prompt_len).tolist()
     n_new, bs = args.max_new_tokens, args.block_size
     cache_len = -(-(args.prompt_len + n_new + bs) // 16) * 16  # one cache length for every run
-    result: dict = {"config": {k: v for k, v in vars(args).items() if k not in ("func", "json_out")},
-                    "load_avg_1m": os.getloadavg()[0], "cpu_count": os.cpu_count(),
-                    "torch_threads": torch.get_num_threads(), "xla_flags": os.environ.get("XLA_FLAGS", ""),
-                    "device": str(jax.devices()[0]), "simulated_acceptance": simulate.record(sim),
-                    "timing": f"{clock} clock, minimum over {args.repeats} interleaved repeats"}
-
     generate = Generator()
 
     def decode(n=n_new, **kw):
@@ -162,20 +172,22 @@ def run(args) -> dict:
     if not args.skip_transformers:
         hf_tokens = hf_generate()[0, len(prompt):].tolist()
         measures["transformers"] = lambda: timed(hf_generate)
-    best = {k: float("inf") for k in measures}
-    for _ in range(args.repeats):  # interleaved, so every measure sees the same machine load
-        for k, fn in measures.items():
-            best[k] = min(best[k], fn())
+    return measures, plain_out, sync_out, hf_tokens
 
-    # ---- (a) plain decoding vs transformers greedy generate
+
+def _plain_vs_transformers(best: dict, n_new: int, hf_tokens, plain_out) -> dict:
+    """(a) plain decoding against transformers' greedy generate."""
     a = {"ours_ms_per_token": 1e3 * best["plain"] / n_new}
     if hf_tokens is not None:
         a.update(transformers_ms_per_token=1e3 * best["transformers"] / n_new,
                  speedup=best["transformers"] / best["plain"],
                  same_tokens=hf_tokens == plain_out.token_ids, goal=2.5)
-    result["plain_vs_transformers"] = a
+    return a
 
-    # ---- (b) sync decoding with a replay drafter: efficiency against τ · t₁ / t_B
+
+def _sync_efficiency(best: dict, args, sim, sync_out, plain_out) -> dict:
+    """(b) sync decoding with a replay drafter: efficiency against τ · t₁ / t_B."""
+    n_new, bs = args.max_new_tokens, args.block_size
     tau, rounds = sync_out.metrics["tau"], sync_out.metrics["rounds"]
     ideal = tau * best["t1"] / best["tB"]
     speedup = best["plain"] / best["sync"]
@@ -184,7 +196,7 @@ def run(args) -> dict:
     # decode-phase figures subtract it (prefill ≈ plain time for 1 token − t₁).
     prefill = max(best["plain_1_token"] - best["t1"], 0.0)
     decode_speedup = (best["plain"] - prefill) / (best["sync"] - prefill)
-    result["sync_efficiency"] = {
+    return {
         "block_size": bs, "error_rate": args.error_rate, "tau": tau, "rounds": rounds,
         # simulated acceptance ignores token values: its output is not comparable
         "same_tokens_as_plain": None if sim else sync_out.token_ids == plain_out.token_ids,
@@ -197,6 +209,21 @@ def run(args) -> dict:
         "plain_token_over_t1": (best["plain"] - prefill) / n_new / best["t1"],
         "sync_round_over_tB": (best["sync"] - prefill) / rounds / best["tB"],
     }
+
+
+def run(args) -> dict:
+    sim = simulate.from_args(args, hits=False)  # bad flags fail here, before any work
+    if sim is not None:
+        sim.check_block(args.block_size)
+    clock = _clock(args)
+    hf, target = _build_models(args)
+    prompt = np.random.default_rng(0).integers(0, args.vocab, args.prompt_len).tolist()
+    result = _header(args, clock, sim)
+    measures, plain_out, sync_out, hf_tokens = _measures(
+        args, hf, target, prompt, clock, {} if sim is None else {"acceptance_override": sim})
+    best = _best_of_interleaved(measures, args.repeats)
+    result["plain_vs_transformers"] = _plain_vs_transformers(best, args.max_new_tokens, hf_tokens, plain_out)
+    result["sync_efficiency"] = _sync_efficiency(best, args, sim, sync_out, plain_out)
     return result
 
 

@@ -33,9 +33,20 @@ FLOPS_PER_PAIR = {"d3d_flash_fwd": 4, "d3d_flash_dq": 6, "d3d_flash_dkv": 8, "d3
 _NONE = {"flops": 0.0, "transcendentals": 0.0, "bytes": 0.0, "issued_bytes": 0.0, "estimated": False}
 
 
-def _size(dtype_shape) -> int:
-    from d3d_jax.bench.compile_facts import nbytes
+# Bytes per element of an HLO dtype (unknown: 4).  Here, not in compile_facts (which reads HLO
+# and imports this module), so the two do not import each other.
+DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "bf16": 2, "f16": 2, "s32": 4,
+               "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8}
 
+
+def nbytes(dtype: str, shape: tuple[int, ...]) -> int:
+    size = DTYPE_BYTES.get(dtype, 4)
+    for d in shape:
+        size *= int(d)
+    return size
+
+
+def _size(dtype_shape) -> int:
     return nbytes(*dtype_shape)
 
 

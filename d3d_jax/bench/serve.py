@@ -74,7 +74,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def _prompts(args, n: int) -> list[str]:
-    from d3d_jax.evaluation import benchmarks as B
+    from d3d_jax.bench.evaluation import benchmarks as B
 
     samples = B.load_benchmark(args.prompts, template="plain", passage_chars=args.passage_chars, limit=n)
     if not samples:

@@ -234,15 +234,20 @@ def _merge_layer(tree: dict, layer: Mapping, hints: dict) -> dict:
     return tree
 
 
-def load_config(cls: type, paths: Sequence[str | os.PathLike] = (), overrides: Sequence[str] = ()) -> Any:
-    """Load dataclass ``cls`` from YAML ``paths`` merged in order, then ``key=value`` overrides.
+def load_config(cls: type, paths: Sequence[str | os.PathLike] = (), overrides: Sequence[str] = (),
+                flags: Mapping[str, Any] | None = None) -> Any:
+    """Load dataclass ``cls`` from YAML ``paths`` merged in order, then ``flags`` (``{dotted key:
+    value}`` of command-line flags, :mod:`~d3d_jax.config.flags`), then ``key=value`` overrides.
 
     A ``model: path/to/model.yaml`` string value of a section is read as a YAML file too.
     Validation runs ``cls.validate()`` when it exists.
     """
     hints = typing.get_type_hints(cls)
     tree: dict = {}
-    for layer in [read_yaml(p) for p in paths] + [parse_overrides(overrides)]:
+    flag_tree: dict = {}
+    for key, value in (flags or {}).items():
+        _set_dotted(flag_tree, key, value)
+    for layer in [read_yaml(p) for p in paths] + [flag_tree, parse_overrides(overrides)]:
         tree = _merge_layer(tree, layer, hints)
     cfg = build_dataclass(cls, tree)
     if hasattr(cfg, "validate"):

@@ -7,13 +7,12 @@ import dataclasses
 from typing import Any, Callable, Sequence
 
 from d3d_jax.config import ConfigError
+# the decoder defaults are written once, in the settings every command reads
+from d3d_jax.config.decoding import DEFAULT_BLOCK_SIZE, DEFAULT_BRANCH_FANOUT, DEFAULT_BRANCH_POSITIONS, MODES
 from d3d_jax.decoding import branches as br
 from d3d_jax.decoding.core import MAX_STOP_IDS
 from d3d_jax.decoding.verify import SamplingParams
 
-MODES = ("plain", "sync", "async", "auto")
-DEFAULT_BRANCH_POSITIONS = 12  # C (spec §5: the paper's optimum with F = 2)
-DEFAULT_BRANCH_FANOUT = 2  # F
 AUTO_SYNC_BLOCKS = (4, 8, 16)  # auto: sync block sizes b (<= block_size; the drafter trains at 16)
 AUTO_ASYNC_GEOMETRIES = ((4, 2), (12, 2))  # auto: async (C, F) menu
 MIN_PROMPT_BUCKET = 16
@@ -58,7 +57,7 @@ class DecoderConfig:
     mode: str = "sync"  # "plain" | "sync" | "async" | "auto" (picks one of the others per round)
     num_slots: int = 8  # fixed number of rows; requests join and leave between rounds
     max_cache_len: int = 1024  # KV slots per row: prompt + max_new_tokens + block_size must fit
-    block_size: int = 16  # B: tokens verified per round (plain decoding verifies 1); auto: the largest
+    block_size: int = DEFAULT_BLOCK_SIZE  # B: tokens verified per round (plain decoding verifies 1); auto: the largest
     branch_positions: int | None = None  # async: C, rejection slots 1..C-1 branch (min(12, B))
     branch_fanout: int = DEFAULT_BRANCH_FANOUT  # async: F alternatives per rejection slot
     eos_token_ids: tuple[int, ...] = ()  # finish reason "eos"; a request may override them

@@ -17,6 +17,7 @@ import dataclasses
 import time
 from typing import Callable, Sequence
 
+from d3d_jax.config.decoding import DEFAULT_BLOCK_SIZE
 from d3d_jax.decoding import metrics as M
 from d3d_jax.decoding.core import MAX_STOP_IDS
 from d3d_jax.decoding.decoder import SpecDecoder
@@ -37,7 +38,7 @@ class GenerationOutput:
 
 
 def make_decoder(target, drafter=None, *, mode: str = "plain", num_slots: int = 1,
-                 max_cache_len: int, block_size: int = 16, mask_token_id: int | None = None,
+                 max_cache_len: int, block_size: int = DEFAULT_BLOCK_SIZE, mask_token_id: int | None = None,
                  **fields) -> SpecDecoder:
     """A decoder for :func:`generate`.  ``drafter`` (modes other than plain): a Qwen3 drafter (its
     ``mask_token_id`` from the argument or its config) or any
@@ -65,7 +66,7 @@ def _round_up(x: int, m: int) -> int:
     return -(-x // m) * m
 
 
-def cache_len_for(prompts: Sequence[Sequence[int]], max_new_tokens: int, block_size: int = 16,
+def cache_len_for(prompts: Sequence[Sequence[int]], max_new_tokens: int, block_size: int = DEFAULT_BLOCK_SIZE,
                   max_cache_len: int | None = None) -> int:
     """The cache length a call needs (the longest prompt + max_new_tokens + a block, rounded up
     to 16), or ``max_cache_len`` checked against it."""

@@ -36,15 +36,6 @@ def continuation_pairs(split: str, passage_chars: int = 700, max_pairs: int | No
     return pairs[:max_pairs] if max_pairs else pairs
 
 
-def chat_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
-    """Token ids of ``messages`` + the assistant header in non-thinking mode (Qwen3's template)."""
-    ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True,
-                                        enable_thinking=False)
-    if isinstance(ids, dict) or hasattr(ids, "keys"):
-        ids = ids["input_ids"]
-    return list(ids)
-
-
 MIN_DOCSTRING_CHARS = 40  # a one-line "Return x." docstring says too little to continue from
 MAX_IMPORT_CHARS = 400  # HumanEval's headers are an import line or two
 

@@ -9,8 +9,10 @@ import json
 import time
 from typing import TYPE_CHECKING
 
-from d3d_jax import demo
-from d3d_jax.evaluation import benchmarks as B
+from d3d_jax.io.chat import chat_prompt_ids
+from d3d_jax.config.evaluation import EvalSettings
+from d3d_jax.bench.evaluation import runner as R
+from d3d_jax.bench.evaluation import benchmarks as B
 from d3d_jax.pipeline import measure, report
 
 if TYPE_CHECKING:
@@ -19,11 +21,11 @@ if TYPE_CHECKING:
 
 def _hf_peer(p: Pipeline, suites: dict, results: dict, plain_runs: dict) -> None:
     """transformers' assisted generation with the same target and drafter (AR assistant)."""
-    from d3d_jax.evaluation.assisted import hf_assisted_generation
+    from d3d_jax.bench.evaluation.assisted import hf_assisted_generation
 
     c, tok, main = p.cfg, p.tokenizer(), p.cfg.eval_drafters[0]
     for s, samples in suites.items():
-        prompts = [demo.chat_prompt_ids(tok, [{"role": "user", "content": x.turns[0]}]) for x in samples]
+        prompts = [chat_prompt_ids(tok, [{"role": "user", "content": x.turns[0]}]) for x in samples]
         peer = hf_assisted_generation(str(p.model_dir("target")), str(p.drafter_dir(main)), prompts,
                                       max_new_tokens=c.eval_max_new_tokens, eos_token_ids=p.eos_ids(),
                                       pad_token_id=p.special_ids()["pad"],
@@ -32,7 +34,7 @@ def _hf_peer(p: Pipeline, suites: dict, results: dict, plain_runs: dict) -> None
         results[s]["hf_assisted"] = peer["hf_assisted"]
 
 
-def _table1(p: Pipeline, target, suites: dict, settings: B.EvalSettings) -> tuple[dict, dict]:
+def _table1(p: Pipeline, target, suites: dict, settings: EvalSettings) -> tuple[dict, dict]:
     """Every eval drafter in every mode; the first also at the compared block sizes."""
     from d3d_jax.io.pairing import check_pairing
 
@@ -42,7 +44,7 @@ def _table1(p: Pipeline, target, suites: dict, settings: B.EvalSettings) -> tupl
         drafter = p.load(p.drafter_dir(dname))
         check_pairing(p.tokenizer(), target.config, drafter.config, eos_ids=kw["eos_token_ids"],
                       where=str(p.drafter_dir(dname)))
-        res, raw = B.evaluate(target, drafter, p.tokenizer(), suites, settings, **kw)
+        res, raw = R.evaluate(target, drafter, p.tokenizer(), suites, settings, **kw)
         drafters[dname] = {"layers": drafter.config.num_layers, "results": res}
         if plain_runs is None:
             plain_runs = {s: raw[s]["plain"] for s in raw}
@@ -85,7 +87,7 @@ def benchmark(p: Pipeline) -> dict:
     if has_async and c.async_sweep:  # on the first suite
         first = next(iter(suites))
         grid = [(min(cc, settings.block_size), f) for cc, f in c.async_sweep]
-        out["async_sweep"] = B.budget_sweep(target, p.load(p.drafter_dir(c.eval_drafters[0])), p.tokenizer(),
+        out["async_sweep"] = R.budget_sweep(target, p.load(p.drafter_dir(c.eval_drafters[0])), p.tokenizer(),
                                             suites[first], settings, list(dict.fromkeys(grid)),
                                             plain_runs[first], **measure.decode_kwargs(p))
     built = _built(p)

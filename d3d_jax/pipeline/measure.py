@@ -9,8 +9,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from d3d_jax import demo
-from d3d_jax.evaluation import benchmarks as B
+from d3d_jax.io.chat import chat_prompt_ids
+from d3d_jax.config.evaluation import EvalSettings
+from d3d_jax.bench.evaluation import runner as R
+from d3d_jax.bench.evaluation import benchmarks as B
 
 if TYPE_CHECKING:
     from d3d_jax.pipeline.base import Pipeline
@@ -24,7 +26,7 @@ def suites(p: Pipeline) -> dict[str, list[B.Sample]]:
     out = {}
     for name in c.eval_benchmarks:
         samples = B.load_benchmark(name, template="plain", passage_chars=c.passage_chars)
-        lengths = [len(demo.chat_prompt_ids(tok, [{"role": "user", "content": s.turns[0]}])) for s in samples]
+        lengths = [len(chat_prompt_ids(tok, [{"role": "user", "content": s.turns[0]}])) for s in samples]
         keep = [i for i, n in enumerate(lengths) if n <= MAX_PROMPT_TOKENS]
         out[name] = B.select_by_length([samples[i] for i in keep], [lengths[i] for i in keep], c.eval_samples)
     return out
@@ -36,12 +38,12 @@ def async_available() -> bool:
     return "async" in engine.MODES
 
 
-def eval_settings(p: Pipeline, has_async: bool) -> B.EvalSettings:
+def eval_settings(p: Pipeline, has_async: bool) -> EvalSettings:
     import jax
 
     c = p.cfg
     b = c.eval_block
-    settings = B.EvalSettings(max_new_tokens=c.eval_max_new_tokens, block_size=b,
+    settings = EvalSettings(max_new_tokens=c.eval_max_new_tokens, block_size=b,
                               max_cache_len=MAX_PROMPT_TOKENS + c.eval_max_new_tokens
                               + 4 * max(b, c.block_size, *c.eval_compare_blocks),
                               modes=("plain", "sync", "async") if has_async else ("plain", "sync"),
@@ -53,16 +55,16 @@ def eval_settings(p: Pipeline, has_async: bool) -> B.EvalSettings:
 
 
 def decode_kwargs(p: Pipeline) -> dict:
-    return dict(eos_token_ids=p.eos_ids(), mask_token_id=p.special_ids()["mask"], encode_fn=demo.chat_prompt_ids)
+    return dict(eos_token_ids=p.eos_ids(), mask_token_id=p.special_ids()["mask"], encode_fn=chat_prompt_ids)
 
 
-def sync_against(p: Pipeline, target, drafter, suites_: dict, settings: B.EvalSettings, plain_runs: dict,
+def sync_against(p: Pipeline, target, drafter, suites_: dict, settings: EvalSettings, plain_runs: dict,
                  block: int | None = None, drafter_share: bool = False) -> dict:
     """Per suite: ``drafter``'s sync summary against the shared plain runs (other drafters, other
     B), with the drafter's share of round time when asked."""
     s_set = dataclasses.replace(settings, modes=("sync",), block_size=block or settings.block_size,
                                 drafter_share_samples=int(drafter_share))
-    res, raw = B.evaluate(target, drafter, p.tokenizer(), suites_, s_set, **decode_kwargs(p))
+    res, raw = R.evaluate(target, drafter, p.tokenizer(), suites_, s_set, **decode_kwargs(p))
     out = {}
     for s in suites_:
         out[s] = B.summarize({"plain": plain_runs[s], "sync": raw[s]["sync"]}, s_set.block_size)["sync"]
@@ -71,10 +73,10 @@ def sync_against(p: Pipeline, target, drafter, suites_: dict, settings: B.EvalSe
     return out
 
 
-def plain_runs(p: Pipeline, target, suites_: dict, settings: B.EvalSettings) -> dict:
+def plain_runs(p: Pipeline, target, suites_: dict, settings: EvalSettings) -> dict:
     """Plain greedy decoding of every suite: what every speculative output must equal."""
     s_set = dataclasses.replace(settings, modes=("plain",))
-    _, raw = B.evaluate(target, None, p.tokenizer(), suites_, s_set, **decode_kwargs(p))
+    _, raw = R.evaluate(target, None, p.tokenizer(), suites_, s_set, **decode_kwargs(p))
     return {s: raw[s]["plain"] for s in suites_}
 
 

@@ -8,6 +8,7 @@ import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from d3d_jax.io.chat import chat_prompt_ids
 from d3d_jax import config as C
 from d3d_jax import demo
 from d3d_jax.demo import corpus
@@ -40,7 +41,7 @@ def pretrain_data(p: Pipeline) -> Path:
     tmp = path.with_suffix(".tmp")
     with open(tmp, "w") as f:
         for pair in pairs:
-            ids = demo.chat_prompt_ids(tok, [{"role": "user", "content": pair["prompt"]}])
+            ids = chat_prompt_ids(tok, [{"role": "user", "content": pair["prompt"]}])
             ids += tok(pair["response"])["input_ids"]  # the LM loader appends <|im_end|>
             f.write(json.dumps({"token_ids": ids}) + "\n")
     tmp.replace(path)

@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from d3d_jax.evaluation import benchmarks as B
-from d3d_jax.evaluation import plots
+from d3d_jax.bench.evaluation import benchmarks as B
+from d3d_jax.bench.evaluation import plots
 
 if TYPE_CHECKING:
     from d3d_jax.pipeline.base import Pipeline

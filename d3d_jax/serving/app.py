@@ -53,7 +53,7 @@ class Service:
 
     def encode_chat(self, messages) -> list[int]:
         if self.chat_encode is None:
-            from d3d_jax.demo import chat_prompt_ids
+            from d3d_jax.io.chat import chat_prompt_ids
 
             self.chat_encode = chat_prompt_ids
         try:
@@ -146,7 +146,7 @@ async def _generate(svc: Service, http: Request, kind: str):
     """Parse, tokenize, validate and build every choice's request; then queue, stream or collect."""
     body = await read_json(http, svc.limits.max_body_bytes)
     if kind == "chat":
-        from d3d_jax.training.chat_prompts import content_text
+        from d3d_jax.io.chat import content_text
 
         parsed = P.parse_chat(body, svc.model_name, content_text, svc.limits)
     else:
@@ -185,7 +185,7 @@ def _tokenize_body(svc: Service, body: dict) -> list[int]:
     if body.get("model") is not None:
         P._model(body, svc.model_name)
     if "messages" in body:
-        from d3d_jax.training.chat_prompts import content_text
+        from d3d_jax.io.chat import content_text
 
         return svc.encode_chat(P.parse_chat({"model": svc.model_name, "messages": body["messages"]},
                                             svc.model_name, content_text, svc.limits).messages)

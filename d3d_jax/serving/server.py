@@ -2,6 +2,10 @@
 
     python infer/serve.py --target runs/target/hf --drafter runs/d3d/export/hf --mode sync \\
         --tokenizer runs/target/hf --num-slots 16 --max-model-len 2048 [--api-key KEY] [--port 8000]
+    python infer/serve.py --config configs/serve/demo.yaml [decoder.mode=async server.port=0 ...]
+
+Settings: :class:`~d3d_jax.config.serve.ServeConfig` from ``--config`` files, then the flags (each
+one sets a field, see :func:`add_arguments`), then ``key=value`` overrides; checked at load.
 
 :class:`ServerThread` runs the same app on a free localhost port inside the calling process
 (tests and the concurrency benchmark).
@@ -10,6 +14,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import os
@@ -19,7 +24,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from d3d_jax.config import limits as L
+from d3d_jax.config import ConfigError
+from d3d_jax.config.decoding import MAX_BLOCK_SIZE, MAX_BRANCH_FANOUT, MAX_SLOTS
+from d3d_jax.config.flags import (add_auto_flags, add_config_arguments, add_model_flags, config_flag,
+                                  load_command_config)
+from d3d_jax.config.serve import INT32, MAX_CACHE_LEN, NUM_SLOTS, ServeConfig
 from d3d_jax.serving import protocol as P
 
 log = logging.getLogger("d3d_jax.serving")
@@ -42,61 +51,47 @@ def _int_in(lo: int, hi: int | None = None, none_ok: bool = False):
     return parse
 
 
-INT32 = 2 ** 31 - 1
-
-
-def default_compile_cache() -> str:
-    """``$D3D_COMPILE_CACHE``, else ``$XDG_CACHE_HOME/d3d_jax/xla`` (default ``~/.cache/d3d_jax/xla``)."""
-    if os.environ.get("D3D_COMPILE_CACHE"):
-        return os.environ["D3D_COMPILE_CACHE"]
-    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(root, "d3d_jax", "xla")
-
-
 def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    p.add_argument("--target", required=True, help="HF Qwen3 directory or d3d_jax parameter checkpoint")
-    p.add_argument("--drafter", default=None, help="drafter checkpoint (modes sync, async, auto)")
-    p.add_argument("--mode", default=None, choices=("plain", "sync", "async", "auto"),
-                   help="default: auto with --drafter (plain, sync or async picked every round), else plain")
-    p.add_argument("--auto-sync-blocks", default=None, metavar="B1,B2",
-                   help="auto: sync block sizes to choose from (default 4,8,16 up to the block size)")
-    p.add_argument("--auto-async", default=None, metavar="CxF,...",
-                   help="auto: async geometries to choose from (default 4x2,12x2; 'none': no async)")
-    p.add_argument("--prior-tau", type=float, default=None,
-                   help="auto: the drafter's τ before a request has any history (default: the offline "
-                        "τ in the drafter's result.json, else 2)")
-    p.add_argument("--tokenizer", default=None, help="tokenizer dir (default: the target's, else the drafter's)")
-    p.add_argument("--host", default="127.0.0.1", help="bind address (default: localhost only)")
-    p.add_argument("--port", type=_int_in(*L.PORTS), default=8000)
-    p.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' (default: $D3D_API_KEY; unset = open)")
-    p.add_argument("--served-model-name", default=None, help="model id in the API (default: target dir name)")
-    p.add_argument("--num-slots", type=_int_in(1, L.MAX_SLOTS), default=8, help="concurrent requests decoded together")
-    p.add_argument("--max-model-len", type=_int_in(2, L.MAX_CACHE_LEN), default=None,
-                   help="KV cache length per slot (default: min(2048, max_position_embeddings))")
-    p.add_argument("--block-size", type=_int_in(2, L.MAX_BLOCK_SIZE), default=None,
-                   help="default: the drafter's config, else 16")
-    p.add_argument("--branch-positions", type=_int_in(1, 1024), default=None, help="async C (default min(12, B))")
-    p.add_argument("--branch-fanout", type=_int_in(1, 64), default=None, help="async F (default 2)")
-    p.add_argument("--target-devices", type=_int_in(1, 4096), default=None, help="async: devices for the target")
-    p.add_argument("--drafter-devices", type=_int_in(1, 4096), default=None, help="async: devices for the drafter")
-    p.add_argument("--dtype", default=None, help="parameter/compute dtype (float32, bfloat16)")
-    p.add_argument("--max-body-bytes", type=_int_in(1, 1 << 30), default=1 << 20, help="larger bodies get 413")
-    p.add_argument("--max-prompt-tokens", type=_int_in(1, INT32), default=None,
-                   help="default: the context length - 1")
-    p.add_argument("--default-max-tokens", type=_int_in(1, INT32), default=256, help="when a request gives none")
-    p.add_argument("--max-queue", type=_int_in(0, 1 << 20), default=4096, help="waiting requests beyond this get 503")
-    p.add_argument("--warmup-max-prompt", type=_int_in(0, INT32), default=256,
-                   help="compile every prefill bucket up to this prompt length (0: no warm-up); "
-                        "the first bucket before serving, the others in the background")
-    p.add_argument("--warmup-wait", action="store_true",
-                   help="compile every warm-up bucket before serving (READY only after)")
-    p.add_argument("--compile-cache", default=default_compile_cache(),
-                   help="persistent XLA compilation cache directory, so a second start compiles "
-                        "nothing (default: %(default)s; 'none': off)")
-    p.add_argument("--vllm-metrics", action="store_true",
-                   help="/metrics also under vLLM's vllm: names (dashboards made for vLLM)")
-    p.add_argument("--log-level", default="warning")
+    """Every flag sets one :class:`~d3d_jax.config.serve.ServeConfig` field (its defaults are there)."""
+    add_config_arguments(p, "configs/serve/demo.yaml")
+    flag = functools.partial(config_flag, p)
+    add_model_flags(p)
+    add_auto_flags(p)
+    flag("--host", key="server.host", help="bind address (default: localhost only)")
+    flag("--port", key="server.port", type=_int_in(0, 65535), help="default 8000; 0: a free port")
+    flag("--api-key", key="server.api_key",
+         help="require 'Authorization: Bearer KEY' (default: $D3D_API_KEY; unset = open)")
+    flag("--served-model-name", key="server.served_model_name", help="model id in the API (default: target dir name)")
+    flag("--num-slots", key="decoder.num_slots", type=_int_in(1, MAX_SLOTS),
+         help=f"concurrent requests decoded together (default {NUM_SLOTS})")
+    flag("--max-model-len", key="decoder.max_cache_len", type=_int_in(2, INT32),
+         help=f"KV cache length per slot (default: min({MAX_CACHE_LEN}, max_position_embeddings))")
+    flag("--block-size", key="decoder.block_size", type=_int_in(2, MAX_BLOCK_SIZE),
+         help="default: the drafter's config, else 16")
+    flag("--branch-positions", key="decoder.branch_positions", type=_int_in(1, MAX_BLOCK_SIZE),
+         help="async C (default min(12, B))")
+    flag("--branch-fanout", key="decoder.branch_fanout", type=_int_in(1, MAX_BRANCH_FANOUT), help="async F (default 2)")
+    flag("--target-devices", key="decoder.target_devices", type=_int_in(1, MAX_SLOTS), help="async: devices for the target")
+    flag("--drafter-devices", key="decoder.drafter_devices", type=_int_in(1, MAX_SLOTS),
+         help="async: devices for the drafter")
+    flag("--max-body-bytes", key="server.max_body_bytes", type=_int_in(1, 1 << 30), help="larger bodies get 413")
+    flag("--max-prompt-tokens", key="server.max_prompt_tokens", type=_int_in(1, INT32),
+         help="default: the context length - 1")
+    flag("--default-max-tokens", key="server.default_max_tokens", type=_int_in(1, INT32),
+         help="when a request gives none (default 256)")
+    flag("--max-queue", key="server.max_queue", type=_int_in(0, 1 << 20),
+         help="waiting requests beyond this get 503 (default 4096)")
+    flag("--warmup-max-prompt", key="server.warmup_max_prompt", type=_int_in(0, INT32),
+         help="compile every prefill bucket up to this prompt length (0: no warm-up; default 256); "
+              "the first bucket before serving, the others in the background")
+    flag("--warmup-wait", key="server.warmup_wait", action="store_true",
+         help="compile every warm-up bucket before serving (READY only after)")
+    flag("--compile-cache", key="server.compile_cache",
+         help="persistent XLA compilation cache directory, so a second start compiles nothing "
+              "(default: $D3D_COMPILE_CACHE, else ~/.cache/d3d_jax/xla; 'none': off)")
+    flag("--vllm-metrics", key="server.vllm_metrics", action="store_true",
+         help="/metrics also under vLLM's vllm: names (dashboards made for vLLM)")
+    flag("--log-level", key="server.log_level")
     return p
 
 
@@ -104,93 +99,63 @@ def _has_tokenizer(path) -> bool:
     return path is not None and Path(path).is_dir() and any((Path(path) / f).exists() for f in TOKENIZER_FILES)
 
 
-def _tokenizer_dir(args) -> str:
+def _tokenizer_dir(models) -> str:
     from d3d_jax.errors import UsageError
 
     for flag in ("target", "drafter"):  # a missing model directory is that, not a missing tokenizer
-        path = getattr(args, flag)
+        path = getattr(models, flag)
         if path is not None and not Path(path).is_dir():
             raise UsageError(f"--{flag} {path}: not a directory (expected an HF Qwen3 directory or a "
                              f"d3d_jax parameter checkpoint)")
-    if args.tokenizer:
-        if not _has_tokenizer(args.tokenizer):
-            raise UsageError(f"--tokenizer {args.tokenizer}: no tokenizer files there "
+    if models.tokenizer:
+        if not _has_tokenizer(models.tokenizer):
+            raise UsageError(f"--tokenizer {models.tokenizer}: no tokenizer files there "
                              f"({', '.join(TOKENIZER_FILES)})")
-        return str(args.tokenizer)
-    for path in (args.target, args.drafter):
+        return str(models.tokenizer)
+    for path in (models.target, models.drafter):
         if _has_tokenizer(path):
             return str(path)
-    searched = " or ".join(str(p) for p in (args.target, args.drafter) if p is not None)
+    from d3d_jax.errors import UsageError
+
+    searched = " or ".join(str(p) for p in (models.target, models.drafter) if p is not None)
     raise UsageError(f"no tokenizer files in {searched}: pass --tokenizer DIR")
 
 
-def decoder_config(args, target_cfg, drafter_cfg):
-    """The :class:`DecoderConfig` the flags ask for.  EOS ids stay per request (``ignore_eos``)."""
-    from d3d_jax.config import ConfigError
-    from d3d_jax.decoding.decoder_config import decoder_config as build
+def decoder_config(cfg: ServeConfig, target_cfg, drafter_cfg):
+    """The :class:`DecoderConfig` the settings ask for.  EOS ids stay per request (``ignore_eos``)."""
+    from d3d_jax.decoding.settings import decoder_config_for
 
     trained = drafter_cfg.block_size if drafter_cfg is not None else None
-    if args.block_size and trained and args.block_size > trained:
-        raise ConfigError(f"--block-size {args.block_size} is more than the drafter was trained for ({trained}); "
+    asked = cfg.decoder.block_size
+    if asked and trained and asked > trained:  # slots past the trained B were never trained (issue 21)
+        raise ConfigError(f"--block-size {asked} is more than the drafter was trained for ({trained}); "
                           f"use --block-size {trained} or less")
-    block = args.block_size or trained or 16
-    max_len = args.max_model_len or min(2048, target_cfg.max_position_embeddings)
-    if max_len < block + 2:
-        raise ConfigError(f"--max-model-len {max_len}: leaves no room for a prompt and a completion "
-                          f"(must be >= block size {block} + 2)")
-    extra = {}
-    if args.mode == "async":
-        extra = dict(branch_positions=args.branch_positions, branch_fanout=args.branch_fanout,
-                     target_devices=args.target_devices, drafter_devices=args.drafter_devices)
-    if args.mode == "auto":
-        from d3d_jax.decoding.auto import offline_tau
-
-        extra = dict(prior_tau=args.prior_tau if args.prior_tau is not None else offline_tau(args.drafter),
-                     auto_sync_blocks=_ints(args.auto_sync_blocks), auto_async=_geometries(args.auto_async))
-    return build(args.mode, num_slots=args.num_slots, max_cache_len=max_len, block_size=block,
-                 eos_token_ids=(), **extra)
+    s = cfg.decoder.resolved(has_drafter=drafter_cfg is not None, drafter_block_size=trained,
+                             num_slots=NUM_SLOTS, max_cache_len=min(MAX_CACHE_LEN, target_cfg.max_position_embeddings))
+    if s.max_cache_len < s.block_size + 2:
+        raise ConfigError(f"--max-model-len {s.max_cache_len}: leaves no room for a prompt and a completion "
+                          f"(must be >= block size {s.block_size} + 2)")
+    return decoder_config_for(s, drafter_path=cfg.models.drafter, eos_token_ids=())
 
 
-def _ints(text: str | None):
-    return None if text is None else tuple(int(x) for x in text.split(",") if x)
-
-
-def _geometries(text: str | None):
-    if text is None:
-        return None
-    if text == "none":
-        return ()
-    try:
-        return tuple(tuple(int(v) for v in g.split("x")) for g in text.split(",") if g)
-    except ValueError:
-        from d3d_jax.config import ConfigError
-
-        raise ConfigError(f"--auto-async: expected CxF,CxF (e.g. 4x2,12x2), got {text!r}") from None
-
-
-def load(args):
-    """(decoder, tokenizer, eos ids, target model) for the flags; bad flags and files end in one error line."""
+def load(cfg: ServeConfig):
+    """(decoder, tokenizer, eos ids, target model) for the settings; bad settings and files end in one error line."""
     from d3d_jax.decoding.decoder import SpecDecoder
     from d3d_jax.errors import UsageError
     from d3d_jax.io.checkpoint import load_model
     from d3d_jax.io.hf import eos_token_ids, load_tokenizer
     from d3d_jax.io.pairing import check_pairing
 
-    if args.mode is None:
-        args.mode = "auto" if args.drafter is not None else "plain"
-    if args.mode != "plain" and args.drafter is None:
-        raise UsageError(f"--mode {args.mode} needs --drafter")
-    if args.mode == "plain" and args.drafter is not None:
-        raise UsageError("--drafter given with --mode plain")
-    tokenizer = load_tokenizer(_tokenizer_dir(args))[0]
-    target = load_model(args.target, dtype=args.dtype)
-    drafter = load_model(args.drafter, dtype=args.dtype) if args.drafter else None
+    m = cfg.models
+    tokenizer = load_tokenizer(_tokenizer_dir(m))[0]
+    target = load_model(m.target, dtype=m.dtype)
+    drafter = load_model(m.drafter, dtype=m.dtype) if m.drafter else None
     eos_ids = eos_token_ids(target.config, tokenizer)
     check_pairing(tokenizer, target.config, drafter.config if drafter is not None else None, eos_ids=eos_ids,
-                  where=f"--drafter {args.drafter}")
-    cfg = decoder_config(args, target.config, drafter.config if drafter is not None else None)
+                  where=f"--drafter {m.drafter}")
+    dcfg = decoder_config(cfg, target.config, drafter.config if drafter is not None else None)
     try:
-        decoder = SpecDecoder(target, drafter, cfg)
+        decoder = SpecDecoder(target, drafter, dcfg)
     except ValueError as e:  # the decoder checks its arguments with ValueError
         if isinstance(e, UsageError):
             raise
@@ -363,35 +328,37 @@ class ServerThread:
 
 
 def main(args) -> None:
+    cfg = load_command_config(ServeConfig, args)  # a ConfigError ends in one line (run_cli)
+    srv = cfg.server
     import uvicorn
 
     from d3d_jax.serving.app import create_app
 
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.basicConfig(level=srv.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     t_start = time.perf_counter()
-    enable_compile_cache(args.compile_cache)  # before anything compiles
-    api_key = args.api_key or os.environ.get("D3D_API_KEY") or None
-    decoder, tokenizer, eos_ids, target = load(args)
+    enable_compile_cache(srv.compile_cache)  # before anything compiles
+    api_key = srv.api_key or os.environ.get("D3D_API_KEY") or None
+    decoder, tokenizer, eos_ids, target = load(cfg)
     svc = make_service(decoder, tokenizer, eos_ids,
-                       model_name=args.served_model_name or Path(args.target).resolve().name,
-                       mode=args.mode, api_key=api_key, max_body_bytes=args.max_body_bytes,
-                       max_prompt_tokens=args.max_prompt_tokens,
-                       default_max_tokens=args.default_max_tokens, max_queue=args.max_queue,
-                       target=target, vllm_metrics=args.vllm_metrics)
-    lengths = warmup_lengths(args.warmup_max_prompt, svc.limits.prompt_cap - 2 * decoder.config.block_size)
-    now, later = (lengths, []) if args.warmup_wait else (lengths[:1], lengths[1:])
+                       model_name=srv.served_model_name or Path(cfg.models.target).resolve().name,
+                       mode=decoder.config.mode, api_key=api_key, max_body_bytes=srv.max_body_bytes,
+                       max_prompt_tokens=srv.max_prompt_tokens,
+                       default_max_tokens=srv.default_max_tokens, max_queue=srv.max_queue,
+                       target=target, vllm_metrics=srv.vllm_metrics)
+    lengths = warmup_lengths(srv.warmup_max_prompt, svc.limits.prompt_cap - 2 * decoder.config.block_size)
+    now, later = (lengths, []) if srv.warmup_wait else (lengths[:1], lengths[1:])
     if now:
         log.warning("warm-up (compiling prompts of %s tokens) took %.1f s", now, warmup(svc, now))
     svc.scheduler.start()
     if later:
         warmup_in_background(svc, later)
-    sock = socket.create_server((args.host, args.port))  # --port 0: a free port, printed below
+    sock = socket.create_server((srv.host, srv.port))  # --port 0: a free port, printed below
     host, port = sock.getsockname()[:2]
     # one machine-readable line: tests and infer/bench.py serve wait for it
-    print(f"READY http://{host}:{port} model={svc.model_name} mode={args.mode} "
+    print(f"READY http://{host}:{port} model={svc.model_name} mode={decoder.config.mode} "
           f"slots={svc.scheduler.num_slots} auth={'on' if api_key else 'off'} "
           f"start_s={time.perf_counter() - t_start:.1f}", flush=True)
-    server = uvicorn.Server(uvicorn_config(create_app(svc), args.log_level, 5))
+    server = uvicorn.Server(uvicorn_config(create_app(svc), srv.log_level, 5))
     try:
         server.run(sockets=[sock])
     finally:

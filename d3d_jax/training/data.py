@@ -8,7 +8,7 @@
 The prompt is rendered with the tokenizer's chat template (``add_generation_prompt=True``,
 ``enable_thinking=False``) unless the record already carries ``prompt_token_ids``; the response
 ids are appended as they are.  Every record is checked once, here on the host, before packing
-(:mod:`~d3d_jax.training.records`: UTF-8, JSON, field types, ``0 <= id < vocab_size``): a bad
+(:mod:`~d3d_jax.io.records`: UTF-8, JSON, field types, ``0 <= id < vocab_size``): a bad
 one is skipped and counted with ``file:line`` and the reason; over-long ones are truncated and
 counted (:class:`DataStats`).  More bad records than ``DataConfig.max_skipped_fraction`` stop the
 run before its first step.  Each row carries ``record_line`` (the record's line in its file), so a
@@ -53,8 +53,8 @@ import numpy as np
 from d3d_jax.config import ConfigError, DataConfig
 from d3d_jax.errors import DataError, RecordError
 from d3d_jax.model.masks import CAUSAL, TokenMeta, packed_training_meta
-from d3d_jax.training import records
-from d3d_jax.training.chat_prompts import render_prompt  # noqa: F401  (re-exported)
+from d3d_jax.io import records
+from d3d_jax.io.chat import render_prompt  # noqa: F401  (re-exported)
 
 log = logging.getLogger(__name__)
 

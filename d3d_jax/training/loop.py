@@ -41,7 +41,7 @@ from d3d_jax.parallel import sharding as shd
 from d3d_jax.parallel.distributed import maybe_initialize_distributed
 from d3d_jax.training import data as data_lib
 from d3d_jax.training import objectives as obj
-from d3d_jax.training import records
+from d3d_jax.io import records
 from d3d_jax.training import step as step_lib
 from d3d_jax.training.checkpoints import StopSignals, TrainCheckpointer, run_settings, trim_metrics
 from d3d_jax.training.optim import make_optimizer, lr_schedule, tree_nbytes

@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Iterable, Iterator, Sequence
 
 from d3d_jax.errors import DataError, RecordError, UsageError
-from d3d_jax.training import records as rec_lib
-from d3d_jax.training.chat_prompts import read_prompts
+from d3d_jax.io import records as rec_lib
+from d3d_jax.io.chat import read_prompts
 
 RESUME_FIELDS = ("id", "generation", "target")
 INVALID_SUFFIX = ".invalid"

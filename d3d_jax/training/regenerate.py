@@ -5,7 +5,7 @@ target's chat template (generation prompt, thinking disabled) -> length-bucketed
 engine's plain sampling -> one JSONL record per prompt, appended and fsynced so that an
 interrupted run resumes exactly where it stopped.
 
-Choices worth knowing (prompt formats, the user side and ids: :mod:`d3d_jax.training.chat_prompts`):
+Choices worth knowing (prompt formats, the user side and ids: :mod:`d3d_jax.io.chat`):
 
 * **Determinism**: each row samples from its own key derived from ``(seed, id)``, and batches are
   planned from *all* prompts of a shard (sorted by prompt length, then id) before resumption
@@ -29,8 +29,8 @@ from typing import Any, Sequence
 import numpy as np
 
 from d3d_jax.errors import DataError, ModelFileError, RecordError, UsageError
-from d3d_jax.training import records as rec_lib
-from d3d_jax.training.chat_prompts import (  # noqa: F401  (re-exported: the regeneration API)
+from d3d_jax.io import records as rec_lib
+from d3d_jax.io.chat import (  # noqa: F401  (re-exported: the regeneration API)
     MalformedPrompt, Prompt, content_id, read_prompts, render_prompt, user_side)
 from d3d_jax.training.regen_output import (  # noqa: F401  (re-exported: the regeneration API)
     RESUME_FIELDS, append_records, check_compatible, merge_shards, record_problem, recover_output, set_aside,

@@ -1,4 +1,5 @@
-"""The paper's evaluation (spec §6): benchmark loaders, prompt templates, the timed runner, Table 1.
+"""The paper's evaluation (spec §6): benchmark loaders, prompt templates, summaries, Table 1
+(the timed runner that produces the runs is :mod:`~d3d_jax.bench.evaluation.runner`).
 
 Loaders read the public formats from local files (nothing is downloaded): GSM8K
 (``{"question","answer"}`` JSONL), MATH-500 (``{"problem","solution","answer",...}``), AIME25
@@ -18,9 +19,8 @@ from __future__ import annotations
 import dataclasses
 import gzip
 import json
-import time
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Sequence
 
 import numpy as np
 
@@ -163,7 +163,7 @@ def _held_out_corpus(name: str, passage_chars: int, limit: int | None) -> list[S
 
 
 # --------------------------------------------------------------------------------------------
-# Runner
+# Results of a run (the runner is runner.py)
 # --------------------------------------------------------------------------------------------
 @dataclasses.dataclass
 class ModeRun:
@@ -177,41 +177,6 @@ class ModeRun:
     @property
     def new_tokens(self) -> int:
         return sum(len(o) for o in self.outputs)
-
-
-def run_mode(generate_fn: Callable, tokenizer, samples: Sequence[Sample], mode: str,
-             encode_fn: Callable) -> ModeRun:
-    """Generate every turn of every sample (batch 1, as the paper's latency numbers), timing all.
-
-    One untimed call per padded first-turn prompt length comes first, so compilation (one program
-    per length bucket) is not billed to any mode.  A ``generate_fn`` with ``concurrency > 1``
-    (``EvalSettings.concurrency``) runs all samples in flight instead (``evaluation.concurrent``)."""
-    if getattr(generate_fn, "concurrency", 1) > 1:
-        from d3d_jax.evaluation import concurrent
-
-        return concurrent.run_mode(generate_fn, tokenizer, samples, mode, encode_fn)
-    outputs, metrics, seconds = [], [], 0.0
-    seen: set[int] = set()
-    for s in samples:
-        ids = encode_fn(tokenizer, [{"role": "user", "content": s.turns[0]}])
-        if -(-len(ids) // 8) not in seen:
-            seen.add(-(-len(ids) // 8))
-            generate_fn([ids], mode)
-    for s in samples:
-        messages: list[dict] = []
-        for turn in s.turns:
-            messages.append({"role": "user", "content": turn})
-            ids = encode_fn(tokenizer, messages)
-            t0 = time.perf_counter()
-            out = generate_fn([ids], mode)[0]
-            wall = time.perf_counter() - t0
-            # The engine times decoding apart from compilation (new prompt lengths compile anew).
-            seconds += float((out.metrics or {}).get("batch_wall_s", wall))
-            outputs.append(list(out.token_ids))
-            metrics.append(dict(out.metrics or {}))
-            messages.append({"role": "assistant",
-                             "content": tokenizer.decode(out.token_ids, skip_special_tokens=True)})
-    return ModeRun(mode, outputs, seconds, metrics)
 
 
 def pooled_histogram(metrics: Sequence[dict], block_size: int) -> np.ndarray | None:
@@ -254,7 +219,7 @@ def summarize(runs: dict[str, ModeRun], block_size: int) -> dict:
         if plain is not None:  # the hardware-independent gain: target forwards per output token (1/τ)
             d["target_forwards_per_token"] = (d["rounds"] if "rounds" in d else run.new_tokens) / max(
                 run.new_tokens, 1)
-        d.update(_async_parts(run.metrics))
+        d.update(async_parts(run.metrics))
         hits = [m for m in run.metrics if "hits" in m and "misses" in m]
         if hits:  # async: a round is judged a hit or a miss of the branch pack
             judged = sum(m["hits"] + m["misses"] for m in hits)
@@ -265,7 +230,7 @@ def summarize(runs: dict[str, ModeRun], block_size: int) -> dict:
     return res
 
 
-def _async_parts(metrics: Sequence[dict]) -> dict:
+def async_parts(metrics: Sequence[dict]) -> dict:
     """Async rounds timed with a timeline (``EvalSettings.async_timeline``): the overlap fraction
     (share of packed-forward time that ran while the verify was in flight) and the drafter's share
     of round time (packed forward + synchronous drafts after misses, over the rounds' span)."""
@@ -323,9 +288,6 @@ def write_json(obj, path: str | Path) -> None:
         json.dump(obj, f, indent=1, default=float)
 
 
-# --------------------------------------------------------------------------------------------
-# Orchestration: every benchmark × mode with one engine, plus the async budget sweep.
-# --------------------------------------------------------------------------------------------
 def select_by_length(samples: Sequence[Sample], lengths: Sequence[int], limit: int,
                      bucket: int = 8) -> list[Sample]:
     """Up to ``limit`` samples from the most populated prompt-length buckets (sample order kept).
@@ -343,137 +305,3 @@ def select_by_length(samples: Sequence[Sample], lengths: Sequence[int], limit: i
         if len(chosen) >= limit:
             break
     return [samples[i] for i in sorted(chosen)]
-
-
-@dataclasses.dataclass
-class EvalSettings:
-    max_new_tokens: int = 128
-    block_size: int = 16
-    max_cache_len: int = 1024
-    modes: tuple[str, ...] = ("plain", "sync", "async")
-    async_options: dict = dataclasses.field(default_factory=dict)
-    auto_options: dict = dataclasses.field(default_factory=dict)  # mode auto: e.g. prior_tau
-    concurrency: int = 1  # > 1: requests in flight in one long-lived decoder per mode
-    async_timeline: bool = True  # time async rounds' parts (overlap fraction, drafter share)
-    drafter_share_samples: int = 1  # sync: samples re-run with the host loop to split draft/verify
-
-
-def make_generate_fn(target, drafter, settings: EvalSettings, eos_token_ids: Sequence[int],
-                     mask_token_id: int | None, extra_options: dict | None = None,
-                     decoders: dict | None = None) -> Callable:
-    """``fn(prompts, mode) -> [GenerationOutput]`` at batch 1; one decoder per mode, built on
-    first use and kept in ``decoders`` (every call reuses its compiled programs; callers that
-    pass one dict share them)."""
-    from d3d_jax.bench.clock import CompileClock
-    from d3d_jax.bench.timeline import AsyncTimeline
-    from d3d_jax.decoding import engine
-
-    if settings.concurrency > 1:
-        from d3d_jax.evaluation import concurrent
-
-        return concurrent.make_generate_fn(target, drafter, settings, eos_token_ids)
-    decoders = {} if decoders is None else decoders
-    extra = dict(extra_options or {})
-    timed = extra.pop("loop", "device") == "host"
-
-    def fn(prompts, mode):
-        key = (mode, tuple(sorted(extra.items())))
-        if key not in decoders:
-            opts = dict({"async": settings.async_options, "auto": settings.auto_options}.get(mode, {}),
-                        **extra)
-            decoders[key] = engine.make_decoder(
-                target, None if mode == "plain" else drafter, mode=mode, num_slots=1,
-                max_cache_len=settings.max_cache_len, block_size=settings.block_size,
-                mask_token_id=mask_token_id, **opts)
-        dec = decoders[key]
-        hook = AsyncTimeline(dec.shared) if mode == "async" and settings.async_timeline else None
-        timer = None
-        if timed and mode in ("plain", "sync"):
-            from d3d_jax.bench.clock import PhaseTimer
-
-            timer = PhaseTimer()
-        return engine.generate(dec, prompts, max_new_tokens=settings.max_new_tokens,
-                               eos_token_ids=tuple(eos_token_ids), hook=hook, timer=timer,
-                               clock=CompileClock)
-
-    return fn
-
-
-def evaluate(target, drafter, tokenizer, suites: dict[str, list[Sample]], settings: EvalSettings, *,
-             eos_token_ids: Sequence[int], mask_token_id: int | None,
-             encode_fn: Callable, progress: bool = True) -> tuple[dict, dict[str, dict[str, ModeRun]]]:
-    """Run every suite in every mode; returns (summaries per benchmark, the raw runs)."""
-    decoders: dict = {}  # the caller's decoders: one per mode, shared by every run below
-    gen = make_generate_fn(target, drafter, settings, eos_token_ids, mask_token_id, decoders=decoders)
-    results, raw = {}, {}
-    for name, samples in suites.items():
-        runs = {}
-        errors = {}
-        for mode in settings.modes:
-            t0 = time.perf_counter()
-            try:
-                runs[mode] = run_mode(gen, tokenizer, samples, mode, encode_fn)
-            except Exception as e:  # report a broken mode and keep measuring the others
-                if mode == "plain":
-                    raise
-                errors[mode] = f"{type(e).__name__}: {e}"
-                print(f"[eval] {name:12s} {mode:6s} FAILED: {errors[mode]}", flush=True)
-                continue
-            if progress:
-                parts = _async_parts(runs[mode].metrics)
-                extra = (f", overlap {parts['overlap_fraction']:.0%} (target {parts['verify_devices']}, "
-                         f"drafter {parts['packed_devices']})" if parts else "")
-                print(f"[eval] {name:12s} {mode:6s} {runs[mode].new_tokens:6d} tokens "
-                      f"{1e3 * runs[mode].seconds / max(runs[mode].new_tokens, 1):7.2f} ms/token "
-                      f"(wall incl. compile {time.perf_counter() - t0:.1f}s){extra}", flush=True)
-        results[name] = summarize(runs, settings.block_size)
-        if "sync" in runs and settings.drafter_share_samples and settings.concurrency == 1:
-            results[name]["sync"].update(sync_drafter_share(target, drafter, tokenizer, samples, settings,
-                                                            eos_token_ids, mask_token_id, encode_fn,
-                                                            decoders))
-        for mode, err in errors.items():
-            results[name][mode] = {"error": err}
-        results[name]["num_samples"] = len(samples)
-        raw[name] = runs
-    return results, raw
-
-
-def sync_drafter_share(target, drafter, tokenizer, samples: Sequence[Sample], settings: EvalSettings,
-                       eos_token_ids, mask_token_id, encode_fn: Callable,
-                       decoders: dict | None = None) -> dict:
-    """The drafter's share of a sync round: the first samples re-run with the host-driven loop,
-    which waits after drafting and after verifying (the timed runs use the fused on-device loop,
-    which has no such seams).  One untimed call warms up; compilation is never counted."""
-    gen = make_generate_fn(target, drafter, settings, eos_token_ids, mask_token_id,
-                           extra_options={"loop": "host"}, decoders=decoders)
-    prompts = [encode_fn(tokenizer, [{"role": "user", "content": s.turns[0]}])
-               for s in samples[: settings.drafter_share_samples]]
-    gen(prompts[:1], "sync")  # warm-up
-    draft = verify = 0.0
-    for ids in prompts:
-        out = gen([ids], "sync")[0]
-        draft += float(out.metrics.get("draft_s") or 0.0)
-        verify += float(out.metrics.get("verify_s") or 0.0)
-    total = draft + verify
-    return {"drafter_share": draft / total if total > 0 else None, "host_loop_draft_s": draft,
-            "host_loop_verify_s": verify}
-
-
-def budget_sweep(target, drafter, tokenizer, samples: Sequence[Sample], settings: EvalSettings,
-                 grid: Sequence[tuple[int, int]], plain: ModeRun, *, eos_token_ids, mask_token_id,
-                 encode_fn: Callable, option_names: tuple[str, str] = ("branch_positions", "branch_fanout")) -> list[dict]:
-    """Async hit rate and speedup for each (C, F); N_async = B·[(C-1)·F + 2]."""
-    out = []
-    plain_tpot = plain.seconds / max(plain.new_tokens, 1)
-    for c, f in grid:
-        s = dataclasses.replace(settings, async_options={**settings.async_options,
-                                                         option_names[0]: c, option_names[1]: f})
-        gen = make_generate_fn(target, drafter, s, eos_token_ids, mask_token_id)
-        run = run_mode(gen, tokenizer, samples, "async", encode_fn)
-        summ = summarize({"plain": plain, "async": run}, settings.block_size)["async"]
-        out.append({"C": c, "F": f, "budget": settings.block_size * ((c - 1) * f + 2),
-                    "hit_rate": summ.get("hit_rate"), "tau": summ.get("tau"),
-                    "overlap_fraction": summ.get("overlap_fraction"), "drafter_share": summ.get("drafter_share"),
-                    "speedup": plain_tpot / max(run.seconds / max(run.new_tokens, 1), 1e-12),
-                    "equals_plain": summ.get("equals_plain")})
-    return out

@@ -1,7 +1,9 @@
 """What comes in is checked once, on the host, before any work: records, prompt lines, limits.
 
-One place decides whether an input line is usable, for training data (:mod:`data`), regeneration
-(:mod:`regenerate`, :mod:`chat_prompts`) and ``infer/generate.py`` prompt files:
+One place decides whether an input line is usable, for training data (:mod:`~d3d_jax.training.data`),
+regeneration (:mod:`~d3d_jax.training.regenerate`, :mod:`~d3d_jax.io.chat`), evaluation and
+``infer/generate.py`` prompt files.  It lives in ``io/``, not ``training/``, so that serving and
+the decoding commands can stand on it without standing on training:
 
 * :func:`jsonl_lines` / :func:`decode_line` – a JSONL file as ``(line number, object)``; a line
   that is not UTF-8 or not JSON is a :class:`RecordError`, never an exception from the decoder;

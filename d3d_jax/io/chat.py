@@ -1,4 +1,6 @@
-"""Prompt lines in the common chat formats, reduced to what the target must answer.
+"""Prompt lines in the common chat formats, reduced to what the target must answer, and the chat
+template that renders them (regeneration, training data, evaluation and the server all read prompts
+through this module, which is why it is in ``io/`` rather than ``training/``).
 
 Formats, one JSON object a line: ``{"messages": [{role, content}...]}`` (content may be OpenAI-style
 text parts), ShareGPT ``{"conversations": [{from, value}...]}`` (human/gpt/system, as
@@ -22,7 +24,7 @@ import os
 from typing import Any, Sequence
 
 from d3d_jax.errors import RecordError
-from d3d_jax.training.records import decode_line, jsonl_lines
+from d3d_jax.io.records import decode_line, jsonl_lines
 
 ROLE_ALIASES = {
     "system": "system",
@@ -144,3 +146,13 @@ def render_prompt(tokenizer, messages: Sequence[dict]) -> list[int]:
     text = tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True,
                                          enable_thinking=False)
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def chat_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
+    """Token ids of ``messages`` + the assistant header in non-thinking mode (Qwen3's template),
+    tokenized by the template itself (the server, evaluation and the demo's pretraining rows)."""
+    ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True,
+                                        enable_thinking=False)
+    if isinstance(ids, dict) or hasattr(ids, "keys"):
+        ids = ids["input_ids"]
+    return list(ids)

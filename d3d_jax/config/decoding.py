@@ -1,0 +1,112 @@
+"""Decoder settings: the ``decoder:`` section that every command that decodes reads.
+
+``infer/serve.py``, ``infer/generate.py`` and ``infer/bench.py eval`` take these fields from YAML
+(``configs/serve/*.yaml``), ``key=value`` overrides and their flags (``--mode`` is ``decoder.mode``,
+``--block-size`` is ``decoder.block_size`` …).  A field left ``None`` is derived by
+:meth:`DecoderSettings.resolved`, the one place the derived defaults are written; the decoder
+itself (:class:`~d3d_jax.decoding.decoder_config.DecoderConfig`) takes these constants too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from d3d_jax.config.base import DTYPES, _require
+from d3d_jax.config.limits import MAX_BLOCK_SIZE, MAX_CACHE_LEN, MAX_SLOTS
+
+MODES = ("plain", "sync", "async", "auto")
+DEFAULT_BLOCK_SIZE = 16  # B when neither the settings nor the drafter's config give one (the paper's)
+DEFAULT_BRANCH_POSITIONS = 12  # C (spec §5: the paper's optimum with F = 2), capped at B
+DEFAULT_BRANCH_FANOUT = 2  # F
+MAX_BRANCH_FANOUT = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelPaths:
+    """The checkpoints a decoding command loads (the ``models:`` section)."""
+
+    target: str | None = None  # HF Qwen3 directory or d3d_jax parameter checkpoint (required)
+    drafter: str | None = None  # drafter checkpoint (every mode but plain)
+    tokenizer: str | None = None  # tokenizer directory; None: the target's, else the drafter's
+    dtype: str | None = None  # parameter/compute dtype of both models; None: each checkpoint's
+
+    def validate(self, prefix: str = "models") -> None:
+        _require(self.target is not None, f"{prefix}.target", "is required (--target PATH)")
+        _require(self.dtype is None or self.dtype in DTYPES, f"{prefix}.dtype",
+                 f"must be one of {'|'.join(DTYPES)}, got {self.dtype!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class DecoderSettings:
+    """What a person chooses about a decoder.  ``None``: derived (see each field)."""
+
+    # plain | sync | async | auto (auto picks one of the others per round); None: auto with a
+    # drafter, plain without
+    mode: str | None = None
+    # B, tokens verified per round; None: the drafter's trained block size, else 16
+    block_size: int | None = None
+    # rows decoded together; None: the command's (server 8, generate: its batch, eval: its
+    # concurrency)
+    num_slots: int | None = None
+    # KV slots per row (prompt + max_new_tokens + B must fit); None: the command's (server:
+    # min(2048, max_position_embeddings); generate and eval: what their prompts need)
+    max_cache_len: int | None = None
+    branch_positions: int | None = None  # async C: rejection slots 1..C-1 branch; None: min(12, B)
+    branch_fanout: int | None = None  # async F: alternatives per rejection slot; None: 2
+    target_devices: int | None = None  # async: devices of the target slice (None: one shared device)
+    drafter_devices: int | None = None  # async: devices of the drafter slice, disjoint from the target's
+    sample_drafts: bool = False  # sync: sample drafts from q (sampling rows) instead of argmax
+    # window widths (rows) a round may run over; () = powers of two up to num_slots
+    row_buckets: tuple[int, ...] = ()
+    # auto's menu: sync block sizes b and async (C, F); None: the decoder's defaults that fit B
+    auto_sync_blocks: tuple[int, ...] | None = None
+    auto_async: tuple[tuple[int, int], ...] | None = None
+    # auto: the drafter's offline τ, the prior of every request's acceptance; None: read from
+    # the drafter's result.json
+    prior_tau: float | None = None
+
+    def validate(self, prefix: str = "decoder") -> None:
+        _require(self.mode is None or self.mode in MODES, f"{prefix}.mode",
+                 f"must be one of {'|'.join(MODES)}, got {self.mode!r}")
+        for key, lo, hi in (("block_size", 2, MAX_BLOCK_SIZE), ("num_slots", 1, MAX_SLOTS),
+                            ("max_cache_len", 2, MAX_CACHE_LEN), ("branch_positions", 1, MAX_BLOCK_SIZE),
+                            ("branch_fanout", 1, None), ("target_devices", 1, None),
+                            ("drafter_devices", 1, None)):
+            value = getattr(self, key)
+            _require(value is None or (value >= lo and (hi is None or value <= hi)), f"{prefix}.{key}",
+                     f"must be in [{lo}, {hi if hi is not None else '∞'}], got {value}")
+        if self.block_size is not None and self.branch_positions is not None:
+            _require(self.branch_positions <= self.block_size, f"{prefix}.branch_positions",
+                     f"C = {self.branch_positions} exceeds block_size {self.block_size}")
+        if self.mode is not None and self.mode != "async":
+            for key in ("branch_positions", "branch_fanout", "target_devices", "drafter_devices"):
+                _require(getattr(self, key) is None, f"{prefix}.{key}",
+                         f"is for mode async only: it needs --mode async (mode is {self.mode})")
+        if self.mode is not None and self.mode != "auto":
+            for key in ("auto_sync_blocks", "auto_async", "prior_tau"):
+                _require(getattr(self, key) is None, f"{prefix}.{key}",
+                         f"is for mode auto only: it needs --mode auto (mode is {self.mode})")
+        _require(not (self.sample_drafts and self.mode in ("plain", "async", "auto")), f"{prefix}.sample_drafts",
+                 f"is for mode sync only (mode is {self.mode})")
+        _require(all(b >= 1 for b in self.row_buckets), f"{prefix}.row_buckets",
+                 f"widths must be >= 1, got {self.row_buckets}")
+
+    def resolved(self, *, has_drafter: bool, drafter_block_size: int | None = None,
+                 num_slots: int | None = None, max_cache_len: int | None = None) -> "DecoderSettings":
+        """These settings with every derived default filled in (``prior_tau`` excepted: it is read
+        from the drafter's files, :func:`~d3d_jax.decoding.decoder_config.decoder_config_for`).
+
+        ``num_slots`` / ``max_cache_len``: the command's own value where the settings give none."""
+        mode = self.mode or ("auto" if has_drafter else "plain")
+        _require(mode == "plain" or has_drafter, "decoder.mode", f"{mode} needs --drafter (models.drafter)")
+        _require(mode != "plain" or not has_drafter, "decoder.mode", "plain takes no drafter: --drafter given with --mode plain")
+        block = self.block_size or drafter_block_size or DEFAULT_BLOCK_SIZE
+        fields = dict(mode=mode, block_size=block, num_slots=self.num_slots or num_slots,
+                      max_cache_len=self.max_cache_len or max_cache_len)
+        if mode == "async":
+            fields.update(branch_positions=self.branch_positions or min(DEFAULT_BRANCH_POSITIONS, block),
+                          branch_fanout=self.branch_fanout or DEFAULT_BRANCH_FANOUT)
+        out = dataclasses.replace(self, **fields)
+        out.validate()
+        return out
+
