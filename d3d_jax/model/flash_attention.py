@@ -33,6 +33,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from d3d_jax.model import flash_decode
+from d3d_jax.model.flash_kernels import live_tiles, pad_rows, tile_size  # noqa: F401  (shared tiling)
 from d3d_jax.model import flash_kernels as fk
 from d3d_jax.model.masks import CAUSAL, TokenMeta
 
@@ -84,19 +85,6 @@ def _encoded_visibility(qctx, qbid, kpos, kbid, block_q: int, block_k: int) -> j
 def tile_visibility(q_meta: TokenMeta, k_meta: TokenMeta, block_q: int, block_k: int) -> jax.Array:
     """``[B, ceil(T/block_q), ceil(S/block_k)]``: which tiles the kernel computes (it skips the rest)."""
     return _encoded_visibility(*encode_queries(q_meta), *encode_keys(k_meta), block_q, block_k)
-
-
-def live_tiles(vis: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Compacted live-tile lists of ``vis [B, M, N]``: ``(tiles [B, M, N] int32, count [B, M])``.
-
-    ``tiles[b, m, :count]`` are the live tiles in increasing order; entries past the count repeat
-    the last live one (a grid that walks the list then re-requests the same block: no new DMA).
-    """
-    n = vis.shape[-1]
-    order = jnp.argsort(~vis, axis=-1, stable=True).astype(jnp.int32)
-    count = vis.sum(-1, dtype=jnp.int32)
-    last = jnp.take_along_axis(order, jnp.maximum(count - 1, 0)[..., None], axis=-1)
-    return jnp.where(jnp.arange(n) < count[..., None], order, last), count
 
 
 # --------------------------------------------------------------------------------------
@@ -181,19 +169,6 @@ def save_flash_forward(prim, *_, **params) -> bool:
 # --------------------------------------------------------------------------------------
 # Entry point
 # --------------------------------------------------------------------------------------
-def tile_size(length: int, cap: int, floor: int = 16) -> int:
-    """Power-of-two tile >= ``floor`` (Triton's smallest dot: 16), at most ``cap``."""
-    return max(floor, min(cap, pl.next_power_of_2(length)))
-
-
-def pad_rows(x, length: int, value=0):
-    """Pad axis 1 to ``length``."""
-    extra = length - x.shape[1]
-    if extra == 0:
-        return x
-    return jnp.pad(x, [(0, 0), (0, extra)] + [(0, 0)] * (x.ndim - 2), constant_values=value)
-
-
 def flash_attention(q, k, v, q_meta: TokenMeta, k_meta: TokenMeta, *, platform: str = "interpret",
                     out_dtype=None, block_q: int = 64, block_k: int = 64, decode: bool = False
                     ) -> tuple[jax.Array, jax.Array]:

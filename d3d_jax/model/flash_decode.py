@@ -126,7 +126,7 @@ def decode_forward(q, k, v, layer: int, qctx, qbid, kpos, kbid, vis_fn, *, block
     ``k``/``v``: ``[L, B, S_max, K, H]``; ``vis_fn(qctx, qbid, kpos, kbid, block_r, block_k)`` is
     the tile test (rows carry their token's metadata).
     """
-    from d3d_jax.model.flash_attention import live_tiles, tile_size
+    from d3d_jax.model.flash_kernels import live_tiles, tile_size
 
     b, t, n, h = q.shape
     kh = k.shape[3]

@@ -271,3 +271,32 @@ def gpu_backward(q, k, v, do, lse, delta, qctx, qbid, kpos, kbid, q_lists, k_lis
                        [kv_row, kv_row], [jax.ShapeDtypeStruct(k.shape, k.dtype)] * 2, interpret, q.dtype)(
         k_tiles, k_count, *args)
     return dq, dk, dv
+
+
+# --------------------------------------------------------------------------------------
+# Tiling shared by the training, decode and TPU kernels' callers
+# --------------------------------------------------------------------------------------
+def tile_size(length: int, cap: int, floor: int = 16) -> int:
+    """Power-of-two tile >= ``floor`` (Triton's smallest dot: 16), at most ``cap``."""
+    return max(floor, min(cap, pl.next_power_of_2(length)))
+
+
+def pad_rows(x, length: int, value=0):
+    """Pad axis 1 to ``length``."""
+    extra = length - x.shape[1]
+    if extra == 0:
+        return x
+    return jnp.pad(x, [(0, 0), (0, extra)] + [(0, 0)] * (x.ndim - 2), constant_values=value)
+
+
+def live_tiles(vis: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Compacted live-tile lists of ``vis [B, M, N]``: ``(tiles [B, M, N] int32, count [B, M])``.
+
+    ``tiles[b, m, :count]`` are the live tiles in increasing order; entries past the count repeat
+    the last live one (a grid that walks the list then re-requests the same block: no new DMA).
+    """
+    n = vis.shape[-1]
+    order = jnp.argsort(~vis, axis=-1, stable=True).astype(jnp.int32)
+    count = vis.sum(-1, dtype=jnp.int32)
+    last = jnp.take_along_axis(order, jnp.maximum(count - 1, 0)[..., None], axis=-1)
+    return jnp.where(jnp.arange(n) < count[..., None], order, last), count

@@ -120,7 +120,7 @@ def cache_forward(q, k_lbskh, v_lbskh, layer, qctx, qbid, kpos, kbid, live_tiles
                   interpret=False):
     """``(out, lse)`` of ``q [B,T,N,H]`` over the first ``kpos.shape[1]`` slots of a stacked cache,
     read in place through the ``[L, B, S, K*H]`` view."""
-    from d3d_jax.model.flash_attention import pad_rows, tile_size
+    from d3d_jax.model.flash_kernels import pad_rows, tile_size
 
     b, t, n, h = q.shape
     l_, _, s_max, kh, _ = k_lbskh.shape

@@ -16,17 +16,7 @@ import numpy as np
 from d3d_jax import config as C
 from d3d_jax.demo import tokenizer as tok_lib
 from d3d_jax.errors import D3DError
-
-
-def log(msg: str) -> None:
-    print(f"[pipeline {time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-
-def write_json(obj, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(obj, indent=1, default=float))
-    tmp.replace(path)  # whole or not at all: a crashed stage is redone, never half-skipped
+from d3d_jax.pipeline.common import DEV_BATCHES, log, write_json  # noqa: F401  (stages and callers read them here too)
 
 
 class StageStopped(D3DError):
@@ -298,4 +288,3 @@ class Pipeline:
         return obj.summarize_tau(obj.pool_tau_sums(parts))
 
 
-DEV_BATCHES = 8  # × drafter_batch_size rows × drafter_num_anchors: 1024 dev anchors in the demo

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from d3d_jax import config as C
-from d3d_jax.pipeline.base import log, write_json
+from d3d_jax.pipeline.common import log, write_json
 
 if TYPE_CHECKING:
     from d3d_jax.pipeline.base import Pipeline

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from d3d_jax.pipeline import measure
-from d3d_jax.pipeline.base import log, write_json
+from d3d_jax.pipeline.common import log, write_json
 from d3d_jax.pipeline.prune import pruned_names
 
 if TYPE_CHECKING:

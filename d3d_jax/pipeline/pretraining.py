@@ -13,7 +13,7 @@ from d3d_jax import config as C
 from d3d_jax import demo
 from d3d_jax.demo import corpus
 from d3d_jax.demo import tokenizer as tok_lib
-from d3d_jax.pipeline.base import log, write_json
+from d3d_jax.pipeline.common import log, write_json
 
 if TYPE_CHECKING:
     from d3d_jax.pipeline.base import Pipeline

@@ -10,7 +10,7 @@ import shutil
 from typing import TYPE_CHECKING
 
 from d3d_jax import config as C
-from d3d_jax.pipeline.base import DEV_BATCHES, write_json
+from d3d_jax.pipeline.common import DEV_BATCHES, write_json
 from d3d_jax.pipeline.drafters import float32_export
 
 if TYPE_CHECKING:

@@ -9,7 +9,7 @@ import numpy as np
 
 from d3d_jax import config as C
 from d3d_jax import demo
-from d3d_jax.pipeline.base import log
+from d3d_jax.pipeline.common import log
 
 if TYPE_CHECKING:
     from d3d_jax.pipeline.base import Pipeline
