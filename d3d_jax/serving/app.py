@@ -199,8 +199,25 @@ def _tokenize_body(svc: Service, body: dict) -> list[int]:
 def create_app(svc: Service) -> FastAPI:
     app = FastAPI(title="d3d-jax", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.service = svc
-    metrics = svc.scheduler.metrics
+    _add_error_handlers(app, svc.scheduler.metrics)
+    _add_info_routes(app, svc)
+    _add_token_routes(app, svc)
 
+    @app.post("/v1/completions")
+    async def completions(http: Request):
+        return await _generate(svc, http, "completion")
+
+    @app.post("/v1/chat/completions")
+    async def chat(http: Request):
+        return await _generate(svc, http, "chat")
+
+    if svc.api_key:
+        app.add_middleware(_Auth, key=svc.api_key, on_reject=svc.scheduler.metrics.record_http_error)
+    return app
+
+
+def _add_error_handlers(app: FastAPI, metrics) -> None:
+    """Every error a route raises ends as one OpenAI-shaped body, counted by status."""
     @app.exception_handler(P.ApiError)
     async def api_error(_req, e: P.ApiError):
         metrics.record_http_error(e.status)
@@ -224,6 +241,11 @@ def create_app(svc: Service) -> FastAPI:
         log.exception("internal error")
         metrics.record_http_error(500)
         return JSONResponse(P.error_body(f"internal error: {type(e).__name__}: {e}", type="server_error"), 500)
+
+
+def _add_info_routes(app: FastAPI, svc: Service) -> None:
+    """Health, version, models and the Prometheus metrics."""
+    metrics = svc.scheduler.metrics
 
     def model_card() -> dict:
         return {"id": svc.model_name, "object": "model", "created": 0, "owned_by": "d3d-jax",
@@ -259,6 +281,9 @@ def create_app(svc: Service) -> FastAPI:
                                                 model=svc.model_name),
                                  media_type="text/plain; version=0.0.4")
 
+
+def _add_token_routes(app: FastAPI, svc: Service) -> None:
+    """vLLM's /tokenize and /detokenize."""
     @app.post("/tokenize")
     async def tokenize(http: Request):
         ids = _tokenize_body(svc, await read_json(http, svc.limits.max_body_bytes))
@@ -278,18 +303,6 @@ def create_app(svc: Service) -> FastAPI:
             raise P.ApiError(f"'tokens' must be a list of token ids in [0, {vocab or P.INT32})",
                              param="tokens")
         return {"prompt": svc.tokenizer.decode(tokens)}
-
-    @app.post("/v1/completions")
-    async def completions(http: Request):
-        return await _generate(svc, http, "completion")
-
-    @app.post("/v1/chat/completions")
-    async def chat(http: Request):
-        return await _generate(svc, http, "chat")
-
-    if svc.api_key:
-        app.add_middleware(_Auth, key=svc.api_key, on_reject=metrics.record_http_error)
-    return app
 
 
 __all__ = ["Service", "create_app", "read_json", "R"]
