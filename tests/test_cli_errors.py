@@ -128,7 +128,7 @@ def test_serve_refuses_a_bad_port_at_start_exit_2_without_a_traceback():
 
 @pytest.mark.parametrize("args, code, fragment", [
     (["--target", "/nonexistent"], 2, "--target /nonexistent: not a directory"),
-    (["--target", str(TARGET), "--mode", "sync"], 2, "--mode sync needs --drafter"),
+    (["--target", str(TARGET), "--mode", "sync"], 2, "decoder.mode: sync needs --drafter"),
     (["--target", str(TARGET), "--tokenizer", "/nonexistent"], 2, "--tokenizer /nonexistent: no tokenizer files"),
 ])
 def test_serve_usage_errors_are_one_line_exit_2(capsys, args, code, fragment):
@@ -150,7 +150,7 @@ def test_serve_a_corrupt_tokenizer_is_one_line(capsys, tmp_path):
     (["--seed", "-1"], "--seed: must be in [0, 2147483647], got -1"),
     (["--max-new-tokens", "0"], "--max-new-tokens: must be in [1, 1048576]"),
     (["--temperature", "nan"], "--temperature: expected a finite number"),
-    (["--batch-size", "100000"], "--batch-size: must be in [1, 4096]"),
+    (["--batch-size", "100000"], "--batch-size: must be in [1, 65536]"),
 ])
 def test_generate_refuses_numbers_past_what_it_can_do_before_loading(capsys, flags, fragment):
     gen = _module("infer/generate.py")

@@ -101,7 +101,7 @@ def test_plain_sampling_flags_and_overrides(dirs, capsys):
     assert 0 not in first["token_ids"][:-1]  # eos 0 ends the output
     with pytest.raises(UsageError, match="needs --drafter"):
         cli.main(["--target", str(dirs["target"]), "--mode", "sync", "--prompt-ids", "1"])
-    with pytest.raises(UsageError, match="top_p must be in"):
+    with pytest.raises(UsageError, match="--top-p: must be in"):
         cli.main(["--target", str(dirs["target"]), "--prompt-ids", "1", "--top-p", "2"])
     with pytest.raises(UsageError, match="no prompts"):
         cli.main(["--target", str(dirs["target"])])
@@ -126,11 +126,11 @@ def test_limits_are_checked_before_any_decoding(dirs, monkeypatch, capsys):
     with pytest.raises(UsageError, match=r"prompt \(3 tokens\) \+ max_new_tokens \(100000\) = 100003 exceeds "
                                          r"max_position_embeddings 256 of --target .* or pass --allow-beyond-context"):
         cli.main(base + ["--max-new-tokens", "100000"])
-    # --branch-fanout 5000: N_async = 16·(11·5000 + 2) = 880032, refused with the budget it computed
-    with pytest.raises(ConfigError, match=r"N_async = B·\(\(C-1\)·F \+ 2\) = 16·\(\(12-1\)·5000 \+ 2\) = 880032 "
-                                          r"tokens, more than the maximum 4096"):
+    # a block past the drafter's trained one (B = 4 here) is refused before decoding (issue 21), so
+    # this drafter cannot reach the N_async budget; test_records checks that refusal via bench eval
+    with pytest.raises(UsageError, match="--block-size 16 is more than the drafter was trained for"):
         cli.main(base + ["--mode", "async", "--drafter", str(dirs["drafter"]), "--block-size", "16",
-                         "--branch-fanout", "5000", "--max-new-tokens", "8"])
+                         "--branch-fanout", "64", "--max-new-tokens", "8"])
     assert calls == []  # neither reached the engine
     # past the context only when asked for, and then it runs
     outs = cli.main(base + ["--max-new-tokens", "260", "--allow-beyond-context", "--ignore-eos", "--json"])

@@ -79,7 +79,7 @@ def _forward_skipping(model, tokens, meta, skip):
     x = model.embed(tokens)
     for i, layer in enumerate(model.layers):
         if i != skip:
-            x, _, _ = layer(x, meta, None, None, None)
+            x, _, _ = layer(x, meta, None)
     return model.logits(model.norm(x))
 
 
@@ -249,7 +249,7 @@ def test_shortgpt_block_influence_matches_explicit_cosine():
     x = model.embed(jnp.asarray(dev["tokens"]))
     valid = np.asarray(dev["valid"])
     for l, layer in enumerate(model.layers):
-        y, _, _ = layer(x, meta, None, None, None)
+        y, _, _ = layer(x, meta, None)
         a, c = np.asarray(x, np.float64)[valid], np.asarray(y, np.float64)[valid]
         cos = (a * c).sum(-1) / np.linalg.norm(a, axis=-1) / np.linalg.norm(c, axis=-1)
         assert bi[l] == pytest.approx(1 - cos.mean(), abs=1e-5)

@@ -209,7 +209,7 @@ def test_eval_entry_point_checks_context_and_branch_budget_before_decoding():
     from d3d_jax.bench.evaluation.cli import check_limits
     from d3d_jax.config import ConfigError, EvalConfig, load_config
 
-    target = types.SimpleNamespace(config=types.SimpleNamespace(max_position_embeddings=256))
+    target = types.SimpleNamespace(config=types.SimpleNamespace(max_position_embeddings=256, context_length=256))
     base = ["models.target=t", "models.drafter=d", "eval.max_new_tokens=300", "decoder.branch_fanout=64"]
     cfg = load_config(EvalConfig, [], base + ["eval.modes=plain,async"])
     with pytest.raises(UsageError, match=r"= 310 exceeds max_position_embeddings 256 of --target t"):

@@ -115,7 +115,7 @@ def test_async_decoding_measures_the_simulated_tau_and_hit_rate(models):
     prompts = np.random.default_rng(1).integers(0, 4000, (8, 12)).tolist()
 
     outs = generate(target, prompts, mode="async", drafter=drafter, max_new_tokens=160,
-                    verbose=False, acceptance_override=S.SimulatedAcceptance(7.9, 0.7, seed=3))
+                    acceptance_override=S.SimulatedAcceptance(7.9, 0.7, seed=3))
     hist = np.asarray(summarize_outputs(outs)["accept_hist"])
     hits, misses = (sum(o.metrics[k] for o in outs) for k in ("hits", "misses"))
     assert set(np.nonzero(hist)[0] + 1) <= {7, 8}

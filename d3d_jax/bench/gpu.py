@@ -201,7 +201,7 @@ def run_modes(target, drafter, prompt, args, sim, cache_len: int) -> dict:
     kw = {"acceptance_override": sim} if sim is not None else {}
     modes = {"plain": {}, "sync": dict(mode="sync", drafter=drafter, **kw)}
     if not args.skip_async:
-        modes["async"] = dict(mode="async", drafter=drafter, verbose=False, **kw,
+        modes["async"] = dict(mode="async", drafter=drafter, **kw,
                               branch_positions=args.branch_positions, branch_fanout=args.branch_fanout)
     res = {name: decode_runs(target, prompt, args.max_new, args.repeats, **common, **opts)
            for name, opts in modes.items()}
