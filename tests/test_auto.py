@@ -98,11 +98,11 @@ def test_the_drafter_cache_stays_exact_across_plain_rounds(setup, monkeypatch):
         for _ in range(steps):
             dec.step()
         dec._drain()
-        _check_cache_equals_prefill(dec, s["drafter_model"])
+        assert_cache_equals_prefill(dec, s["drafter_model"])
     dec.free(dec.active_slots())
 
 
-def _check_cache_equals_prefill(dec, drafter_model):
+def assert_cache_equals_prefill(dec, drafter_model):
     st = jax.device_get(dec.carry.state)
     cache = st.drafter_state["cache"]  # the costed replay drafter's real model cache
     md = ModelDrafter(drafter_model)

@@ -78,7 +78,7 @@ def _module(script: str):
     return mod
 
 
-def _one_line(capsys, status: int, code: int, *fragments: str) -> str:
+def assert_one_line(capsys, status: int, code: int, *fragments: str) -> str:
     err = capsys.readouterr().err
     lines = [x for x in err.splitlines() if x.strip()]
     assert status == code and len(lines) == 1 and lines[0].startswith("error: "), (status, err[-2000:])
@@ -133,7 +133,7 @@ def test_serve_refuses_a_bad_port_at_start_exit_2_without_a_traceback():
 ])
 def test_serve_usage_errors_are_one_line_exit_2(capsys, args, code, fragment):
     serve = _module("infer/serve.py")
-    _one_line(capsys, run_cli(serve.main, args), code, fragment)
+    assert_one_line(capsys, run_cli(serve.main, args), code, fragment)
 
 
 def test_serve_a_corrupt_tokenizer_is_one_line(capsys, tmp_path):
@@ -141,7 +141,7 @@ def test_serve_a_corrupt_tokenizer_is_one_line(capsys, tmp_path):
     bad = _model_copy(tmp_path, TARGET, "target")
     os.unlink(bad / "tokenizer.json")
     (bad / "tokenizer.json").write_text('{"version": "1.0", "model": {"type": "Nope"')
-    _one_line(capsys, run_cli(serve.main, ["--target", str(bad)]), 1, f"{bad}: cannot load the tokenizer")
+    assert_one_line(capsys, run_cli(serve.main, ["--target", str(bad)]), 1, f"{bad}: cannot load the tokenizer")
 
 
 @pytest.mark.parametrize("flags, fragment", [
@@ -155,14 +155,14 @@ def test_serve_a_corrupt_tokenizer_is_one_line(capsys, tmp_path):
 def test_generate_refuses_numbers_past_what_it_can_do_before_loading(capsys, flags, fragment):
     gen = _module("infer/generate.py")
     status = run_cli(gen.main, ["--target", "/not/loaded", "--prompt-ids", "1,2", *flags])
-    _one_line(capsys, status, 2, fragment)
+    assert_one_line(capsys, status, 2, fragment)
 
 
 def test_generate_refuses_a_block_larger_than_the_drafter_was_trained_for(capsys):
     gen = _module("infer/generate.py")
     status = run_cli(gen.main, ["--target", str(TARGET), "--drafter", str(DRAFTER), "--mode", "sync",
                                 "--prompt-ids", "5,6", "--block-size", "32", "--dtype", "float32"])
-    _one_line(capsys, status, 2, "--block-size 32 is more than the drafter was trained for (16)")
+    assert_one_line(capsys, status, 2, "--block-size 32 is more than the drafter was trained for (16)")
 
 
 @pytest.mark.parametrize("script, args", [
@@ -174,7 +174,7 @@ def test_a_drafter_with_another_mask_id_than_the_tokenizer_is_refused(capsys, tm
     other = _model_copy(tmp_path, DRAFTER, "drafter", mask_token_id=5)
     argv = ["--target", str(TARGET), "--drafter", str(other), "--dtype", "float32", *args]
     status = run_cli(_module(script).main, ["eval", *argv] if script == "infer/bench.py" else argv)
-    _one_line(capsys, status, 1, "config.json mask_token_id is 5 but the tokenizer's <|MASK|> is id 3")
+    assert_one_line(capsys, status, 1, "config.json mask_token_id is 5 but the tokenizer's <|MASK|> is id 3")
 
 
 @pytest.mark.parametrize("changes, code, fragment", [
@@ -185,7 +185,7 @@ def test_a_drafter_with_another_mask_id_than_the_tokenizer_is_refused(capsys, tm
 def test_config_json_values_are_refused_naming_the_key_not_the_tokenizer(capsys, tmp_path, changes, code, fragment):
     gen = _module("infer/generate.py")
     target = _model_copy(tmp_path, TARGET, "target", **changes)
-    _one_line(capsys, run_cli(gen.main, ["--target", str(target), "--prompt", "to be"]), code, fragment)
+    assert_one_line(capsys, run_cli(gen.main, ["--target", str(target), "--prompt", "to be"]), code, fragment)
 
 
 def test_a_symlink_loop_is_one_line_naming_it(capsys, tmp_path):
@@ -193,14 +193,14 @@ def test_a_symlink_loop_is_one_line_naming_it(capsys, tmp_path):
     loop = tmp_path / "prompts.jsonl"
     os.symlink(loop, loop)
     status = run_cli(gen.main, ["--target", str(TARGET), "--prompts-file", str(loop), "--dtype", "float32"])
-    _one_line(capsys, status, 2, f"{loop}: Too many levels of symbolic links")
+    assert_one_line(capsys, status, 2, f"{loop}: Too many levels of symbolic links")
 
 
 def test_out_of_range_prune_target_layers_is_one_line(capsys):
     prune = _module("train/prune_drafter.py")
     status = run_cli(prune.main, [f"prune.drafter={DRAFTER}", "prune.target_layers=5", "data.train_path=t.jsonl",
                                   "data.dev_path=d.jsonl", "num_devices=1"])
-    _one_line(capsys, status, 2, "prune.target_layers: must be in [1, 2] (the drafter", "has 2 layers), got 5")
+    assert_one_line(capsys, status, 2, "prune.target_layers: must be in [1, 2] (the drafter", "has 2 layers), got 5")
 
 
 def test_overrides_after_a_second_config_apply(capsys, tmp_path):
@@ -219,4 +219,4 @@ def test_an_output_path_under_a_file_is_one_line(capsys, tmp_path):
     (tmp_path / "file").write_text("")
     status = run_cli(regen.main, ["--target", str(TARGET), "--prompts", str(tmp_path / "prompts.jsonl"),
                                   "--out", str(tmp_path / "file" / "out.jsonl"), "--no-progress", "dtype=float32"])
-    _one_line(capsys, status, 2, f"{tmp_path / 'file' / 'out.jsonl'}: {tmp_path / 'file'} is a file where a directory is needed")
+    assert_one_line(capsys, status, 2, f"{tmp_path / 'file' / 'out.jsonl'}: {tmp_path / 'file'} is a file where a directory is needed")
