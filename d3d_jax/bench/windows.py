@@ -45,12 +45,15 @@ def _decoder(target, drafter, mode: str, slots: int, active: int, args):
 
     from d3d_jax.decoding.decoder import DecoderConfig, Request, SpecDecoder
 
-    cfg = DecoderConfig(mode=mode, num_slots=slots, max_cache_len=args.max_cache_len)
+    # long enough for every timed round even if each commits a whole block: a request that
+    # finished inside a timed run would make its rounds free (they measured 0.0 ms)
+    width = 1 if mode == "plain" else DecoderConfig().block_size
+    n_new = 4 + (args.repeats + 1) * args.rounds * width
+    cache = max(args.max_cache_len, args.prompt_len + n_new + 2 * width)
+    cfg = DecoderConfig(mode=mode, num_slots=slots, max_cache_len=cache)
     dec = SpecDecoder(target, None if mode == "plain" else drafter, cfg)
     rng = np.random.default_rng(0)
     prompt = rng.integers(5, target.config.vocab_size - 1, args.prompt_len).tolist()
-    # long enough for every timed round (each commits >= 1 token)
-    n_new = 4 + (args.repeats + 1) * args.rounds
     dec.insert(dec.prefill([Request(prompt, n_new, index=i) for i in range(active)]),
                list(range(slots - active, slots)))  # the last slots: placement packs them
     for _ in range(3):  # compiles and warms
@@ -61,9 +64,12 @@ def _decoder(target, drafter, mode: str, slots: int, active: int, args):
 def _seconds_per_round(dec, rounds: int) -> float:
     dec.wait()
     t0 = time.perf_counter()
+    finished = 0
     for _ in range(rounds):
-        dec.step()
+        finished += sum(out.finished for out in dec.step().values())
     dec.wait()
+    if finished:  # its later rounds would run fewer rows than the table says
+        raise RuntimeError(f"{finished} request(s) finished inside a timed run")
     return (time.perf_counter() - t0) / rounds
 
 
