@@ -172,6 +172,25 @@ def test_policy_expected_tokens_and_choice():
     assert pol.costs.get("plain", 4) == pytest.approx(2 ** 0.5)  # scaled from the nearest width
 
 
+def test_one_stalled_round_does_not_price_a_geometry_out():
+    """A round-time sample counts at most OUTLIER x the estimate: a 5 s stall (a GC, another
+    program's compile) on a 10 ms plain round leaves plain the choice; without the bound the
+    estimate becomes 1.26 s and plain is never run (so never re-measured) again."""
+    from d3d_jax.decoding.auto_policy import EMA, OUTLIER
+
+    pol = Policy([Geometry("plain", 1), Geometry("sync/4", 4)], (1,))
+    pol.costs.calibrate("plain", 1, 0.010)
+    pol.costs.calibrate("sync/4", 1, 0.030)
+    row = [(Acceptance(16, 0.3), 100)]  # sync/4 expects 1.39 tokens: 46 tok/s against plain's 100
+    assert pol.choose(row, 1).key == ("plain",)
+    pol.costs.measured("plain", 1, 5.0)
+    assert pol.costs.get("plain", 1) == pytest.approx((1 - EMA) * 0.010 + EMA * OUTLIER * 0.010)
+    assert pol.choose(row, 1).key == ("plain",)
+    for _ in range(12):  # a real, lasting rise is still followed
+        pol.costs.measured("plain", 1, 0.050)
+    assert pol.costs.get("plain", 1) > 0.04 and pol.choose(row, 1).key == ("sync/4",)
+
+
 def test_placement_keeps_live_rows_packed_in_class_order():
     """Random joins, leaves and class changes: the swaps, replayed on a plain list (the device's
     view), put every slot where the placement says, live rows at [0, n), class 0 first."""

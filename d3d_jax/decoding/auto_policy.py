@@ -26,6 +26,10 @@ SWITCH_MARGIN = 0.03  # another plan must be this much better to replace the cur
 PLAIN_MARGIN = 0.15  # a request runs plain once speculation pays this much less than plain
 MIN_ROUNDS_TO_SET_ASIDE = 3  # of the request's own speculative rounds
 EXPLORE_EVERY = 32  # plain rounds in a row after which one speculative round is tried
+# A round-time sample counts at most this many times the estimate: one host stall (a GC, the
+# server's burst of stream writes, another program's compile) priced a geometry out of the choice
+# for good — a geometry that looks too dear is never run again, so it is never re-measured.
+OUTLIER = 2.0
 
 
 def geometric_rate(tau: float, width: int) -> float:
@@ -91,7 +95,7 @@ class Costs:
     def measured(self, label: str, rows: int, seconds: float) -> None:
         key = (label, rows)
         old = self.seconds.get(key)
-        self.seconds[key] = seconds if old is None else (1 - EMA) * old + EMA * seconds
+        self.seconds[key] = seconds if old is None else (1 - EMA) * old + EMA * min(seconds, OUTLIER * old)
         self.samples[key] += 1
 
     def get(self, label: str, rows: int) -> float:

@@ -303,6 +303,7 @@ class SpecDecoder:
     def _dispatch(self) -> bool:
         """Dispatch one round over the live rows (nothing waits); False if none is running."""
         self._reclassify()
+        self._flushed = bool(self._queue)  # admissions or row ops (a first one compiles) ran
         clean = not self._flush()
         if not self._running():
             return False
@@ -331,7 +332,10 @@ class SpecDecoder:
         if not self._pending and not self._dispatch():
             return {}
         if len(self._pending) == 1 and self._can_run_ahead():
-            self._dispatch()  # queued behind the one read below: the device keeps busy
+            # queued behind the one read below: the device keeps busy
+            if self._dispatch() and (self._flushed or any(p.fresh for p in self._pending[-1].parts)):
+                # a compile or admission ran on this thread before that read: not its round's time
+                self._pending[0].clean = False
         return self._read(self._pending.popleft())
 
     def _read(self, rnd: _Round) -> dict[int, StepOutput]:
