@@ -40,13 +40,15 @@ def pytest_unconfigure(config):
         shutil.rmtree(os.environ["D3D_COMPILE_CACHE"], ignore_errors=True)
 
 
-# Files that take minutes, longest first (the last full run's durations).  Under pytest-xdist
+# Files that take minutes, longest first (the last full run's durations, integ3: summed over
+# its 60 slowest tests; test_train_checkpoints and test_bench_gpu kept from the run before).  Under pytest-xdist
 # (``make test``: --dist loadfile, one file per worker at a time) they start first, so the two
 # workers end together instead of one starting the README's commands last; the order inside a
 # file, and of every other file, is kept.
-LONG_FILES = ("test_readme.py", "test_serve_e2e.py", "test_serve_openai.py", "test_loop.py",
-              "test_async.py", "test_compile.py", "test_train_checkpoints.py", "test_bench_gpu.py",
-              "test_eval_cli.py", "test_simulate.py", "test_engine.py", "test_pipeline.py")
+LONG_FILES = ("test_readme.py", "test_serve_e2e.py", "test_eval_cli.py", "test_pipeline.py", "test_async.py",
+              "test_auto.py", "test_serve_openai.py", "test_loop.py", "test_decoder.py", "test_pruning.py",
+              "test_regenerate.py", "test_compile.py", "test_train_checkpoints.py", "test_bench_gpu.py",
+              "test_attention.py", "test_multiprocess.py", "test_simulate.py", "test_engine.py")
 
 
 def pytest_collection_modifyitems(items):
