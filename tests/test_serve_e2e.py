@@ -173,10 +173,13 @@ def test_load_200_requests_with_cancellations(models, tmp_path):
         n = 100 if cancel else rng.randrange(1, max_new + 1)
         jobs.append((k, n, rng.randrange(1, 4) if cancel else None))
     env = dict(os.environ, D3D_API_KEY="load-test-key")
-    # auto over a small menu (its start-up compiles and times every geometry at every width)
+    # auto over a small menu (its start-up compiles and times every geometry at every width):
+    # plain, sync/4 and async/4x2 at widths 1, 2, 4 and 8; warm-up only up to the 64-token prefill
+    # bucket, the longest prompt's (the background compile of 128 would run beside the load)
     server = ServerProcess(["--target", str(TARGET), "--tokenizer", str(TOKENIZER), "--dtype", DTYPE, "--mode", "auto",
-                            "--drafter", str(DRAFTER), "--auto-sync-blocks", "4,16", "--auto-async", "4x2",
-                            "--num-slots", "8", "--max-model-len", "192", "--served-model-name", "demo"],
+                            "--drafter", str(DRAFTER), "--auto-sync-blocks", "4", "--auto-async", "4x2",
+                            "--num-slots", "8", "--max-model-len", "192", "--warmup-max-prompt", "64",
+                            "--served-model-name", "demo"],
                            timeout_s=900, env=env)
     try:
         # warm-up: every prompt once (all prefill buckets compiled), then the baseline RSS
