@@ -288,10 +288,15 @@ def test_fused_kernel_compiles_for_tpu_as_mosaic_calls(tmp_path):
     topo = ct.topology(ct.device("tpu-v5e-8"))
     # one chip: a Mosaic kernel is not partitioned automatically (the model shard_maps it)
     mesh = jax.sharding.Mesh(np.asarray(topo.devices[:1]), ("x",))
-    built = cp.flash_kernels(cp.KernelShape(length=1024, heads=4, kv_heads=2), mesh, platform="tpu")
+    shape = cp.KernelShape(length=1024, heads=4, kv_heads=2)
+    built = cp.flash_kernels(shape, mesh, platform="tpu")
     with jax.set_mesh(mesh):
         c = built.fn.trace(*built.args).lower().compile()
     assert cf.tpu_custom_calls(c.as_text()) == 3
+    # each Mosaic call is found by name and estimated: 4 + 6 + 8 flops per (query, key, dim)
+    extras, calls = cf.walk(c.as_text())
+    assert sorted(k["name"] for k in calls if k["estimated"]) == ["d3d_flash_dkv", "d3d_flash_dq", "d3d_flash_fwd"]
+    assert extras.kernel_flops == 18 * shape.heads * shape.length ** 2 * shape.head_dim
 
 
 # --------------------------------------------------------------------------------------
