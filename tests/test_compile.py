@@ -281,6 +281,17 @@ def test_train_step_compiles_for_tpu_and_counts_the_hand_flops(tmp_path):
     assert abs(cf.xla_cost(c)["flops"] / hand - 1) < 0.10
 
 
+def test_the_kernel_lowers_for_the_active_meshs_platform():
+    """Inside a TPU mesh (a compile-only one included) ``pallas`` means the Mosaic kernels."""
+    _need("tpu-v5e-8")
+    from d3d_jax.model.attention import kernel_platform
+
+    topo = ct.topology(ct.device("tpu-v5e-8"))
+    with jax.set_mesh(jax.sharding.Mesh(np.asarray(topo.devices[:1]), ("x",))):
+        assert kernel_platform("pallas") == "tpu"
+    assert kernel_platform("pallas") == "gpu"  # no mesh: the host (a CPU here) is not a TPU
+
+
 def test_fused_kernel_compiles_for_tpu_as_mosaic_calls(tmp_path):
     """The same kernel source lowers for a TPU: forward, dQ and dK/dV are Mosaic kernels
     (``tpu_custom_call``) in the compiled v5e program."""
