@@ -237,7 +237,8 @@ def program_rows(progs: list[dict]) -> list[str]:
                         f"| **not compiled**: {r.get('error', '?')[:300]} ||||||")
             continue
         m, x = r["memory"], r["xla"]
-        calls = sum(k["calls"] for k in r["kernel_calls"]) or r.get("tpu_custom_calls", 0)
+        # the project's kernels (a TPU program also has XLA's own custom calls: AllocateBuffer...)
+        calls = r.get("tpu_custom_calls") or sum(k["calls"] for k in r["kernel_calls"] if k["estimated"])
         rows.append(
             f"| {r['program']} | {dev} | {r['backend']} | {r['compile_s']:.0f} "
             f"| {m['peak'] / GIB:.2f} ({100 * r['memory_over_hbm']:.1f} %) | {m['temp'] / MB:.1f} "
@@ -269,6 +270,9 @@ def kernel_rows(progs: list[dict]) -> list[str]:
     return head + rows if rows else []
 
 
+KERNEL_TARGETS = ("tpu_custom_call", "__gpu$xla.gpu.triton")
+
+
 def estimate_rows(progs: list[dict]) -> list[str]:
     head = ["| program | kernel | calls | operands (q, k, v) | in a branch | GFLOP each | MB each (once) "
             "| MB each (issued) |", "|---|---|---|---|---|---|---|---|"]
@@ -276,6 +280,8 @@ def estimate_rows(progs: list[dict]) -> list[str]:
     for r in progs:
         for k in r.get("kernel_calls", []):
             est = k["estimated"]
+            if not est and k["target"] not in KERNEL_TARGETS:  # XLA's own (AllocateBuffer, ...)
+                continue
             rows.append(f"| {r['program']} ({r['backend']}) | {k['name']} | {k['calls']} | {', '.join(k['operands'])} "
                         f"| {'yes' if k['in_branch'] else 'no'} "
                         f"| {k['flops_each'] / 1e9:.4g} | {k['bytes_each'] / MB:.3g} "
