@@ -11,7 +11,9 @@ Programs (full shapes; ``--small`` gives 2-layer models and a 256-slot cache, as
   the D3D-1.7B train step on 8 x H200 (``configs/train/d3d-1.7b.yaml``'s mesh and batch);
 * ``tpu-v5p-128`` (64 chips): the D3D-8B train step with its own mesh (1 x 16 x 4, batch 16 x
   6144), once as XLA compiles it (memory) and once with windowed-einsum collectives off (flops:
-  the cost analysis counts a ``while`` body once, and those collective matmuls are loops);
+  the cost analysis counts a ``while`` body once, and those collective matmuls are loops), with
+  each ``--train-backend`` side by side and at each ``--train-layers`` depth (the report draws a
+  line through the depths to the config's; memory is not linear in depth, so it is a quick look);
 * ``tpu-v5e-8``: the D3D-1.7B train step on 8 v5e chips.
 
 Per program (:mod:`~d3d_jax.bench.compile_facts`): compiled or the compiler's error; memory per
