@@ -170,7 +170,7 @@ def train_checks(progs: list[dict]) -> list[dict]:
         for r in _pod(progs, False, "pallas"):
             d = r["facts"]["model_layers"]
             if d in xla:
-                out.append(_shown(f"{POD}, {d} layers: pallas / xla GiB per chip, same run", peak(r) / xla[d]))
+                out.append(_shown(f"{POD}, {d} layers: pallas / xla GiB per chip, same depth", peak(r) / xla[d]))
     flops = _pod(progs, flops=True)
     got, tflop = _at_full(flops, lambda r: r["roofline"]["flops_s"]), _at_full(flops, lambda r: r["flops"] / 1e12)
     hand = _at_full(flops, lambda r: r["facts"]["hand_flops"]["total"] / r["chips"] / 1e12)
