@@ -281,6 +281,17 @@ def test_train_step_compiles_for_tpu_and_counts_the_hand_flops(tmp_path):
     assert abs(cf.xla_cost(c)["flops"] / hand - 1) < 0.10
 
 
+def test_the_kernel_lowers_for_the_active_meshs_platform():
+    """Inside a TPU mesh (a compile-only one included) ``pallas`` means the Mosaic kernels."""
+    _need("tpu-v5e-8")
+    from d3d_jax.model.attention import kernel_platform
+
+    topo = ct.topology(ct.device("tpu-v5e-8"))
+    with jax.set_mesh(jax.sharding.Mesh(np.asarray(topo.devices[:1]), ("x",))):
+        assert kernel_platform("pallas") == "tpu"
+    assert kernel_platform("pallas") == "gpu"  # no mesh: the host (a CPU here) is not a TPU
+
+
 def test_fused_kernel_compiles_for_tpu_as_mosaic_calls(tmp_path):
     """The same kernel source lowers for a TPU: forward, dQ and dK/dV are Mosaic kernels
     (``tpu_custom_call``) in the compiled v5e program."""
@@ -288,7 +299,45 @@ def test_fused_kernel_compiles_for_tpu_as_mosaic_calls(tmp_path):
     topo = ct.topology(ct.device("tpu-v5e-8"))
     # one chip: a Mosaic kernel is not partitioned automatically (the model shard_maps it)
     mesh = jax.sharding.Mesh(np.asarray(topo.devices[:1]), ("x",))
-    built = cp.flash_kernels(cp.KernelShape(length=1024, heads=4, kv_heads=2), mesh, platform="tpu")
+    shape = cp.KernelShape(length=1024, heads=4, kv_heads=2)
+    built = cp.flash_kernels(shape, mesh, platform="tpu")
     with jax.set_mesh(mesh):
         c = built.fn.trace(*built.args).lower().compile()
     assert cf.tpu_custom_calls(c.as_text()) == 3
+    # each Mosaic call is found by name and estimated: 4 + 6 + 8 flops per (query, key, dim)
+    extras, calls = cf.walk(c.as_text())
+    assert sorted(k["name"] for k in calls if k["estimated"]) == ["d3d_flash_dkv", "d3d_flash_dq", "d3d_flash_fwd"]
+    assert extras.kernel_flops == 18 * shape.heads * shape.length ** 2 * shape.head_dim
+
+
+# --------------------------------------------------------------------------------------
+# The pod step's report: reduced depths extrapolated along a line (no compile)
+# --------------------------------------------------------------------------------------
+def _pod_row(backend: str, layers: int, gib: float, tflop: float = 0.0, hand_tflop: float = 0.0) -> dict:
+    name = "D3D-8B train step" + (", flops" if tflop else "") + f", {layers} layers"
+    return {"program": name, "backend": backend, "kind": "train", "compiled": True, "chips": 64,
+            "memory": {"peak": gib * 2 ** 30}, "flops": tflop * 1e12,
+            "roofline": {"flops_s": tflop * 1e12 / 459e12},
+            "ideal": {"flops_over_hand": tflop / hand_tflop if hand_tflop else 0.0},
+            "facts": {"model_layers": layers, "config_layers": 36,
+                      "hand_flops": {"total": hand_tflop * 64e12}}}
+
+
+def test_pod_step_depths_extrapolate_along_their_line_and_meet_the_bar_there():
+    # memory 1.5 + 0.25·L GiB: 10.5 GiB at 36 layers (0.634 of 16.55, over the bar); hand count
+    # 4 + 3·L TFLOP per chip, XLA 2 % under it
+    rows = [_pod_row("pallas", d, 1.5 + 0.25 * d) for d in (2, 4, 8)]
+    rows += [_pod_row("pallas", d, 0, 0.98 * (4 + 3 * d), 4 + 3 * d) for d in (2, 4)]
+    line = compile_report.depth_line(rows[:3], lambda r: r["memory"]["peak"] / 2 ** 30)
+    assert line["per_layer"] == pytest.approx(0.25) and line["intercept"] == pytest.approx(1.5)
+    assert line["at_full"] == pytest.approx(10.5) and line["max_residual"] == pytest.approx(0, abs=1e-9)
+    bent = compile_report.depth_line(rows[:2] + [_pod_row("pallas", 8, 1.5 + 0.25 * 8 + 0.3)],
+                                     lambda r: r["memory"]["peak"] / 2 ** 30)
+    assert bent["max_residual"] > 0.05  # three depths show a bend; two never could
+    got = {c["check"]: c for c in compile_report.train_checks(rows)}
+    memory = next(c for k, c in got.items() if "GiB per chip / 16.55" in k)
+    assert "extrapolated from 2, 4, 8" in memory["check"] and memory["met"] is False
+    assert memory["value"] == pytest.approx(10.5 / 16.55)
+    floor = next(c for k, c in got.items() if "step-time floor" in k)
+    assert floor["value"] == pytest.approx(0.98 * (4 + 3 * 36) * 1e12 / 459e12)
+    assert all(c["met"] for k, c in got.items() if "hand count" in k)

@@ -11,7 +11,9 @@ Programs (full shapes; ``--small`` gives 2-layer models and a 256-slot cache, as
   the D3D-1.7B train step on 8 x H200 (``configs/train/d3d-1.7b.yaml``'s mesh and batch);
 * ``tpu-v5p-128`` (64 chips): the D3D-8B train step with its own mesh (1 x 16 x 4, batch 16 x
   6144), once as XLA compiles it (memory) and once with windowed-einsum collectives off (flops:
-  the cost analysis counts a ``while`` body once, and those collective matmuls are loops);
+  the cost analysis counts a ``while`` body once, and those collective matmuls are loops), with
+  each ``--train-backend`` side by side and at each ``--train-layers`` depth (the report draws a
+  line through the depths to the config's; memory is not linear in depth, so it is a quick look);
 * ``tpu-v5e-8``: the D3D-1.7B train step on 8 v5e chips.
 
 Per program (:mod:`~d3d_jax.bench.compile_facts`): compiled or the compiler's error; memory per
@@ -67,17 +69,30 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--backends", default="xla,pallas",
                    help="attention backends of the decoding programs (comma-separated); the plain step "
                         "and the verify round get each, the rest the last one")
-    p.add_argument("--train-backend", default="xla", help="attention backend of the train steps")
+    p.add_argument("--train-backend", default="xla",
+                   help="attention backend(s) of the train steps (comma-separated): the pod step's memory "
+                        "is compiled with each, side by side; its flops and the other train steps with the last")
     p.add_argument("--only", default="", help="run only programs whose name contains one of these "
                    "comma-separated texts (=NAME: that name exactly)")
-    p.add_argument("--train-layers", type=int, default=0,
-                   help="layers of the train steps' models (0: the config's); a pod step at full depth "
-                        "takes 15-25 min on 2 cores, so its memory is extrapolated from two depths")
+    p.add_argument("--train-layers", type=_depths, default=(0,),
+                   help="layers of the train steps' models, comma-separated depths (0: the config's); a "
+                        "pod step at full depth takes 15-25 min on 2 cores: with two depths or more the "
+                        "report extrapolates its memory and flops to the config's depth along a line")
     p.add_argument("--small", action="store_true", help="2-layer models, cache 256 (the suite's shapes)")
     p.add_argument("--cache-len", type=int, default=2048)
     p.add_argument("--keep-dumps", action="store_true", help="keep the XLA dumps under OUT/dumps")
     p.add_argument("--out", default=DEFAULT_OUT, help="folder for bench_compile.json and .md")
     return p
+
+
+def _depths(text: str) -> tuple[int, ...]:
+    try:
+        depths = tuple(sorted({int(d) for d in text.split(",") if d.strip()}))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--train-layers: comma-separated integers, got {text!r}") from None
+    if not depths or min(depths) < 0:
+        raise argparse.ArgumentTypeError(f"--train-layers: depths >= 0 (0: the config's), got {text!r}")
+    return depths
 
 
 # --------------------------------------------------------------------------------------
@@ -123,6 +138,7 @@ def kernel_program(small: bool) -> Program:
 def train_program(name: str, config: str, device: str, backend: str, small: bool,
                   options: tuple = (), layers: int = 0) -> Program:
     layers = 2 if small and not layers else layers
+    name += f", {layers} layers" if layers else ""
     overrides = (f"model.attention_backend={backend}",) + ((f"model.num_layers={layers}",) if layers else ())
     if small:  # short rows, few anchors: the suite's compile
         overrides += ("data.packed_length=512", "data.num_anchors=16")
@@ -134,15 +150,20 @@ def programs(args) -> list[Program]:
     from d3d_jax.config.base import CONFIG_DIR
 
     small, backends = args.small, [b for b in args.backends.split(",") if b]
-    tb, tl = args.train_backend, args.train_layers
+    tbs = [b for b in args.train_backend.split(",") if b] or ["xla"]
+    tb, depths = tbs[-1], args.train_layers
     c17, c8 = str(CONFIG_DIR / "train/d3d-1.7b.yaml"), str(CONFIG_DIR / "train/d3d-8b.yaml")
+    # per depth, smallest first: the memory with each backend, then the flops with the last
+    pod = [p for d in depths for p in
+           [train_program("D3D-8B train step", c8, "tpu-v5p-128", b, small, layers=d) for b in tbs]
+           + [train_program("D3D-8B train step, flops", c8, "tpu-v5p-128", tb, small, NO_WINDOWED_EINSUM,
+                            layers=d)]]
     plat = {
         "h200": [kernel_program(small)] + decode_programs(backends, small, 256 if small else args.cache_len)
-        + [train_program("D3D-1.7B train step", c17, "8xh200", tb, small, layers=tl)],
-        "tpu-v5p-128": [train_program("D3D-8B train step", c8, "tpu-v5p-128", tb, small, layers=tl),
-                        train_program("D3D-8B train step, flops", c8, "tpu-v5p-128", tb, small,
-                                      NO_WINDOWED_EINSUM, layers=tl)],
-        "tpu-v5e-8": [train_program("D3D-1.7B train step", c17, "tpu-v5e-8", tb, small, layers=tl)],
+        + [train_program("D3D-1.7B train step", c17, "8xh200", tb, small, layers=d) for d in depths],
+        "tpu-v5p-128": pod,
+        "tpu-v5e-8": [train_program("D3D-1.7B train step", c17, "tpu-v5e-8", tb, small, layers=d)
+                      for d in depths],
     }
     chosen = [p for k, ps in plat.items() if args.platform in (k, "all") for p in ps]
     only = [o.strip().lower() for o in args.only.split(",")]

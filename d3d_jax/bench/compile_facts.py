@@ -97,8 +97,13 @@ def parse_computations(hlo: str) -> tuple[dict[str, list[str]], str]:
     return comps, entry
 
 
+# A Mosaic call (``tpu_custom_call``) carries no kernel name of its own: the ``pallas_call``'s
+# name is the innermost one of its op name, ``…/transpose(jvp(d3d_flash_dq))/pallas_call``.
+_MOSAIC_NAME = re.compile(r'op_name="[^"]*?([A-Za-z_]\w*)\)*/pallas_call"')
+
+
 def _kernel_call(line: str, out_type: str) -> dict:
-    name = re.search(r'name = "([\w.\-]+)"', line)
+    name = re.search(r'name = "([\w.\-]+)"', line) or _MOSAIC_NAME.search(line)
     operands = re.search(r"operand_layout_constraints=\{(.*?)\}(?:, [a-z_]+=|$)", line)
     grid = [int(g) for g in re.findall(r"grid_[xyz] = (\d+)", line)]
     target = re.search(r'custom_call_target="([^"]+)"', line).group(1)

@@ -279,9 +279,16 @@ def train_step(config: str, mesh, overrides: tuple[str, ...] = ()) -> Built:
              "hand_flops": train_hand_flops(mc, cfg.data.batch_size, cfg.data.packed_length),
              "mesh": dict(zip(mesh.axis_names, mesh.devices.shape)), "global_batch": cfg.data.batch_size,
              "packed_length": cfg.data.packed_length, "remat": mc.layer_remat,
-             "plan_GiB": _plan_gib(config, mesh.devices.size, overrides, mc.attention_backend)}
+             "plan_GiB": _plan_gib(config, mesh.devices.size, overrides, mc.attention_backend),
+             "config_layers": _config_layers(config, mesh.devices.size, overrides)}
     return Built(jitted, (put(state, state_sh), put(batch, b_sh), None), facts,
                  mesh_context=lambda: shd.use_mesh(mesh, cfg.mesh.rules))
+
+
+def _config_layers(config: str, chips: int, overrides) -> int:
+    """The run config's own depth (a reduced-depth compile extrapolates to it)."""
+    rest = tuple(o for o in overrides if not o.startswith("model.num_layers="))
+    return train_config(config, chips, rest)[1].num_layers
 
 
 def _plan_gib(config: str, chips: int, overrides, backend: str) -> float:
@@ -292,18 +299,34 @@ def _plan_gib(config: str, chips: int, overrides, backend: str) -> float:
     return memory_plan(config, chips, overrides=rest, attention_backend=backend)["per_device_GiB"]["total"]
 
 
+# How many times a layer's forward runs in a step, per remat policy: (weight matmuls, attention
+# with the xla backend, attention with the fused kernel).  ``full`` recomputes the whole layer in
+# the backward; the ``save_dots*`` policies keep matmul outputs (``save_dots``: the xla scores
+# too); ``save_attention`` keeps the fused kernel's output, so only its forward is spared.
+_FORWARD_RUNS = {"none": (1, 1, 1), "full": (2, 2, 2), "save_dots": (1, 1, 2),
+                 "save_dots_no_batch": (1, 2, 2), "save_attention": (2, 2, 1)}
+# Attention flops of a backward per (query, key, head-dim) triple: dense, dP = dO·Vᵀ, dV = PᵀdO,
+# dQ = dS·K, dK = dSᵀQ (8); the fused kernels recompute QKᵀ (and dP) in each of dQ (6) and
+# dK/dV (8) instead of keeping the scores.
+_ATTENTION_BACKWARD = {"xla": 8, "pallas": 6 + 8}
+
+
 def train_hand_flops(mc, rows: int, length: int) -> dict:
-    """Flops of one step by hand, as XLA computes it: every weight matmul (2 per MAC) forward,
-    recomputed forward under ``remat_policy: full`` (per layer; the LM head is not rematerialised),
-    backward twice the forward; attention dense over ``L²`` (QKᵀ and PV: ``4·L²·N·H`` per layer
-    and row forward), which is what the ``xla`` backend and the kernels' estimates both count."""
+    """Flops of one step by hand, as the program computes them: every weight matmul (2 per MAC)
+    forward, again per forward recomputed under the remat policy (the LM head is not
+    rematerialised), backward twice the forward; attention dense over ``L²`` (QKᵀ and PV:
+    ``4·L²·N·H`` per layer and row forward), which is what the ``xla`` backend and the kernels'
+    estimates both count, with the fused kernels' backward recomputing the scores (14 per
+    triple against the dense 8)."""
     D, F, V, N, K, H = (mc.hidden_size, mc.intermediate_size, mc.vocab_size, mc.num_heads,
                         mc.num_kv_heads, mc.head_dim)
+    fused = mc.attention_backend.startswith("pallas")
+    weight_runs, xla_runs, fused_runs = _FORWARD_RUNS[mc.layer_remat]
     tokens = rows * length
     per_layer = D * (N + 2 * K) * H + N * H * D + 3 * D * F
-    passes = 4 if mc.layer_remat != "none" else 3  # forward (+ recompute) + backward (2x)
-    layers = passes * 2 * per_layer * mc.num_layers * tokens
+    layers = (weight_runs + 2) * 2 * per_layer * mc.num_layers * tokens
     head = 3 * 2 * D * V * tokens
-    attention = passes * 4 * length * length * N * H * mc.num_layers * rows
+    per_triple = 4 * (fused_runs if fused else xla_runs) + _ATTENTION_BACKWARD["pallas" if fused else "xla"]
+    attention = per_triple * length * length * N * H * mc.num_layers * rows
     return {"layers": float(layers), "lm_head": float(head), "attention_dense": float(attention),
             "total": float(layers + head + attention)}

@@ -135,8 +135,9 @@ def kernel_platform(backend: str) -> str:
     topology on a CPU host included), else the default backend; ``interpret`` for the test path."""
     if backend == "pallas_interpret":
         return "interpret"
-    mesh = shd.active_mesh()
-    platform = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
+    mesh = shd.active_mesh()  # an AbstractMesh: its devices are described, not listed
+    device = getattr(mesh, "abstract_device", None) if mesh is not None else None
+    platform = device.platform if device is not None else jax.default_backend()
     return "tpu" if platform == "tpu" else "gpu"
 
 
