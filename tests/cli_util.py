@@ -14,17 +14,6 @@ def run_script(script: str, *args, timeout: int = 600) -> subprocess.CompletedPr
                           text=True, timeout=timeout, env=env, cwd=ROOT)
 
 
-def user_env() -> dict:
-    """A user's shell: none of the test session's JAX settings (its 8 host devices, its platform),
-    the venv's python first on PATH.  Only the session's compile-speed flags (conftest) go through:
-    they change how fast XLA compiles, not what a command computes or prints."""
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
-    if os.environ.get("D3D_TEST_XLA_FLAGS"):
-        env["XLA_FLAGS"] = os.environ["D3D_TEST_XLA_FLAGS"]
-    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
-    return env
-
-
 def assert_one_line_error(out: subprocess.CompletedProcess, code: int, *fragments: str) -> str:
     """Exit status ``code``, exactly one stderr line (``error: …``) containing every fragment, no traceback."""
     lines = [x for x in out.stderr.splitlines() if x.strip()]

@@ -6,14 +6,7 @@ import tempfile
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-# XLA flags that only make the session's compiles cheaper (the tiny test programs compile far
-# more often than they run long); no test's result depends on them.  The tests that start a CLI
-# in a user's environment (cli_util.user_env: the session's XLA_FLAGS stripped) pass these on
-# too, through D3D_TEST_XLA_FLAGS: a user's shell has no device count, but compiling faster
-# changes nothing a README command or a CLI prints.
-TEST_SPEED_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
-os.environ.setdefault("D3D_TEST_XLA_FLAGS", TEST_SPEED_FLAGS)
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + os.environ["D3D_TEST_XLA_FLAGS"] +
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                            " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -9,6 +9,7 @@ that those reasons leave most commands in.
 """
 from __future__ import annotations
 
+import os
 import re
 import shlex
 import shutil
@@ -18,8 +19,6 @@ import time
 from pathlib import Path
 
 import pytest
-
-from cli_util import user_env
 
 REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
@@ -87,6 +86,13 @@ def readme_commands() -> list[tuple[str, str, int, str | None]]:
     return out
 
 
+def _env() -> dict:
+    """A user's shell: the venv's python first on PATH, none of the test session's JAX flags."""
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    return env
+
+
 def _git_status() -> str | None:
     if not (REPO / ".git").exists() or shutil.which("git") is None:
         return None
@@ -110,7 +116,7 @@ def test_readme_parsing_keeps_most_commands():
 @pytest.mark.slow
 def test_readme_commands_run_as_written():
     before = _git_status()
-    env, server, log = user_env(), None, []
+    env, server, log = _env(), None, []
     try:
         for lang, cmd, line, reason in readme_commands():
             if reason is not None:
