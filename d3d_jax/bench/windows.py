@@ -13,6 +13,7 @@ interleaved between the two decoders, compiles excluded by warm-up rounds.  The 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import time
@@ -47,10 +48,10 @@ def _decoder(target, drafter, mode: str, slots: int, active: int, args):
 
     # long enough for every timed round even if each commits a whole block: a request that
     # finished inside a timed run would make its rounds free (they measured 0.0 ms)
-    width = 1 if mode == "plain" else DecoderConfig().block_size
-    n_new = 4 + (args.repeats + 1) * args.rounds * width
-    cache = max(args.max_cache_len, args.prompt_len + n_new + 2 * width)
-    cfg = DecoderConfig(mode=mode, num_slots=slots, max_cache_len=cache)
+    cfg = DecoderConfig(mode=mode, num_slots=slots)
+    n_new = 4 + (args.repeats + 1) * args.rounds * cfg.width
+    cfg = dataclasses.replace(cfg, max_cache_len=max(args.max_cache_len,
+                                                     args.prompt_len + n_new + 2 * cfg.width))
     dec = SpecDecoder(target, None if mode == "plain" else drafter, cfg)
     rng = np.random.default_rng(0)
     prompt = rng.integers(5, target.config.vocab_size - 1, args.prompt_len).tolist()

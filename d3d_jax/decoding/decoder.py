@@ -81,6 +81,7 @@ class _Round:
     snapshot: list  # row -> (slot, SlotInfo) when dispatched
     t_dispatch: float
     clean: bool  # no admission ran just before it (its time is the round's own)
+    host_work: bool = False  # its dispatch flushed admissions/row ops or compiled a program
 
 
 def _logprobs(row: dict, n: int, top: int) -> list | None:
@@ -303,7 +304,7 @@ class SpecDecoder:
     def _dispatch(self) -> bool:
         """Dispatch one round over the live rows (nothing waits); False if none is running."""
         self._reclassify()
-        self._flushed = bool(self._queue)  # admissions or row ops (a first one compiles) ran
+        flushed = bool(self._queue)  # admissions or row ops (a first one compiles) ran
         clean = not self._flush()
         if not self._running():
             return False
@@ -311,7 +312,8 @@ class SpecDecoder:
         infos = [self._slots[s] for s in self.placement.slot_at[: self.placement.size]]
         t0 = time.perf_counter()
         self.carry, parts = self.strategy.dispatch(self.carry, self._params, groups, infos)
-        self._pending.append(_Round(parts, self._snapshot(), t0, clean))
+        self._pending.append(_Round(parts, self._snapshot(), t0, clean,
+                                    flushed or any(p.fresh for p in parts)))
         return True
 
     def _reclassify(self) -> None:
@@ -333,8 +335,8 @@ class SpecDecoder:
             return {}
         if len(self._pending) == 1 and self._can_run_ahead():
             # queued behind the one read below: the device keeps busy
-            if self._dispatch() and (self._flushed or any(p.fresh for p in self._pending[-1].parts)):
-                # a compile or admission ran on this thread before that read: not its round's time
+            if self._dispatch() and self._pending[-1].host_work:
+                # that work ran on this thread before the read below: not the read round's time
                 self._pending[0].clean = False
         return self._read(self._pending.popleft())
 
