@@ -182,9 +182,15 @@ def test_streamed_logprobs_and_usage_equal_non_streamed(srv):
         chunks = list(srv.clients[mode].completions.create(**kw, stream=True, stream_options={"include_usage": True}))
         assert [c.usage for c in chunks[:-1]] == [None] * (len(chunks) - 1) and chunks[-1].choices == []
         assert chunks[-1].usage == full.usage
-        assert "".join(c.choices[0].text for c in chunks[:-1]) == full.choices[0].text
+        assert "".join(c.choices[0].text for c in chunks[:-1]) == full.choices[0].text, mode
         streamed = [x for c in chunks[:-1] if c.choices[0].logprobs for x in c.choices[0].logprobs.token_logprobs]
-        assert streamed == full.choices[0].logprobs.token_logprobs
+        if mode == "auto":  # auto picks each round's geometry from measured costs, so the two requests
+            # may decode the same tokens at widths 1 and 4, whose forwards round differently in the last bits
+            assert streamed[0] is None and full.choices[0].logprobs.token_logprobs[0] is None
+            np.testing.assert_allclose(streamed[1:], full.choices[0].logprobs.token_logprobs[1:], rtol=0,
+                                       atol=1e-5, err_msg=mode)
+        else:  # a fixed geometry computes both requests alike: bitwise equal
+            assert streamed == full.choices[0].logprobs.token_logprobs, mode
         offsets = [x for c in chunks[:-1] if c.choices[0].logprobs for x in c.choices[0].logprobs.text_offset]
         assert offsets == full.choices[0].logprobs.text_offset
 
