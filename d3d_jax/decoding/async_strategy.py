@@ -34,12 +34,12 @@ class AsyncStrategy(Strategy):
         cfg = ctx.config
         self.acore = AsyncCore(self.home, ctx.drafter, cfg.layout)
         self.label = f"async/{cfg.branch_positions}x{cfg.branch_fanout}"
-        self._init_side = jax.jit(self.acore.init_state, static_argnums=0)
-        self._admit_side = jax.jit(self._admit_side_fn, donate_argnums=1)
-        self._side_ops = jax.jit(self._side_ops_fn, donate_argnums=0)
-        self._target_step = jax.jit(self._target_fn, static_argnames="rows", donate_argnums=1)
-        self._packed = jax.jit(self._packed_fn, static_argnames="rows", donate_argnums=1)
-        self._select = jax.jit(self._select_fn, static_argnames="rows", donate_argnums=1)
+        self._init_side = self.jit(self.acore.init_state, name="init_side", static_argnums=0)
+        self._admit_side = self.jit(self._admit_side_fn, donate_argnums=1)
+        self._side_ops = self.jit(self._side_ops_fn, donate_argnums=0)
+        self._target_step = self.jit(self._target_fn, static_argnames="rows", donate_argnums=1)
+        self._packed = self.jit(self._packed_fn, static_argnames="rows", donate_argnums=1)
+        self._select = self.jit(self._select_fn, static_argnames="rows", donate_argnums=1)
 
     def _to_target(self, x):
         return x if self.ctx.shared else self.ctx.t_put(x)  # device to device, never the host

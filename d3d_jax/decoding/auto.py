@@ -69,15 +69,16 @@ class AutoStrategy(Strategy):
         self.policy = Policy(geoms, cfg.buckets)
         tau = DEFAULT_PRIOR_TAU if cfg.prior_tau is None else float(cfg.prior_tau)
         self.prior_rate = geometric_rate(tau, max(16, cfg.block_size))  # τ as trained: 16 tokens
-        self._sync = jax.jit(self._sync_fn, static_argnames=("label", "rows"), donate_argnums=2)
-        self._plain = jax.jit(self._plain_fn, static_argnames="rows", donate_argnums=2)
-        self._async = jax.jit(self._async_fn, static_argnames=("label", "rows"), donate_argnums=2)
-        self._admit_all = jax.jit(self._admit_all_fn, donate_argnums=2)
-        self._ops_all = jax.jit(self._ops_all_fn, donate_argnums=0)
+        self._sync = self.jit(self._sync_fn, static_argnames=("label", "rows"), donate_argnums=2)
+        self._plain = self.jit(self._plain_fn, static_argnames="rows", donate_argnums=2)
+        self._async = self.jit(self._async_fn, static_argnames=("label", "rows"), donate_argnums=2)
+        self._admit_all = self.jit(self._admit_all_fn, donate_argnums=2)
+        self._ops_all = self.jit(self._ops_all_fn, donate_argnums=0)
 
     # ------------------------------------------------------------ state, admission, row ops
     def init(self, num_slots: int) -> Carry:
-        sides = {label: dataclasses.replace(jax.jit(a.init_state, static_argnums=0)(num_slots),
+        sides = {label: dataclasses.replace(self.jit(a.init_state, name=f"init_side_{label}",
+                                                     static_argnums=0)(num_slots),
                                             dstate=None, anchor=jnp.full((num_slots,), -1, jnp.int32))
                  for label, a in self.async_cores.items()}
         return Carry(super().init(num_slots).state, sides)
@@ -205,12 +206,13 @@ class AutoStrategy(Strategy):
         return step(), {}
 
     # ------------------------------------------------------------ start-up
-    def warm_up(self, carry: Carry, params) -> Carry:
-        """Compile every (geometry, width) program and time it: the costs' starting point."""
+    def warm_up(self, carry: Carry, params, widths: tuple[int, ...]) -> Carry:
+        """Compile every (geometry, width) program and time it: the costs' starting point (an
+        untimed width is scaled from the nearest timed one, or timed when first run)."""
         n = self.ctx.config.num_slots
         carry = self.admit(carry, params, self._dummy_rows(n), np.full((n,), n, np.int32), 0)
         for label in self.geometry:
-            for width in self.ctx.config.buckets:
+            for width in widths:
                 carry = self._calibrate(carry, params, label, width)
         return carry
 

@@ -43,8 +43,9 @@ from d3d_jax.decoding.async_loop import LiveRows
 from d3d_jax.decoding.core import FINISH_REASONS, MAX_STOP_IDS, RowInput
 from d3d_jax.decoding.decoder_config import (DecoderConfig, Request, RequestError, SlotError,
                                              StepOutput, request_problem)
-from d3d_jax.decoding.drafting import as_drafter
+from d3d_jax.decoding.drafting import ModelDrafter, as_drafter
 from d3d_jax.decoding.placement import RowPlacement, placer, resolve_slices
+from d3d_jax.decoding.programs import ProgramStore
 from d3d_jax.decoding.strategies import LOGPROB_KEYS, Context
 from d3d_jax.decoding.verify import SamplingParams
 
@@ -108,7 +109,9 @@ def _strategy(ctx: Context):
 class SpecDecoder:
     """Plain, sync, async or auto decoding over a fixed set of slots (see the module doc)."""
 
-    def __init__(self, target, drafter, config: DecoderConfig):
+    def __init__(self, target, drafter, config: DecoderConfig, program_dir=None):
+        """``program_dir``: where compiled programs are kept across processes
+        (:class:`~d3d_jax.decoding.programs.ProgramStore`; None: in memory only)."""
         config.validate()
         self.config = cfg = config
         vocab = target.config.vocab_size
@@ -121,7 +124,7 @@ class SpecDecoder:
         self.drafter = as_drafter(drafter, vocab)
         self.vocab_size = vocab
         self._trees = [None, None]
-        self.strategy = _strategy(self._context(target))
+        self.strategy = _strategy(self._context(target, program_dir))
         self.load(target, drafter)
         self.placement = RowPlacement(cfg.num_slots)
         self._slots: dict[int, SlotInfo] = {}
@@ -132,11 +135,13 @@ class SpecDecoder:
         self._tally: dict[str, collections.Counter] = {}  # per geometry: rounds, tokens, predicted
         self._stale = False  # after run_until_done: host counts lag the device
 
-    def _context(self, target) -> Context:
+    def _context(self, target, program_dir) -> Context:
         cfg = self.config
-        ctx = Context(cfg, nnx.graphdef(target), target.config, self.drafter,
+        graphdef = nnx.graphdef(target)
+        ctx = Context(cfg, graphdef, target.config, self.drafter,
                       lambda leaves: jax.tree.unflatten(self._trees[0], leaves),
-                      lambda leaves: jax.tree.unflatten(self._trees[1], leaves))
+                      lambda leaves: jax.tree.unflatten(self._trees[1], leaves),
+                      programs=ProgramStore(program_dir, self._program_salt(graphdef, target.config)))
         if cfg.mode == "async":
             t_devs, d_devs = resolve_slices(cfg.target_devices, cfg.drafter_devices)
             self.target_devices, self.drafter_devices = t_devs, d_devs
@@ -146,6 +151,21 @@ class SpecDecoder:
             self._t_place = self._d_place = lambda tree: tree  # noqa: E731
         self.shared = ctx.shared
         return ctx
+
+    def _program_salt(self, graphdef, target_config) -> dict | None:
+        """What the round programs close over, as text (None: something that has no stable text,
+        an acceptance override or rule, or a drafter that is not a model, so no program is kept)."""
+        cfg = self.config
+        if cfg.acceptance_override is not None or cfg.acceptance_rule is not None:
+            return None
+        if self.drafter is not None and not isinstance(self.drafter, ModelDrafter):
+            return None
+        return dict(decoder=repr(cfg), target=repr(target_config), target_graph=repr(graphdef),
+                    drafter=None if self.drafter is None else repr(self.drafter.signature))
+
+    @property
+    def programs(self) -> ProgramStore:
+        return self.strategy.ctx.programs
 
     # ------------------------------------------------------------ weights
     def load(self, target, drafter=None) -> None:
@@ -413,11 +433,15 @@ class SpecDecoder:
         """Block until everything dispatched so far has run."""
         jax.block_until_ready(self.carry)
 
-    def warm_up(self) -> float:
-        """Compile (and, auto, time) every round program before a client waits on one."""
+    def warm_up(self, widths: Sequence[int] | None = None) -> float:
+        """Compile (or read from the program store; auto also times) the admission, row-ops and
+        round programs of every window width (``widths``: only those) before a client waits."""
         self._ensure_state()
         t0 = time.perf_counter()
-        self.carry = self.strategy.warm_up(self.carry, self._params)
+        widths = self.config.buckets if widths is None else tuple(widths)
+        self.carry = self.strategy.warm_up(self.carry, self._params, widths)
+        self.carry = self.strategy.row_ops(self.carry, np.zeros((OPS_PER_DISPATCH, 3), np.int32), 0)
+        jax.block_until_ready(self.carry)
         return time.perf_counter() - t0
 
     def decisions(self) -> dict[str, dict]:

@@ -27,6 +27,7 @@ from d3d_jax.decoding import window as W
 from d3d_jax.decoding.admission import admit as admit_rows
 from d3d_jax.decoding.core import MAX_STOP_IDS, DecodeCore, DecodeState, RoundResult, RowInput
 from d3d_jax.decoding.decoder_config import Request
+from d3d_jax.decoding.programs import ProgramStore
 from d3d_jax.decoding.verify import SamplingParams
 
 
@@ -69,6 +70,7 @@ class Context:
     t_put: Callable = lambda x: x  # noqa: E731  onto the target slice
     d_put: Callable = lambda x: x  # noqa: E731  onto the drafter slice
     shared: bool = True  # one slice: nothing moves between sides
+    programs: ProgramStore = dataclasses.field(default_factory=lambda: ProgramStore(None))
 
     def core(self, width: int, with_drafter: bool) -> DecodeCore:
         cfg = self.config
@@ -115,10 +117,14 @@ class Strategy:
         cfg = ctx.config
         self.home = ctx.core(cfg.width, self.drafter_in_state)
         self.compiled: set[tuple[str, int]] = set()  # (program, rows): a program each
-        self._init = jax.jit(self.home.init_state, static_argnums=0)
-        self._admit = jax.jit(self._admit_fn, donate_argnums=2)
-        self._ops = jax.jit(lambda st, ops, n: W.apply_row_ops(st, ops, n, mark_done),
-                            donate_argnums=0)
+        self._init = self.jit(self.home.init_state, static_argnums=0)
+        self._admit = self.jit(self._admit_fn, donate_argnums=2)
+        self._ops = self.jit(lambda st, ops, n: W.apply_row_ops(st, ops, n, mark_done),
+                             name="row_ops", donate_argnums=0)
+
+    def jit(self, fn, name: str | None = None, **kw):
+        """``jax.jit`` through the decoder's program store (kept on disk when it has a directory)."""
+        return self.ctx.programs.jit(fn, name=f"{type(self).__name__}.{name or fn.__name__}", **kw)
 
     # ------------------------------------------------------------ state and admission
     def init(self, num_slots: int) -> Carry:
@@ -181,11 +187,12 @@ class Strategy:
         self.compiled.add(key)
         return fresh
 
-    def warm_up(self, carry: Carry, params) -> Carry:
-        """Compile admission and every window width's round (no-op rounds: no row takes part)."""
+    def warm_up(self, carry: Carry, params, widths: tuple[int, ...]) -> Carry:
+        """Compile admission and the round of each window width in ``widths`` (no-op rounds: no
+        row takes part)."""
         n = self.ctx.config.num_slots
         carry = self.admit(carry, params, self._dummy_rows(n), np.full((n,), n, np.int32), 0)
-        for width in self.ctx.config.buckets:
+        for width in widths:
             carry = self._noop(carry, params, width)
         jax.block_until_ready(carry)
         return carry
@@ -213,10 +220,10 @@ class CoreStrategy(Strategy):
         super().__init__(ctx)
         self.core = self.home
         self.label = self.mode if self.mode == "plain" else f"sync/{ctx.config.block_size}"
-        self._round = jax.jit(self._round_fn, static_argnames="rows", donate_argnums=2)
-        self._loop = jax.jit(self._loop_fn, static_argnames="rows", donate_argnums=2)
-        self._draft = jax.jit(self._draft_fn, static_argnames="rows", donate_argnums=1)
-        self._verify = jax.jit(self._verify_fn, static_argnames="rows", donate_argnums=1)
+        self._round = self.jit(self._round_fn, static_argnames="rows", donate_argnums=2)
+        self._loop = self.jit(self._loop_fn, static_argnames="rows", donate_argnums=2)
+        self._draft = self.jit(self._draft_fn, static_argnames="rows", donate_argnums=1)
+        self._verify = self.jit(self._verify_fn, static_argnames="rows", donate_argnums=1)
 
     def _round_fn(self, t_leaves, d_leaves, state, start, lo, hi, *, rows):
         tp, dp = self.ctx.tp(t_leaves), self.ctx.dp(d_leaves)

@@ -22,11 +22,14 @@ def _bucket(n: int) -> int:
 
 
 class PromptScorer:
-    def __init__(self, target, max_len: int):
+    def __init__(self, target, max_len: int, programs=None):
+        """``programs``: the decoder's :class:`~d3d_jax.decoding.programs.ProgramStore` (its salt
+        holds the target's config and graph), so a restart reads the scoring programs too."""
         self.graphdef, self.params = nnx.split(target)
         self.max_len = int(max_len)
         self.top = min(MAX_TOP_LOGPROBS, target.config.vocab_size)
-        self._score = jax.jit(self._score_fn)
+        self._score = (programs.jit(self._score_fn, name="PromptScorer._score_fn")
+                       if programs is not None else jax.jit(self._score_fn))
 
     def _score_fn(self, params, tokens):
         model = nnx.merge(self.graphdef, params)

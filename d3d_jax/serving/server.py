@@ -155,12 +155,19 @@ def load(cfg: ServeConfig):
                   where=f"--drafter {m.drafter}")
     dcfg = decoder_config(cfg, target.config, drafter.config if drafter is not None else None)
     try:
-        decoder = SpecDecoder(target, drafter, dcfg)
+        decoder = SpecDecoder(target, drafter, dcfg, program_dir=program_dir(cfg.server.compile_cache))
     except ValueError as e:  # the decoder checks its arguments with ValueError
         if isinstance(e, UsageError):
             raise
         raise UsageError(str(e)) from None
     return decoder, tokenizer, eos_ids, target
+
+
+def program_dir(compile_cache: str | None) -> str | None:
+    """The decoder's program store beside the XLA cache (None when the cache is off)."""
+    if not compile_cache or compile_cache.lower() == "none":
+        return None
+    return os.path.join(compile_cache, "programs")
 
 
 def make_service(decoder, tokenizer, eos_ids, *, model_name: str, mode: str, api_key: str | None = None,
@@ -182,7 +189,7 @@ def make_service(decoder, tokenizer, eos_ids, *, model_name: str, mode: str, api
     if target is not None and score_prompt is None:
         from d3d_jax.serving.scoring import PromptScorer
 
-        score_prompt = PromptScorer(target, limits.context_len)
+        score_prompt = PromptScorer(target, limits.context_len, programs=getattr(decoder, "programs", None))
     scheduler = Scheduler(decoder, max_queue=max_queue, metrics=ServerMetrics(vllm_names=vllm_metrics))
     return Service(scheduler=scheduler, tokenizer=tokenizer,
                    model_name=model_name, limits=limits, eos_token_ids=tuple(eos_ids),
@@ -206,15 +213,32 @@ def _warmup_request(svc, n: int, max_tokens: int | None):
     return svc.build(params, [1] * n, seed=0)
 
 
-def warmup(svc, prompt_lengths=(16,), max_tokens: int | None = None) -> float:
-    """Compile the decoder's programs with dummy requests before the first client waits on them
-    (on the calling thread: the scheduler is not running yet) and every round program of every
-    window width (``decoder.warm_up``, which auto also times).  Left out of the metrics."""
+def warm_up_decoder(decoder, all_widths: bool = True) -> bool:
+    """Compile (or read) the decoder's programs: with ``all_widths=False`` and a program store
+    that holds the 1-row round, only that round, admission and row ops (a request's programs);
+    the other widths are read after ``READY`` (:func:`preload_in_background`).  Auto always
+    warms every width: it times them.  Returns True when widths were left for the background."""
+    if not hasattr(decoder, "warm_up"):
+        return False
+    store = getattr(decoder, "programs", None)
+    partial = (not all_widths and store is not None and store.enabled
+               and decoder.config.mode != "auto" and store.stored() > 0)
+    if partial:
+        before = store.counts["compiled"]
+        decoder.warm_up(decoder.config.buckets[:1])
+        if store.counts["compiled"] == before:  # all read from disk: a warm start
+            return True
+    decoder.warm_up()  # a cold start: every width now, so the next start finds them all
+    return False
+
+
+def warmup(svc, prompt_lengths=(16,), max_tokens: int | None = None, all_widths: bool = True) -> bool:
+    """Compile the decoder's programs (:func:`warm_up_decoder`), then run one dummy request per
+    prompt length before the first client waits (on the calling thread: the scheduler is not
+    running yet).  Left out of the metrics.  True when widths were left for the background."""
     from d3d_jax.serving.scheduler import Event
 
-    t0 = time.perf_counter()
-    if hasattr(svc.scheduler.decoder, "warm_up"):
-        svc.scheduler.decoder.warm_up()
+    deferred = warm_up_decoder(svc.scheduler.decoder, all_widths)
     for n in prompt_lengths:
         errors: list[Event] = []
         svc.scheduler.submit(_warmup_request(svc, n, max_tokens),
@@ -224,14 +248,19 @@ def warmup(svc, prompt_lengths=(16,), max_tokens: int | None = None) -> float:
             raise RuntimeError(f"warm-up failed: {errors[0].error}")
         if svc.score_prompt is not None and hasattr(svc.score_prompt, "warm"):
             svc.score_prompt.warm(n)
-    return time.perf_counter() - t0
+    return deferred
 
 
-def warmup_in_background(svc, prompt_lengths, max_tokens: int | None = None) -> threading.Thread:
-    """The other buckets' programs, compiled while the server answers: one dummy request at a
-    time through the running scheduler (marked warm-up: no metric counts it)."""
+def warmup_in_background(svc, prompt_lengths, max_tokens: int | None = None,
+                         preload: bool = False) -> threading.Thread:
+    """While the server answers: with ``preload``, every other stored program of the decoder is
+    read (no dispatch: the scheduler's rounds go on); then the other buckets' programs, one
+    dummy request at a time through the running scheduler (marked warm-up: no metric counts it)."""
     def run():
         t0 = time.perf_counter()
+        if preload:
+            n = svc.scheduler.decoder.programs.preload()
+            log.warning("program store: %d more programs read in %.1f s", n, time.perf_counter() - t0)
         for n in prompt_lengths:
             # a compile in the scheduler's thread holds up its rounds: start one only when no
             # client's request is running or waiting (with a warm cache it is a quick load)
@@ -347,11 +376,17 @@ def main(args) -> None:
                        target=target, vllm_metrics=srv.vllm_metrics)
     lengths = warmup_lengths(srv.warmup_max_prompt, svc.limits.prompt_cap - 2 * decoder.config.block_size)
     now, later = (lengths, []) if srv.warmup_wait else (lengths[:1], lengths[1:])
+    deferred = False
     if now:
-        log.warning("warm-up (compiling prompts of %s tokens) took %.1f s", now, warmup(svc, now))
+        t0 = time.perf_counter()
+        deferred = warmup(svc, now, all_widths=srv.warmup_wait)
+        store = getattr(decoder, "programs", None)
+        log.warning("warm-up (prompts of %s tokens%s) took %.1f s%s", now,
+                    ", wider windows read in the background" if deferred else "", time.perf_counter() - t0,
+                    f"; program store {store.counts}" if store is not None and store.enabled else "")
     svc.scheduler.start()
-    if later:
-        warmup_in_background(svc, later)
+    if later or deferred:
+        warmup_in_background(svc, later, preload=deferred)
     sock = socket.create_server((srv.host, srv.port))  # --port 0: a free port, printed below
     host, port = sock.getsockname()[:2]
     # one machine-readable line: tests and infer/bench.py serve wait for it

@@ -1,0 +1,325 @@
+"""A decoder's compiled programs, kept on disk as executables so a restart neither traces nor
+lowers them (the server's warm start).
+
+JAX's persistent compilation cache saves the *compile* of a program, but finding an entry in it
+needs the program's HLO, so every start still traces and lowers every round program: for the
+demo server that was ~28 s of tracing and ~9 s of lowering before ~8 s of reading executables.
+A :class:`ProgramStore` keys each program by what determines it *without* tracing it — the
+decoder's static description (``salt``: the package's source, jax/jaxlib versions, XLA flags,
+devices, decoder config, target config and graph, drafter signature), the program's name, its
+static arguments and its arguments' types — and keeps ``jax.experimental.serialize_executable``'s
+bytes under that key.  A warm start deserializes and runs them.
+
+* ``directory=None``: :meth:`ProgramStore.jit` is ``jax.jit`` itself (nothing changes).
+* A program is serialized only from a fresh compile.  Re-serializing an executable that XLA:CPU
+  read back from JAX's persistent cache loses functions (sort comparators: ``Function
+  wrapped_compare.4 not found`` at its first run), so each program's function is renamed with
+  the salt (JAX's cache key includes the module name, so it never matches a plain ``jax.jit``
+  compile of the same code), and a compile that JAX's cache answered anyway is used but not
+  stored (counted in ``cache_answered``).
+* Entries are written atomically; one that cannot be read (damaged, another jaxlib) is logged,
+  removed and compiled again.  Each holds its full key, compared on load.
+* :meth:`ProgramStore.preload` reads every entry of this salt that was not used yet (the server
+  does it in a background thread after ``READY``: deserializing releases the GIL); a program
+  asked for while its entry is being read waits for that read instead of reading it twice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import logging
+import os
+import pickle
+import threading
+import zlib
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import jax
+import numpy as np
+
+log = logging.getLogger("d3d_jax.programs")
+
+FORMAT = 1  # bump when an entry's layout changes
+SUFFIX = ".xprog"
+
+
+@functools.lru_cache(maxsize=1)
+def source_digest() -> str:
+    """sha256 of every ``.py`` file of the installed ``d3d_jax`` package (paths and contents)."""
+    root = Path(__file__).resolve().parents[1]
+    h = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        h.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
+def environment() -> dict[str, Any]:
+    """What changes compiled code without changing our arguments."""
+    import jaxlib
+
+    devs = jax.devices()
+    return dict(format=FORMAT, source=source_digest(), jax=jax.__version__,
+                jaxlib=jaxlib.__version__, xla_flags=os.environ.get("XLA_FLAGS", ""),
+                x64=bool(jax.config.jax_enable_x64),
+                matmul_precision=str(jax.config.jax_default_matmul_precision),
+                platform=devs[0].platform, devices=[(d.id, d.device_kind) for d in devs])
+
+
+def _leaf_type(x) -> tuple:
+    if isinstance(x, jax.Array):
+        return ("a", x.shape, str(x.dtype), bool(getattr(x, "weak_type", False)), x.sharding)
+    if isinstance(x, (bool, int, float, complex)):
+        return ("py", type(x).__name__)
+    x = np.asarray(x)
+    return ("np", x.shape, str(x.dtype))
+
+
+def _short(key_text: str) -> str:
+    return hashlib.sha256(key_text.encode()).hexdigest()[:32]
+
+
+@dataclasses.dataclass
+class _Entry:
+    name: str
+    key_text: str  # the full key: salt, program name, static values, tree, leaf types
+    blob: bytes  # serialize_executable's bytes
+    in_tree: Any
+    out_tree: Any
+    device_ids: list  # the devices it runs on, in its order
+
+
+class ProgramStore:
+    """Compiled programs of one decoder (see the module doc).  ``salt``: everything besides a
+    program's name and arguments that determines it; ``None`` disables the disk (the caller's
+    programs close over something that cannot be keyed)."""
+
+    def __init__(self, directory: str | os.PathLike | None, salt: Mapping[str, Any] | None = None):
+        self.enabled = directory is not None and salt is not None
+        salt_text = repr(sorted(dict(salt or {}, **environment()).items())) if self.enabled else ""
+        self.salt_hash = _short(salt_text)
+        self.dir = Path(directory) / self.salt_hash if self.enabled else None
+        self._salt_text = salt_text
+        self._lock = threading.Lock()
+        self._memory: dict[tuple, Any] = {}  # (program, in-memory key) -> Compiled
+        self._by_text: dict[str, Any] = {}  # full key -> Compiled (what preload reads)
+        self._reading: dict[str, threading.Event] = {}  # full key -> read in progress
+        self.counts = dict(loaded=0, compiled=0, stored=0, cache_answered=0, damaged=0)
+
+    def jit(self, fn: Callable, *, name: str | None = None, static_argnames=(), static_argnums=(),
+            donate_argnums=()):
+        """``jax.jit(fn, ...)``, or with a directory, a :class:`Program` kept in the store."""
+        if not self.enabled:
+            return jax.jit(fn, static_argnames=static_argnames, static_argnums=static_argnums,
+                           donate_argnums=donate_argnums)
+        name = name or getattr(fn, "__qualname__", getattr(fn, "__name__", "program"))
+        return Program(self, fn, name, _tuple(static_argnames), _tuple(static_argnums),
+                       donate_argnums)
+
+    # ------------------------------------------------------------ disk
+    def _path(self, name: str, key_text: str) -> Path:
+        safe = "".join(c if c.isalnum() else "_" for c in name)[:60]
+        return self.dir / f"{safe}-{_short(key_text)}{SUFFIX}"
+
+    def _write(self, path: Path, entry: _Entry) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        data = zlib.compress(pickle.dumps(dataclasses.asdict(entry), protocol=5), 1)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+
+    def _read(self, path: Path) -> _Entry | None:
+        """The entry in ``path`` (None: absent); a damaged one is logged and removed."""
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            return None
+        try:
+            entry = _Entry(**pickle.loads(zlib.decompress(data)))
+        except Exception as e:  # noqa: BLE001 - any damage: compile it again
+            self._discard(path, f"unreadable ({type(e).__name__}: {e})")
+            return None
+        return entry
+
+    def _discard(self, path: Path, why: str) -> None:
+        self.counts["damaged"] += 1
+        log.warning("program store: %s is %s; removed, compiling it again", path.name, why)
+        try:
+            path.unlink()
+        except OSError:
+            pass
+
+    def _load(self, path: Path, entry: _Entry):
+        from jax.experimental.serialize_executable import deserialize_and_load
+
+        try:
+            by_id = {d.id: d for d in jax.devices()}
+            devices = [by_id[i] for i in entry.device_ids]
+            compiled = deserialize_and_load(entry.blob, entry.in_tree, entry.out_tree,
+                                            execution_devices=devices)
+        except Exception as e:  # noqa: BLE001 - another jaxlib, damaged bytes: compile again
+            self._discard(path, f"not loadable ({type(e).__name__}: {e})")
+            return None
+        self.counts["loaded"] += 1
+        return compiled
+
+    def _fetch(self, name: str, key_text: str):
+        """The program read from disk (or waiting for a background read of it), or None."""
+        with self._lock:
+            if key_text in self._by_text:
+                return self._by_text[key_text]
+            done = self._reading.get(key_text)
+            owner = done is None
+            if owner:
+                self._reading[key_text] = done = threading.Event()
+        if not owner:
+            done.wait()
+            return self._by_text.get(key_text)
+        try:
+            path = self._path(name, key_text)
+            entry = self._read(path)
+            if entry is None:
+                return None
+            if entry.key_text != key_text:
+                self._discard(path, "another program's (key mismatch)")
+                return None
+            compiled = self._load(path, entry)
+            if compiled is not None:
+                self._by_text[key_text] = compiled
+            return compiled
+        finally:
+            with self._lock:
+                self._reading.pop(key_text, None)
+            done.set()
+
+    def _keep(self, key_text: str, compiled) -> None:
+        with self._lock:
+            self._by_text[key_text] = compiled
+
+    def preload(self) -> int:
+        """Read every stored program of this salt not read yet (the server's background thread
+        after ``READY``); how many were read."""
+        if not self.enabled or not self.dir.is_dir():
+            return 0
+        n = 0
+        for path in sorted(self.dir.glob(f"*{SUFFIX}")):
+            entry = self._read(path)
+            if entry is None or not entry.key_text.startswith(self._salt_text + "\0"):
+                continue
+            if entry.key_text not in self._by_text and self._fetch(entry.name, entry.key_text) is not None:
+                n += 1
+        return n
+
+    def stored(self) -> int:
+        """Entries on disk for this salt."""
+        return len(list(self.dir.glob(f"*{SUFFIX}"))) if self.enabled and self.dir.is_dir() else 0
+
+
+def _tuple(x) -> tuple:
+    if x is None:
+        return ()
+    return (x,) if isinstance(x, (str, int)) else tuple(x)
+
+
+class _CacheHits(threading.local):
+    watching = False
+    hits = 0
+
+
+_HITS = _CacheHits()
+_LISTENING = False
+
+
+def _on_event(event: str, **_) -> None:
+    if event == "/jax/compilation_cache/cache_hits" and _HITS.watching:
+        _HITS.hits += 1
+
+
+def _listen() -> None:
+    global _LISTENING
+    if not _LISTENING:
+        jax.monitoring.register_event_listener(_on_event)
+        _LISTENING = True
+
+
+class Program:
+    """A jitted function whose executables live in a :class:`ProgramStore`: called like the
+    ``jax.jit`` of it (static arguments by keyword, or by position for ``static_argnums``)."""
+
+    def __init__(self, store: ProgramStore, fn: Callable, name: str, static_argnames: tuple,
+                 static_argnums: tuple, donate_argnums):
+        self.store, self.name = store, name
+        self.static_argnames, self.static_argnums = static_argnames, static_argnums
+
+        self._fn = fn
+        self._options = dict(static_argnames=static_argnames, static_argnums=static_argnums,
+                             donate_argnums=donate_argnums)
+        # JAX's cache key holds the module name: never the key of a plain jit of the same code
+        self._jit = self._rename(store.salt_hash[:12])
+
+    def _rename(self, suffix: str):
+        """``jax.jit`` of the function under the module name ``<name>_<suffix>``."""
+        fn = self._fn
+
+        @functools.wraps(fn)
+        def program(*args, **kwargs):
+            return fn(*args, **kwargs)
+
+        tag = "".join(c if c.isalnum() else "_" for c in self.name)
+        program.__name__ = program.__qualname__ = f"{tag}_{suffix}"
+        return jax.jit(program, **self._options)
+
+    @staticmethod
+    def _compile(jitted, args: tuple, kwargs: dict):
+        """(Compiled, whether JAX's persistent cache answered instead of XLA)."""
+        _listen()
+        _HITS.watching, _HITS.hits = True, 0
+        try:
+            return jitted.lower(*args, **kwargs).compile(), _HITS.hits > 0
+        finally:
+            _HITS.watching = False
+
+    def _split(self, args: tuple, kwargs: dict):
+        static = tuple(args[i] for i in self.static_argnums)
+        static += tuple(sorted((k, kwargs[k]) for k in self.static_argnames if k in kwargs))
+        dynamic = tuple(a for i, a in enumerate(args) if i not in self.static_argnums)
+        rest = {k: v for k, v in kwargs.items() if k not in self.static_argnames}
+        leaves, tree = jax.tree.flatten((dynamic, rest))
+        return static, (dynamic, rest), (static, tree, tuple(_leaf_type(x) for x in leaves))
+
+    def __call__(self, *args, **kwargs):
+        static, (dynamic, rest), key = self._split(args, kwargs)
+        compiled = self.store._memory.get((self.name, key))
+        if compiled is None:
+            compiled = self._get(key, args, kwargs)
+        return compiled(*dynamic, **rest)
+
+    def _get(self, key: tuple, args: tuple, kwargs: dict):
+        store = self.store
+        key_text = f"{store._salt_text}\0{self.name}\0{key!r}"
+        compiled = store._fetch(self.name, key_text)
+        if compiled is not None:
+            store._memory[(self.name, key)] = compiled
+            return compiled
+        compiled, hit = self._compile(self._jit, args, kwargs)
+        if hit:  # read back from JAX's cache (this store's entry was removed, JAX's was not):
+            # serializing it would lose functions, so compile it afresh under a new module name
+            store.counts["cache_answered"] += 1
+            log.warning("program store: %s was missing but in JAX's cache; compiling it afresh", self.name)
+            compiled, _ = self._compile(self._rename(os.urandom(6).hex()), args, kwargs)
+        store.counts["compiled"] += 1
+        store._memory[(self.name, key)] = compiled
+        store._keep(key_text, compiled)
+        from jax.experimental.serialize_executable import serialize
+
+        blob, in_tree, out_tree = serialize(compiled)
+        devices = [d.id for d in compiled._executable._unloaded_executable.device_list]
+        path = store._path(self.name, key_text)
+        try:
+            store._write(path, _Entry(self.name, key_text, blob, in_tree, out_tree, devices))
+            store.counts["stored"] += 1
+        except OSError as e:  # a full or read-only disk costs the next start, not this one
+            log.warning("program store: could not write %s: %s", path, e)
+        return compiled

@@ -1,0 +1,183 @@
+"""The program store (``decoding/programs.py``): a restart reads the decoder's compiled programs
+instead of tracing, lowering and compiling them, and decodes exactly as before.
+
+Each start is its own process (what a server restart is).  References: every request decoded
+alone by plain decoding (``bench.generator``, checked against transformers in test_engine);
+greedy speculative decoding must equal it token for token whatever the store did.  The store's
+own counts say what each start did (programs read, compiled, written, found damaged).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from d3d_jax.bench.generator import Generator
+from tiny_models import tiny_pair
+
+ROOT = Path(__file__).resolve().parent.parent
+VOCAB, MASK, BLOCK, CACHE = 32, 31, 4, 64
+PROMPTS = [[3, 5, 7], [11, 2, 9, 4, 1, 8, 6], [9, 9, 1, 2, 3]]
+MAX_NEW = [12, 10, 8]
+
+# one start: a tiny decoder driven like a server (requests join at rounds 0, 0 and 2), its tokens
+# and what its program store did
+START = r"""
+import json, logging, sys
+logging.basicConfig(level=logging.ERROR)
+from tiny_models import serve, tiny_pair
+from d3d_jax.decoding.decoder import DecoderConfig, Request, SpecDecoder
+mode, directory, slots = sys.argv[1], sys.argv[2], int(sys.argv[3])
+prompts, max_new = json.loads(sys.argv[4]), json.loads(sys.argv[5])
+target, drafter = tiny_pair(%(vocab)d, %(mask)d)
+cfg = DecoderConfig(mode=mode, num_slots=slots, max_cache_len=%(cache)d, block_size=%(block)d,
+                    branch_positions=%(block)d, branch_fanout=2)
+dec = SpecDecoder(target, drafter, cfg, program_dir=directory)
+tokens, _ = serve(dec, [Request(p, n) for p, n in zip(prompts, max_new)], [0, 0, 2])
+print(json.dumps(dict(tokens=[tokens[i] for i in range(len(prompts))], counts=dec.programs.counts,
+                      dir=str(dec.programs.dir))))
+""" % dict(vocab=VOCAB, mask=MASK, cache=CACHE, block=BLOCK)
+
+
+def _start(mode: str, directory: Path, slots: int = 2, jax_cache: Path | None = None) -> dict:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests")]))
+    if jax_cache is not None:
+        env["JAX_COMPILATION_CACHE_DIR"] = str(jax_cache)
+    out = subprocess.run([sys.executable, "-c", START, mode, str(directory), str(slots),
+                          json.dumps(PROMPTS), json.dumps(MAX_NEW)],
+                         capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+    assert out.returncode == 0, out.stderr[-4000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def solo():
+    target, _ = tiny_pair(VOCAB, MASK)
+    outs = Generator()(target, PROMPTS, max_new_tokens=max(MAX_NEW), batch_size=1, block_size=BLOCK,
+                       max_cache_len=CACHE)
+    ref = [o.token_ids[:n] for o, n in zip(outs, MAX_NEW)]
+    assert all(len(set(r)) > 3 for r in ref)  # varied outputs: an ordering bug would show
+    return ref
+
+
+def _entries(directory: Path) -> list[Path]:
+    return sorted(directory.rglob("*.xprog"))
+
+
+@pytest.mark.slow
+def test_restart_reads_every_program_and_damage_is_compiled_again(solo, tmp_path):
+    store, jax_cache = tmp_path / "programs", tmp_path / "xla"
+    cold = _start("sync", store, jax_cache=jax_cache)
+    assert cold["tokens"] == solo
+    c = cold["counts"]
+    n = c["stored"]
+    assert c["compiled"] >= 4 and n == c["compiled"] and c["loaded"] == 0, c
+    assert len(_entries(store)) == n
+
+    warm = _start("sync", store, jax_cache=jax_cache)  # a restart: nothing traced or compiled
+    assert warm["tokens"] == solo
+    assert warm["counts"] == dict(loaded=n, compiled=0, stored=0, cache_answered=0, damaged=0)
+
+    biggest = max(_entries(store), key=lambda p: p.stat().st_size)
+    biggest.write_bytes(biggest.read_bytes()[: biggest.stat().st_size // 2])  # a torn write
+    torn = _start("sync", store, jax_cache=jax_cache)
+    assert torn["tokens"] == solo
+    assert torn["counts"] == dict(loaded=n - 1, compiled=1, stored=1, cache_answered=1, damaged=1)
+
+    # every entry removed while JAX's own cache still holds them: JAX answers each compile, and
+    # an executable read back from JAX's cache is never serialized (XLA:CPU would lose functions
+    # of it), so each is compiled afresh and stored; the next start reads them all
+    for p in _entries(store):
+        p.unlink()
+    removed = _start("sync", store, jax_cache=jax_cache)
+    assert removed["tokens"] == solo
+    assert removed["counts"]["cache_answered"] == n and removed["counts"]["stored"] == n
+    again = _start("sync", store, jax_cache=jax_cache)
+    assert again["tokens"] == solo
+    assert again["counts"] == dict(loaded=n, compiled=0, stored=0, cache_answered=0, damaged=0)
+
+
+@pytest.mark.slow
+def test_async_restart_reads_its_programs(solo, tmp_path):
+    store = tmp_path / "programs"
+    cold = _start("async", store)
+    assert cold["tokens"] == solo
+    warm = _start("async", store)
+    assert warm["tokens"] == solo
+    assert warm["counts"]["compiled"] == 0 and warm["counts"]["loaded"] == cold["counts"]["stored"] >= 6
+
+
+def test_a_decoder_that_cannot_be_keyed_keeps_nothing(tmp_path):
+    """An acceptance override is a Python object the programs close over: no stable key, so no
+    store (plain ``jax.jit``), rather than a program read back for another override."""
+    from d3d_jax.decoding.decoder import DecoderConfig, SpecDecoder
+
+    target, drafter = tiny_pair(VOCAB, MASK)
+
+    class Always:
+        benchmark_only = True
+
+        def accept(self, accepted, *args):
+            return accepted
+
+    cfg = DecoderConfig(mode="sync", num_slots=1, max_cache_len=CACHE, block_size=BLOCK,
+                        acceptance_override=Always())
+    assert not SpecDecoder(target, drafter, cfg, program_dir=tmp_path).programs.enabled
+    plain = DecoderConfig(mode="sync", num_slots=1, max_cache_len=CACHE, block_size=BLOCK)
+    keyed = SpecDecoder(target, drafter, plain, program_dir=tmp_path).programs
+    assert keyed.enabled and keyed.dir.parent == tmp_path
+    # the key holds the decoder's whole config: other EOS ids, another store directory
+    eos = SpecDecoder(target, drafter, dataclasses.replace(plain, eos_token_ids=(5,)),
+                      program_dir=tmp_path).programs
+    assert eos.dir != keyed.dir
+    slots = SpecDecoder(target, drafter, dataclasses.replace(plain, num_slots=2), program_dir=tmp_path).programs
+    assert slots.dir not in (eos.dir, keyed.dir)
+    # ... and so does the same decoder in another process (the key is text, not object ids)
+    again = SpecDecoder(target, drafter, plain, program_dir=tmp_path).programs
+    assert again.dir == keyed.dir
+
+
+@pytest.mark.slow
+def test_server_warm_start_reads_programs_and_first_request_compiles_nothing(tmp_path):
+    """Two starts of ``infer/serve.py`` on one cache directory: the second reads the 1-row
+    round before READY (nothing compiled) and the rest in the background; its first request
+    writes no file under the cache (no compile anywhere), and its text equals the first start's."""
+    from d3d_jax.bench.serve import ServerProcess
+
+    demo = ROOT / "artifacts" / "demo"
+    cache = tmp_path / "cache"
+    argv = ["--target", str(demo / "models" / "target"), "--drafter", str(demo / "drafters" / "small"),
+            "--tokenizer", str(demo / "tokenizer"), "--dtype", "float32", "--mode", "sync",
+            "--num-slots", "2", "--max-model-len", "128", "--warmup-max-prompt", "16",
+            "--compile-cache", str(cache)]
+    files = lambda: {p for p in cache.rglob("*") if p.is_file()}  # noqa: E731
+    body = json.dumps({"model": "target", "prompt": "To be, or not to be", "max_tokens": 12,
+                       "temperature": 0}).encode()
+
+    def complete(url):
+        req = urllib.request.Request(url + "/v1/completions", body, {"Content-Type": "application/json"})
+        return json.loads(urllib.request.urlopen(req, timeout=300).read())["choices"][0]["text"]
+
+    texts, logs = [], []
+    for _ in range(2):
+        server = ServerProcess(argv, timeout_s=900)
+        try:
+            before = files()
+            texts.append(complete(server.url))
+            written = files() - before
+            server.log.flush()
+            logs.append(Path(server.log.name).read_text())
+        finally:
+            server.stop()
+    assert texts[0] == texts[1] and texts[0]
+    warm_log = logs[1]
+    assert "wider windows read in the background" in warm_log, warm_log[-3000:]
+    assert "'compiled': 0," in warm_log and "'loaded': 0," not in warm_log, warm_log[-3000:]
+    assert not written, sorted(map(str, written))
