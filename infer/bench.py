@@ -29,6 +29,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
                     "offline τ on first blocks: a demo drafter fine-tuned with / without data.first_block_anchor"),
     "serve": ("d3d_jax.bench.serve",
               "concurrent clients against the real server: tokens/s, TTFT, TPOT, mode mix per mode (Table 2)"),
+    "start": ("d3d_jax.bench.start",
+              "infer/serve.py's cold and warm starts side by side: READY, first requests, files compiled"),
     "windows": ("d3d_jax.bench.windows",
                 "a round's cost with few requests in many slots against as many slots as requests"),
     "gpu": ("d3d_jax.bench.gpu",
