@@ -39,7 +39,7 @@ def pytest_unconfigure(config):
 # workers end together instead of one starting the README's commands last; the order inside a
 # file, and of every other file, is kept.
 LONG_FILES = ("test_readme.py", "test_serve_e2e.py", "test_eval_cli.py", "test_pipeline.py", "test_async.py",
-              "test_auto.py", "test_serve_openai.py", "test_loop.py", "test_decoder.py", "test_pruning.py",
+              "test_auto.py", "test_programs.py", "test_serve_openai.py", "test_loop.py", "test_decoder.py", "test_pruning.py",
               "test_regenerate.py", "test_compile.py", "test_train_checkpoints.py", "test_bench_gpu.py",
               "test_attention.py", "test_multiprocess.py", "test_simulate.py", "test_engine.py")
 

@@ -87,7 +87,8 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     flag("--warmup-wait", key="server.warmup_wait", action="store_true",
          help="compile every warm-up bucket before serving (READY only after)")
     flag("--compile-cache", key="server.compile_cache",
-         help="persistent XLA compilation cache directory, so a second start compiles nothing "
+         help="persistent XLA compilation cache directory, with the decoder's program store under "
+              "programs/, so a second start neither traces nor compiles "
               "(default: $D3D_COMPILE_CACHE, else ~/.cache/d3d_jax/xla; 'none': off)")
     flag("--vllm-metrics", key="server.vllm_metrics", action="store_true",
          help="/metrics also under vLLM's vllm: names (dashboards made for vLLM)")
