@@ -17,6 +17,7 @@ import sys
 import urllib.request
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from d3d_jax.bench.generator import Generator
@@ -181,3 +182,39 @@ def test_server_warm_start_reads_programs_and_first_request_compiles_nothing(tmp
     assert "wider windows read in the background" in warm_log, warm_log[-3000:]
     assert "'compiled': 0," in warm_log and "'loaded': 0," not in warm_log, warm_log[-3000:]
     assert not written, sorted(map(str, written))
+
+
+def test_programs_by_argument_types_and_a_second_store_reads_them(tmp_path):
+    """One program called with two shapes under the same tree (the scorer's prompt buckets): each
+    shape its own executable, right values each time (a numpy reference); a second store on the
+    same directory reads both and compiles nothing."""
+    import jax.numpy as jnp
+
+    from d3d_jax.decoding.programs import ProgramStore
+
+    def f(x, y, start, *, rows):
+        return {"a": x[:rows] * 2 + start, "b": y.sum()}
+
+    xs = [np.arange(8.0, dtype=np.float32), np.arange(4.0, dtype=np.float32) + 10]
+    for store in (ProgramStore(tmp_path, {"test": 1}), ProgramStore(tmp_path, {"test": 1})):
+        prog = store.jit(f, name="f", static_argnames="rows")
+        for x in (xs[0], xs[1], xs[0]):
+            out = prog(jnp.asarray(x), jnp.ones((3,)), 3, rows=2)
+            np.testing.assert_array_equal(np.asarray(out["a"]), x[:2] * 2 + 3)
+            assert float(out["b"]) == 3.0
+    assert store.counts == dict(loaded=2, compiled=0, stored=0, cache_answered=0, damaged=0)
+    other = ProgramStore(tmp_path, {"test": 2})  # another salt: its own directory, nothing read
+    assert other.dir != store.dir and other.stored() == 0
+
+
+def test_only_the_most_recently_used_salts_are_kept(tmp_path):
+    from d3d_jax.decoding.programs import KEEP_SALTS, ProgramStore
+
+    for i in range(KEEP_SALTS + 3):  # older salts, the oldest first
+        old = tmp_path / f"{i:032x}"
+        old.mkdir()
+        os.utime(old, (1_000_000 + i, 1_000_000 + i))
+    store = ProgramStore(tmp_path, {"test": 1})
+    kept = sorted(p.name for p in tmp_path.iterdir())
+    assert store.dir.name in kept and len(kept) == KEEP_SALTS
+    assert kept == sorted([store.dir.name] + [f"{i:032x}" for i in range(4, KEEP_SALTS + 3)])

@@ -43,9 +43,9 @@ from d3d_jax.decoding.async_loop import LiveRows
 from d3d_jax.decoding.core import FINISH_REASONS, MAX_STOP_IDS, RowInput
 from d3d_jax.decoding.decoder_config import (DecoderConfig, Request, RequestError, SlotError,
                                              StepOutput, request_problem)
-from d3d_jax.decoding.drafting import ModelDrafter, as_drafter
+from d3d_jax.decoding.drafting import as_drafter
 from d3d_jax.decoding.placement import RowPlacement, placer, resolve_slices
-from d3d_jax.decoding.programs import ProgramStore
+from d3d_jax.decoding.programs import ProgramStore, decoder_salt
 from d3d_jax.decoding.strategies import LOGPROB_KEYS, Context
 from d3d_jax.decoding.verify import SamplingParams
 
@@ -141,7 +141,7 @@ class SpecDecoder:
         ctx = Context(cfg, graphdef, target.config, self.drafter,
                       lambda leaves: jax.tree.unflatten(self._trees[0], leaves),
                       lambda leaves: jax.tree.unflatten(self._trees[1], leaves),
-                      programs=ProgramStore(program_dir, self._program_salt(graphdef, target.config)))
+                      programs=ProgramStore(program_dir, decoder_salt(cfg, graphdef, target.config, self.drafter)))
         if cfg.mode == "async":
             t_devs, d_devs = resolve_slices(cfg.target_devices, cfg.drafter_devices)
             self.target_devices, self.drafter_devices = t_devs, d_devs
@@ -151,17 +151,6 @@ class SpecDecoder:
             self._t_place = self._d_place = lambda tree: tree  # noqa: E731
         self.shared = ctx.shared
         return ctx
-
-    def _program_salt(self, graphdef, target_config) -> dict | None:
-        """What the round programs close over, as text (None: something that has no stable text,
-        an acceptance override or rule, or a drafter that is not a model, so no program is kept)."""
-        cfg = self.config
-        if cfg.acceptance_override is not None or cfg.acceptance_rule is not None:
-            return None
-        if self.drafter is not None and not isinstance(self.drafter, ModelDrafter):
-            return None
-        return dict(decoder=repr(cfg), target=repr(target_config), target_graph=repr(graphdef),
-                    drafter=None if self.drafter is None else repr(self.drafter.signature))
 
     @property
     def programs(self) -> ProgramStore:

@@ -44,6 +44,7 @@ log = logging.getLogger("d3d_jax.programs")
 
 FORMAT = 1  # bump when an entry's layout changes
 SUFFIX = ".xprog"
+KEEP_SALTS = 8  # salt directories kept (the most recently used); older ones are removed
 
 
 @functools.lru_cache(maxsize=1)
@@ -66,6 +67,19 @@ def environment() -> dict[str, Any]:
                 x64=bool(jax.config.jax_enable_x64),
                 matmul_precision=str(jax.config.jax_default_matmul_precision),
                 platform=devs[0].platform, devices=[(d.id, d.device_kind) for d in devs])
+
+
+def decoder_salt(config, target_graphdef, target_config, drafter) -> dict | None:
+    """What a decoder's programs close over, as text; None when something has no stable text (an
+    acceptance override or rule, a drafter that is not a model), so nothing is kept on disk."""
+    from d3d_jax.decoding.drafting import ModelDrafter
+
+    if config.acceptance_override is not None or config.acceptance_rule is not None:
+        return None
+    if drafter is not None and not isinstance(drafter, ModelDrafter):
+        return None
+    return dict(decoder=repr(config), target=repr(target_config), target_graph=repr(target_graphdef),
+                drafter=None if drafter is None else repr(drafter.signature))
 
 
 def _leaf_type(x) -> tuple:
@@ -107,6 +121,25 @@ class ProgramStore:
         self._by_text: dict[str, Any] = {}  # full key -> Compiled (what preload reads)
         self._reading: dict[str, threading.Event] = {}  # full key -> read in progress
         self.counts = dict(loaded=0, compiled=0, stored=0, cache_answered=0, damaged=0)
+        if self.enabled:
+            self._prune(Path(directory))
+
+    def _prune(self, root: Path) -> None:
+        """Mark this salt used and remove all but the ``KEEP_SALTS`` most recently used salt
+        directories (each change of the source or a version makes a new one: without this the
+        store grows with every edit).  A removed entry costs a compile, never a wrong program."""
+        import shutil
+        import time
+
+        self.dir.mkdir(parents=True, exist_ok=True)
+        now = time.time()
+        os.utime(self.dir, (now, now))
+        salts = [p for p in root.iterdir() if p.is_dir() and len(p.name) == 32 and p != self.dir]
+        salts.sort(key=lambda p: p.stat().st_mtime, reverse=True)
+        for old in salts[KEEP_SALTS - 1:]:
+            log.warning("program store: removing %s, not used since %s", old,
+                        time.strftime("%Y-%m-%d %H:%M", time.localtime(old.stat().st_mtime)))
+            shutil.rmtree(old, ignore_errors=True)
 
     def jit(self, fn: Callable, *, name: str | None = None, static_argnames=(), static_argnums=(),
             donate_argnums=()):
@@ -254,6 +287,7 @@ class Program:
         self.static_argnames, self.static_argnums = static_argnames, static_argnums
 
         self._fn = fn
+        self._last: dict = {}  # (static values, tree) -> the last program called with them
         self._options = dict(static_argnames=static_argnames, static_argnums=static_argnums,
                              donate_argnums=donate_argnums)
         # JAX's cache key holds the module name: never the key of a plain jit of the same code
@@ -286,14 +320,27 @@ class Program:
         static += tuple(sorted((k, kwargs[k]) for k in self.static_argnames if k in kwargs))
         dynamic = tuple(a for i, a in enumerate(args) if i not in self.static_argnums)
         rest = {k: v for k, v in kwargs.items() if k not in self.static_argnames}
-        leaves, tree = jax.tree.flatten((dynamic, rest))
-        return static, (dynamic, rest), (static, tree, tuple(_leaf_type(x) for x in leaves))
+        return static, dynamic, rest
 
     def __call__(self, *args, **kwargs):
-        static, (dynamic, rest), key = self._split(args, kwargs)
+        """The program for these static values and argument types.  Fast path: the last program
+        of this (static values, tree); a ``Compiled`` checks its arguments' types itself and
+        refuses others with a TypeError, and only then are the types looked at (the full key:
+        ~1.7 ms for a round's 145 leaves, against ~15 µs for the tree)."""
+        static, dynamic, rest = self._split(args, kwargs)
+        leaves, tree = jax.tree.flatten((dynamic, rest))
+        last = self._last.get((static, tree))
+        if last is not None:
+            try:
+                return last(*dynamic, **rest)
+            except TypeError as e:
+                if "Argument types differ" not in str(e):
+                    raise
+        key = (static, tree, tuple(_leaf_type(x) for x in leaves))
         compiled = self.store._memory.get((self.name, key))
         if compiled is None:
             compiled = self._get(key, args, kwargs)
+        self._last[(static, tree)] = compiled
         return compiled(*dynamic, **rest)
 
     def _get(self, key: tuple, args: tuple, kwargs: dict):
