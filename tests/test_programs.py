@@ -218,3 +218,13 @@ def test_only_the_most_recently_used_salts_are_kept(tmp_path):
     kept = sorted(p.name for p in tmp_path.iterdir())
     assert store.dir.name in kept and len(kept) == KEEP_SALTS
     assert kept == sorted([store.dir.name] + [f"{i:032x}" for i in range(4, KEEP_SALTS + 3)])
+
+
+def test_an_unusable_directory_keeps_programs_in_memory(tmp_path, caplog):
+    from d3d_jax.decoding.programs import ProgramStore
+
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    store = ProgramStore(blocker / "programs", {"test": 1})
+    assert not store.enabled and "not usable" in caplog.text
+    assert float(store.jit(lambda x: x + 1)(1.0)) == 2.0

@@ -122,7 +122,12 @@ class ProgramStore:
         self._reading: dict[str, threading.Event] = {}  # full key -> read in progress
         self.counts = dict(loaded=0, compiled=0, stored=0, cache_answered=0, damaged=0)
         if self.enabled:
-            self._prune(Path(directory))
+            try:
+                self._prune(Path(directory))
+            except OSError as e:  # a read-only or full disk: this start compiles, as without a store
+                log.warning("program store: %s is not usable (%s); programs are kept in memory only",
+                            directory, e)
+                self.enabled = False
 
     def _prune(self, root: Path) -> None:
         """Mark this salt used and remove all but the ``KEEP_SALTS`` most recently used salt
