@@ -228,3 +228,40 @@ def test_an_unusable_directory_keeps_programs_in_memory(tmp_path, caplog):
     store = ProgramStore(blocker / "programs", {"test": 1})
     assert not store.enabled and "not usable" in caplog.text
     assert float(store.jit(lambda x: x + 1)(1.0)) == 2.0
+
+
+SORTS = r"""
+import json, sys
+import jax, jax.numpy as jnp
+from d3d_jax.decoding.programs import ProgramStore
+store = ProgramStore(sys.argv[1], {"test": "sorts"})
+prog = store.jit(lambda x: (jnp.sort(x) + jnp.argsort(-x), jax.lax.top_k(x, 3)[0]), name="sorts")
+a, b = prog(jnp.array([3.0, 1.0, 2.0, 5.0, 4.0]))
+print(json.dumps(dict(out=[a.tolist(), b.tolist()], counts=store.counts)))
+"""
+
+
+def test_an_executable_from_jaxs_cache_is_compiled_afresh_before_it_is_stored(tmp_path):
+    """XLA:CPU (jaxlib 0.10.2) drops functions from an executable it read back from JAX's
+    persistent cache when that executable is serialized again: loaded in another process it fails
+    with ``NOT_FOUND: Function wrapped_iota not found``.  Three processes: the first compiles and
+    stores (JAX's cache keeps it too), the store's file is removed, the second finds the program
+    only in JAX's cache, and the third must still read a working program from the store."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_COMPILATION_CACHE_DIR=str(tmp_path / "xla"))
+
+    def run():
+        out = subprocess.run([sys.executable, "-c", SORTS, str(tmp_path / "programs")], capture_output=True,
+                             text=True, env=env, cwd=ROOT, timeout=300)
+        assert out.returncode == 0, out.stderr[-3000:]
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    want = [[4.0, 6.0, 3.0, 6.0, 6.0], [5.0, 4.0, 3.0]]  # sort + argsort(-x), top 3, by hand
+    first = run()
+    assert first["out"] == want and first["counts"]["stored"] == 1
+    for p in _entries(tmp_path / "programs"):
+        p.unlink()
+    second = run()
+    assert second["out"] == want
+    assert second["counts"]["cache_answered"] == 1 and second["counts"]["stored"] == 1
+    third = run()
+    assert third["out"] == want and third["counts"]["loaded"] == 1

@@ -12,8 +12,8 @@ bytes under that key.  A warm start deserializes and runs them.
 
 * ``directory=None``: :meth:`ProgramStore.jit` is ``jax.jit`` itself (nothing changes).
 * A program is serialized only from a fresh compile.  Re-serializing an executable that XLA:CPU
-  read back from JAX's persistent cache loses functions (sort comparators: ``Function
-  wrapped_compare.4 not found`` at its first run), so each program's function is renamed with
+  read back from JAX's persistent cache loses functions (``NOT_FOUND: Function wrapped_iota not
+  found`` when another process runs it; test_programs reproduces it), so each program's function is renamed with
   the salt (JAX's cache key includes the module name, so it never matches a plain ``jax.jit``
   compile of the same code), and a compile that JAX's cache answered anyway is used but not
   stored (counted in ``cache_answered``).
