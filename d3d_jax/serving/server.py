@@ -217,7 +217,7 @@ def _warmup_request(svc, n: int, max_tokens: int | None):
 def warm_up_decoder(decoder, all_widths: bool = True) -> bool:
     """Compile (or read) the decoder's programs: with ``all_widths=False`` and a program store
     that holds the 1-row round, only that round, admission and row ops (a request's programs);
-    the other widths are read after ``READY`` (:func:`preload_in_background`).  Auto always
+    the other widths are read after ``READY`` (:func:`warmup_in_background`).  Auto always
     warms every width: it times them.  Returns True when widths were left for the background."""
     if not hasattr(decoder, "warm_up"):
         return False
