@@ -18,7 +18,7 @@ import pytest
 
 from d3d_jax.bench.generator import Generator
 from d3d_jax.decoding.async_replay import CostedReplayDrafter
-from d3d_jax.decoding.auto_policy import Acceptance, Geometry, Plan, Policy, geometric_rate
+from d3d_jax.decoding.auto_policy import Acceptance, Geometry, Plan, Policy, Pool, geometric_rate
 from d3d_jax.decoding.decoder import DecoderConfig, Request, SpecDecoder
 from d3d_jax.decoding.drafting import ModelDrafter
 from d3d_jax.decoding.placement import RowPlacement
@@ -127,7 +127,9 @@ def test_mixed_quality_useless_requests_get_plain_rounds(setup, monkeypatch):
     dec.load(s["target"], CostedReplayDrafter(cont, VOCAB, s["drafter_model"], error_rate=0.25,
                                               hit_rate=0.6, seed=1, mask_token_id=MASK))
     policy = dec.strategy.policy
-    monkeypatch.setattr(dec.strategy, "prior_rate", geometric_rate(6.0, 16))
+    # the pool of finished requests starts empty, from a τ = 6 prior (the first 3 requests' prior;
+    # the good ones that finish join it, and are the prior of the 3 admitted after them)
+    monkeypatch.setattr(dec.strategy, "pool", Pool(BLOCK, geometric_rate(6.0, 16)))
     # a device where a sync/4 round costs 2.5 plain rounds (async/4x2: 5) per row: 3 rounds that
     # accept nothing bring a useless request's expected tokens in sync/4 from the τ = 6 prior's
     # 3.2 to 2.08 (closed form: 1 + c/2·(1 + c + c²), c = 0.844), under 0.85 × 2.5 of a plain
@@ -154,7 +156,7 @@ def test_policy_expected_tokens_and_choice():
     round and from the request's own counts after; the choice maximizes tokens per second."""
     c = geometric_rate(4.0, 16)
     assert abs(1 + sum(c ** k for k in range(1, 16)) - 4.0) < 1e-6
-    acc = Acceptance(16, prior_rate=0.5)
+    acc = Acceptance(16, 0.5)
     assert acc.expected(4) == pytest.approx(1 + 0.5 + 0.25 + 0.125)
     for _ in range(30):
         acc.record(8, 7)  # every draft of every 8-wide round accepted
@@ -175,8 +177,7 @@ def test_policy_expected_tokens_and_choice():
 def test_one_stalled_round_does_not_price_a_geometry_out():
     """A round-time sample counts at most OUTLIER x the estimate: a 5 s stall (a GC, another
     program's compile) on a 10 ms plain round leaves plain the choice; without the bound the
-    estimate becomes 1.26 s and plain is never run (so never re-measured) again."""
-    from d3d_jax.decoding.auto_policy import EMA, OUTLIER
+    estimate becomes 2.5 s and plain is never run (so never re-measured) again."""
 
     pol = Policy([Geometry("plain", 1), Geometry("sync/4", 4)], (1,))
     pol.costs.calibrate("plain", 1, 0.010)
@@ -184,7 +185,8 @@ def test_one_stalled_round_does_not_price_a_geometry_out():
     row = [(Acceptance(16, 0.3), 100)]  # sync/4 expects 1.39 tokens: 46 tok/s against plain's 100
     assert pol.choose(row, 1).key == ("plain",)
     pol.costs.measured("plain", 1, 5.0)
-    assert pol.costs.get("plain", 1) == pytest.approx((1 - EMA) * 0.010 + EMA * OUTLIER * 0.010)
+    # the first served sample is averaged with start-up's 10 ms (weight 1/2), capped at 2 x 10 ms
+    assert pol.costs.get("plain", 1) == pytest.approx((0.010 + 0.020) / 2)
     assert pol.choose(row, 1).key == ("plain",)
     for _ in range(12):  # a real, lasting rise is still followed
         pol.costs.measured("plain", 1, 0.050)
@@ -247,3 +249,45 @@ def test_one_admission_dispatch_for_eight_arrivals(setup, monkeypatch):
             if out.finished:
                 dec.free(slot)
     assert calls == [8, 1] and dec.strategy.compiled >= {("plain", 1)}
+
+
+def test_costs_of_widths_not_yet_served_follow_the_served_ones():
+    """Served rounds at one (geometry, width) re-price the geometry's widths not yet served by the
+    same served / start-up ratio (never another geometry's); a key's first served rounds are
+    averaged with its start-up time (weights 1/2, 1/3, ... down to EMA)."""
+    from d3d_jax.decoding.auto_policy import Costs
+
+    c = Costs()
+    for label, times in (("plain", (0.010, 0.012, 0.016)), ("sync/4", (0.020, 0.030, 0.050))):
+        for rows, t in zip((1, 2, 4), times):
+            c.calibrate(label, rows, t)
+    c.measured("plain", 2, 0.024)  # twice start-up's: the cap (2 x 12 ms) does not bite
+    assert c.get("plain", 2) == pytest.approx(0.018)  # (12 + 24) / 2 ms
+    assert c.get("plain", 1) == pytest.approx(0.015)  # 10 ms x 1.5
+    assert c.get("plain", 4) == pytest.approx(0.024)  # 16 ms x 1.5
+    assert c.get("sync/4", 4) == pytest.approx(0.050)  # no sync/4 round served: start-up's
+    c.measured("sync/4", 4, 0.075)
+    assert c.get("sync/4", 4) == pytest.approx(0.0625)  # (50 + 75) / 2 ms
+    assert c.get("sync/4", 1) == pytest.approx(0.025)  # its own ratio: 62.5 / 50 = 1.25
+    assert c.get("plain", 1) == pytest.approx(0.015)  # plain's stays its own
+    c.measured("sync/4", 4, 0.050)
+    assert c.get("sync/4", 4) == pytest.approx(0.0625 * 2 / 3 + 0.050 / 3)
+
+
+def test_pooled_prior_from_finished_requests():
+    """A request's prior is the drafter's acceptance pooled over finished requests (with the
+    offline rate as the pool's prior, worth PRIOR_ROUNDS = 3 rounds), and every live request's
+    expected tokens follow the pool as soon as one joins it."""
+    from d3d_jax.decoding.auto_policy import Pool
+
+    pool = Pool(16, 0.5)
+    live, done = Acceptance(16, pool), Acceptance(16, pool)
+    assert live.expected(2) == pytest.approx(1.5)  # the offline rate alone
+    for accepted in (3, 3, 0):
+        done.record(4, accepted)
+    pool.add(done)
+    # slot 1 judged in 3 rounds, accepted in 2: (2 + 3 x 0.5) / (3 + 3); slots 2, 3: (2 + 1.5) / 5
+    assert live.expected(2) == pytest.approx(1 + 3.5 / 6)
+    assert live.expected(4) == pytest.approx(1 + 3.5 / 6 * (1 + 0.7 + 0.7 ** 2))
+    # the finished request's own rounds count on top of the pooled prior: slot 1 (2 + 3 x 3.5 / 6) / 6
+    assert done.expected(2) == pytest.approx(1 + (2 + 1.75) / 6)

@@ -30,7 +30,8 @@ import numpy as np
 from d3d_jax.decoding import window as W
 from d3d_jax.decoding.async_core import V_HIT, V_MISS, AsyncCore, handoff
 from d3d_jax.decoding.async_strategy import windowed_side
-from d3d_jax.decoding.auto_policy import Acceptance, Geometry, Policy, geometric_rate
+from d3d_jax.decoding.auto_policy import (MIN_ROUNDS_TO_SET_ASIDE, Acceptance, Geometry, Policy,
+                                          Pool, geometric_rate)
 from d3d_jax.decoding.strategies import (Carry, Context, Part, Strategy, mark_done, result_out,
                                          windowed)
 
@@ -68,7 +69,9 @@ class AutoStrategy(Strategy):
         self.geometry = {g.label: g for g in geoms}
         self.policy = Policy(geoms, cfg.buckets)
         tau = DEFAULT_PRIOR_TAU if cfg.prior_tau is None else float(cfg.prior_tau)
-        self.prior_rate = geometric_rate(tau, max(16, cfg.block_size))  # τ as trained: 16 tokens
+        # every request's prior: the drafter's acceptance pooled over finished requests, starting
+        # from the offline τ (as trained: of a 16-token block)
+        self.pool = Pool(cfg.block_size, geometric_rate(tau, max(16, cfg.block_size)))
         self._sync = self.jit(self._sync_fn, static_argnames=("label", "rows"), donate_argnums=2)
         self._plain = self.jit(self._plain_fn, static_argnames="rows", donate_argnums=2)
         self._async = self.jit(self._async_fn, static_argnames=("label", "rows"), donate_argnums=2)
@@ -164,8 +167,14 @@ class AutoStrategy(Strategy):
     # ------------------------------------------------------------ the choice
     def _acceptance(self, info) -> Acceptance:
         if "acceptance" not in info.stats:
-            info.stats["acceptance"] = Acceptance(self.ctx.config.block_size, self.prior_rate)
+            info.stats["acceptance"] = Acceptance(self.ctx.config.block_size, self.pool)
         return info.stats["acceptance"]
+
+    def _pools(self, info) -> bool:
+        """A finished request joins the pool once it passed its own judging (enough speculative
+        rounds and never set aside): one that finished before it could be judged proves nothing."""
+        acc = self._acceptance(info)
+        return info.stats.get("class", 0) == 0 and acc.rounds >= MIN_ROUNDS_TO_SET_ASIDE
 
     def reclassify(self, infos: dict) -> dict:
         """slot -> class (0 speculate, 1 plain rounds) for requests whose class changes."""
@@ -193,7 +202,10 @@ class AutoStrategy(Strategy):
             for i, row in enumerate(range(part.start, part.start + part.rows)):
                 slot, info = snapshot[row]
                 if part.lo <= row < part.hi and info is not None and int(out["count"][i]) > 0:
-                    self._acceptance(info).record(width, int(out["accepted"][i]))
+                    acc = self._acceptance(info)
+                    acc.record(width, int(out["accepted"][i]))
+                    if int(out["finish"][i]) and self._pools(info):
+                        self.pool.add(acc)  # the next requests' prior
             if seconds is not None and not any(p.fresh for p in parts):
                 # a two-part round's time is shared as its estimates are
                 total = sum(costs)

@@ -4,10 +4,12 @@ expected tokens per second for the current batch.
 * **Expected tokens per round** of a request in a geometry of width ``w`` (plain: 1; sync
   ``b``; async ``B``): ``1 + Σ_{k<w} P(a ≥ k)``, with ``P(a ≥ k) = Π_{j≤k} c_j`` and ``c_j`` the
   request's own rate of accepting draft slot ``j`` once slots ``< j`` were accepted
-  (:class:`Acceptance`), counted from its rounds, starting from the drafter's offline τ as a
-  prior worth a few rounds.  Never more than the tokens the request has left.
+  (:class:`Acceptance`), counted from its rounds, starting from a prior worth a few rounds: the
+  drafter's acceptance pooled over finished requests that speculated (:class:`Pool`), starting
+  from the offline τ.  Never more than the tokens the request has left.
 * **Round cost** of a geometry at a window width (:class:`Costs`): measured at start-up
-  (calibration), then a running mean of the rounds that ran, per (geometry, width).
+  (calibration), then a running mean of the rounds that ran, per (geometry, width); a width not
+  yet served follows how far served rounds ran from their start-up times.
 * **Plans**: every row in one geometry, or (*split*) the requests worth speculating on in the
   best speculative geometry and the rest in plain rounds over their own window.  A request is
   put aside for plain rounds when speculation would cost it more than it gives
@@ -30,6 +32,7 @@ EXPLORE_EVERY = 32  # plain rounds in a row after which one speculative round is
 # server's burst of stream writes, another program's compile) priced a geometry out of the choice
 # for good — a geometry that looks too dear is never run again, so it is never re-measured.
 OUTLIER = 2.0
+POOL_ROUNDS = 256  # the drafter's pooled acceptance halves its counts past this many rounds
 
 
 def geometric_rate(tau: float, width: int) -> float:
@@ -44,15 +47,45 @@ def geometric_rate(tau: float, width: int) -> float:
     return (lo + hi) / 2
 
 
-class Acceptance:
-    """One request's acceptance by draft slot (censored by the width of each round)."""
+class Pool:
+    """The drafter's acceptance by draft slot, pooled over finished requests that speculated to
+    their end: every request's prior (:class:`Acceptance`), itself starting from the offline τ's
+    rate (worth ``PRIOR_ROUNDS``).  Only finished requests join, and never one set aside for
+    plain rounds: live requests are judged against the pool, and a useless one counted before it
+    was set aside would make the good ones beside it (or admitted after it) look useless too,
+    and stick in plain rounds, never earning evidence of their own.  Older rounds fade (halved
+    past ``POOL_ROUNDS``)."""
 
     def __init__(self, width: int, prior_rate: float):
+        self.tested = [0.0] * width
+        self.accepted = [0.0] * width
+        self.prior = prior_rate
+        self.version = 0  # bumped on every change: requests' cached curves follow it
+
+    def add(self, acc: "Acceptance") -> None:
+        """A finished request's own rounds."""
+        self.tested = [t + a for t, a in zip(self.tested, acc.tested)]
+        self.accepted = [t + a for t, a in zip(self.accepted, acc.accepted)]
+        while self.tested[1] > POOL_ROUNDS:
+            self.tested = [t / 2 for t in self.tested]
+            self.accepted = [a / 2 for a in self.accepted]
+        self.version += 1
+
+    def rate(self, k: int) -> float:
+        return (self.accepted[k] + PRIOR_ROUNDS * self.prior) / (self.tested[k] + PRIOR_ROUNDS)
+
+
+class Acceptance:
+    """One request's acceptance by draft slot (censored by the width of each round).  ``prior``:
+    a per-slot rate (a float) or a :class:`Pool` whose rates it follows."""
+
+    def __init__(self, width: int, prior: "float | Pool"):
         self.tested = [0] * width  # index k: rounds in which draft slot k was judged
         self.accepted = [0] * width
-        self.prior = prior_rate
+        self.prior = prior
         self.rounds = 0
-        self._curve: list[float] | None = None  # expected tokens by width (until a new record)
+        self._curve: list[float] | None = None  # expected tokens by width (until a change)
+        self._version = -1  # the pool's version the curve was computed with
 
     def record(self, width: int, accepted: int) -> None:
         """A round of ``width`` tokens fed (``width - 1`` drafts) that accepted ``accepted``."""
@@ -66,47 +99,75 @@ class Acceptance:
         if accepted + 1 <= width - 1:
             self.tested[accepted + 1] += 1
 
+    def prior_rate(self, k: int) -> float:
+        return self.prior.rate(k) if isinstance(self.prior, Pool) else self.prior
+
     def rate(self, k: int) -> float:
-        return (self.accepted[k] + PRIOR_ROUNDS * self.prior) / (self.tested[k] + PRIOR_ROUNDS)
+        return (self.accepted[k] + PRIOR_ROUNDS * self.prior_rate(k)) / (self.tested[k] + PRIOR_ROUNDS)
 
     def expected(self, width: int, left: int | None = None) -> float:
         """Expected tokens committed by a round of ``width`` (at most ``left``)."""
-        if self._curve is None:  # 1 + Σ_{k<w} Π_{j≤k} c_j for every w, once per record
-            curve, total, p = [0.0, 1.0], 1.0, 1.0
+        version = self.prior.version if isinstance(self.prior, Pool) else 0
+        if self._curve is None or version != self._version:
+            curve, total, p = [0.0, 1.0], 1.0, 1.0  # 1 + Σ_{k<w} Π_{j≤k} c_j for every w
             for k in range(1, len(self.tested)):
                 p *= self.rate(k)
                 total += p
                 curve.append(total)
-            self._curve = curve
+            self._curve, self._version = curve, version
         total = self._curve[min(width, len(self._curve) - 1)]
         return total if left is None else min(total, max(float(left), 1.0))
 
 
 class Costs:
-    """Seconds per round, per (geometry label, window width)."""
+    """Seconds per round, per (geometry label, window width).
+
+    Start-up times each (geometry, width) with no-op rounds; served rounds cost more (longer
+    contexts, the server's own host work per round).  A key's first served rounds are averaged
+    with its start-up time (weights 1/2, 1/3, … down to ``EMA``), and a width not yet served is
+    its start-up time scaled by how far the geometry's served widths ran from theirs: one plain
+    round at 4 rows re-prices plain at every width at once, instead of each of 6 geometries x 6
+    widths being explored before its estimate is right.  Another geometry's ratio is not
+    borrowed: one that looked too dear would never be served, so never priced right."""
 
     def __init__(self):
         self.seconds: dict[tuple[str, int], float] = {}
+        self.calibrated: dict[tuple[str, int], float] = {}
         self.samples: collections.Counter = collections.Counter()
 
     def calibrate(self, label: str, rows: int, seconds: float) -> None:
-        self.seconds[(label, rows)] = seconds
+        self.seconds[(label, rows)] = self.calibrated[(label, rows)] = seconds
 
     def measured(self, label: str, rows: int, seconds: float) -> None:
         key = (label, rows)
-        old = self.seconds.get(key)
-        self.seconds[key] = seconds if old is None else (1 - EMA) * old + EMA * min(seconds, OUTLIER * old)
+        old = self.get(label, rows)
+        if not math.isfinite(old):
+            self.seconds[key] = seconds
+        else:
+            w = max(EMA, 1.0 / (self.samples[key] + 2))  # start-up's time counts as one sample
+            self.seconds[key] = (1 - w) * old + w * min(seconds, OUTLIER * old)
         self.samples[key] += 1
 
+    def served_ratio(self, label: str) -> float:
+        """Geometric mean of served / start-up time over the geometry's served widths (1 if none:
+        a geometry never served keeps its start-up times, so it is tried and then priced)."""
+        keys = [k for k in self.samples if k[0] == label and k in self.calibrated]
+        if not keys:
+            return 1.0
+        return math.exp(sum(math.log(self.seconds[k] / self.calibrated[k]) for k in keys) / len(keys))
+
     def get(self, label: str, rows: int) -> float:
-        """The estimate; an unmeasured width is scaled from the nearest measured one."""
-        if (label, rows) in self.seconds:
-            return self.seconds[(label, rows)]
+        """The estimate (see the class doc); a width never timed is scaled from the nearest one."""
+        key = (label, rows)
+        if self.samples[key] or (key not in self.calibrated and key in self.seconds):
+            return self.seconds[key]
+        if key in self.calibrated:
+            return self.calibrated[key] * self.served_ratio(label)
         known = sorted(r for (lab, r) in self.seconds if lab == label)
         if not known:
             return math.inf
         near = min(known, key=lambda r: abs(math.log(r / rows)))
-        return self.seconds[(label, near)] * max(rows / near, 1.0) ** 0.5
+        return self.get(label, near) * max(rows / near, 1.0) ** 0.5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,12 +233,24 @@ class Policy:
         current = next((p for p in plans if p.key == self.last), None)
         if current is not None and current.rate >= best.rate * (1 - SWITCH_MARGIN):
             best = current  # hysteresis: no switch for a gain within noise
+        if best.key == (self.plain.label,):
+            best = self._unjudged(plans, rows[:boundary], best)
         self.plain_run = self.plain_run + 1 if best.key == (self.plain.label,) else 0
         if self.plain_run > EXPLORE_EVERY and boundary > 0:  # a pessimistic prior must not stick
             spec = [p for p in plans[:len(self.geometries)] if p.key != (self.plain.label,)]
             best, self.plain_run = max(spec, key=lambda p: p.rate), 0
         self.last = best.key
         return best
+
+    def _unjudged(self, plans: list, speculative_rows: list, plain: Plan) -> Plan:
+        """A speculative plan instead of all-plain while a request has not had the speculative
+        rounds that judge it and speculating costs at most ``PLAIN_MARGIN``: a prior is only a
+        guess, and a request that never speculates never shows what its drafts are worth."""
+        if not any(acc.rounds < MIN_ROUNDS_TO_SET_ASIDE for acc, _ in speculative_rows):
+            return plain
+        spec = [p for p in plans if p.key != (self.plain.label,)]
+        near = [p for p in spec if p.rate >= plain.rate * (1 - PLAIN_MARGIN)]
+        return max(near, key=lambda p: p.rate) if near else plain
 
     def prefers_plain(self, acc: Acceptance, n: int) -> bool:
         """Speculation on this request pays less than a plain round would, at this load."""
