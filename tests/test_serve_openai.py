@@ -272,8 +272,11 @@ def test_each_penalty_field_greedy_equals_plain_and_the_formula(srv, fields):
     for mode in MODES[1:]:
         got = srv.clients[mode].completions.create(model="tiny", **dict(kw, extra_body=dict(extra, return_token_ids=True)))
         assert got.choices[0].model_extra["token_ids"] == plain, mode
-    spec = got.model_extra["spec_metrics"]
-    assert spec["accepted_tokens"] > 0  # drafts accepted inside blocks: later positions counted them
+        # drafts accepted inside blocks, so later positions counted them: in the fixed speculative
+        # modes every round drafts; auto may rightly give this request plain rounds (its pooled
+        # prior), and its output is checked above
+        if mode in ("sync", "async"):
+            assert got.model_extra["spec_metrics"]["accepted_tokens"] > 0, mode
 
 
 def test_sampled_penalties_and_min_p_equal_plain(srv):
