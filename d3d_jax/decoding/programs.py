@@ -15,8 +15,9 @@ bytes under that key.  A warm start deserializes and runs them.
   read back from JAX's persistent cache loses functions (``NOT_FOUND: Function wrapped_iota not
   found`` when another process runs it; test_programs reproduces it), so each program's function is renamed with
   the salt (JAX's cache key includes the module name, so it never matches a plain ``jax.jit``
-  compile of the same code), and a compile that JAX's cache answered anyway is used but not
-  stored (counted in ``cache_answered``).
+  compile of the same code), and a compile that JAX's cache answered anyway (this store's entry
+  was removed, JAX's was not; counted in ``cache_answered``) is compiled again under a fresh
+  name before it is stored.
 * Entries are written atomically; one that cannot be read (damaged, another jaxlib) is logged,
   removed and compiled again.  Each holds its full key, compared on load.
 * :meth:`ProgramStore.preload` reads every entry of this salt that was not used yet (the server
@@ -91,6 +92,11 @@ def _leaf_type(x) -> tuple:
     return ("np", x.shape, str(x.dtype))
 
 
+def _safe(name: str) -> str:
+    """``name`` with every character that is not a letter or digit replaced by ``_``."""
+    return "".join(c if c.isalnum() else "_" for c in name)
+
+
 def _short(key_text: str) -> str:
     return hashlib.sha256(key_text.encode()).hexdigest()[:32]
 
@@ -158,8 +164,7 @@ class ProgramStore:
 
     # ------------------------------------------------------------ disk
     def _path(self, name: str, key_text: str) -> Path:
-        safe = "".join(c if c.isalnum() else "_" for c in name)[:60]
-        return self.dir / f"{safe}-{_short(key_text)}{SUFFIX}"
+        return self.dir / f"{_safe(name)[:60]}-{_short(key_text)}{SUFFIX}"
 
     def _write(self, path: Path, entry: _Entry) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -203,8 +208,9 @@ class ProgramStore:
         self.counts["loaded"] += 1
         return compiled
 
-    def _fetch(self, name: str, key_text: str):
-        """The program read from disk (or waiting for a background read of it), or None."""
+    def _fetch(self, name: str, key_text: str, entry: _Entry | None = None):
+        """The program read from disk (or waiting for a background read of it), or None;
+        ``entry``: its file's content when the caller read it already."""
         with self._lock:
             if key_text in self._by_text:
                 return self._by_text[key_text]
@@ -217,7 +223,7 @@ class ProgramStore:
             return self._by_text.get(key_text)
         try:
             path = self._path(name, key_text)
-            entry = self._read(path)
+            entry = entry or self._read(path)
             if entry is None:
                 return None
             if entry.key_text != key_text:
@@ -246,7 +252,7 @@ class ProgramStore:
             entry = self._read(path)
             if entry is None or not entry.key_text.startswith(self._salt_text + "\0"):
                 continue
-            if entry.key_text not in self._by_text and self._fetch(entry.name, entry.key_text) is not None:
+            if entry.key_text not in self._by_text and self._fetch(entry.name, entry.key_text, entry) is not None:
                 n += 1
         return n
 
@@ -306,8 +312,7 @@ class Program:
         def program(*args, **kwargs):
             return fn(*args, **kwargs)
 
-        tag = "".join(c if c.isalnum() else "_" for c in self.name)
-        program.__name__ = program.__qualname__ = f"{tag}_{suffix}"
+        program.__name__ = program.__qualname__ = f"{_safe(self.name)}_{suffix}"
         return jax.jit(program, **self._options)
 
     @staticmethod
