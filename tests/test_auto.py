@@ -133,7 +133,9 @@ def test_mixed_quality_useless_requests_get_plain_rounds(setup, monkeypatch):
     # a device where a sync/4 round costs 2.5 plain rounds (async/4x2: 5) per row: 3 rounds that
     # accept nothing bring a useless request's expected tokens in sync/4 from the τ = 6 prior's
     # 3.2 to 2.08 (closed form: 1 + c/2·(1 + c + c²), c = 0.844), under 0.85 × 2.5 of a plain
-    # round's, so it is set aside after the minimum 3 speculative rounds; a good one (≈ 2.7) is not
+    # round's, so it is set aside after the minimum 3 speculative rounds; a good one (≈ 2.7) is
+    # not.  Set aside, it is judged again after 8 plain rounds (then 16): one more round of
+    # nothing accepted puts it back in plain rounds
     costs = policy.costs
     for rows in dec.config.buckets:
         monkeypatch.setitem(costs.seconds, ("plain", rows), 0.01 * rows)
@@ -172,6 +174,42 @@ def test_policy_expected_tokens_and_choice():
     assert pol.choose([(sure, 100)] * 2, 2).key == ("sync/8",)
     assert pol.choose([(useless, 100)] * 2, 2).key == ("plain",)
     assert pol.costs.get("plain", 4) == pytest.approx(2 ** 0.5)  # scaled from the nearest width
+
+
+def test_a_request_set_aside_is_judged_again_after_8_then_16_plain_rounds():
+    """Set aside for plain rounds, a request speculates again after REJUDGE_AFTER = 8 of them,
+    with its counts halved and one round short of judged, so its next round decides; set aside
+    again, it waits twice as long."""
+    import collections
+    import types
+
+    from d3d_jax.decoding.auto import AutoStrategy
+
+    judge = types.SimpleNamespace(prefers_plain=lambda acc, n: acc.rounds >= 3 and acc.rate(1) < 0.5)
+    stub = types.SimpleNamespace(policy=judge, pool=0.8,
+                                 ctx=types.SimpleNamespace(config=types.SimpleNamespace(block_size=16)))
+    stub._acceptance = lambda info: AutoStrategy._acceptance(stub, info)
+    info = types.SimpleNamespace(stats={}, modes=collections.Counter())
+    reclassify = lambda: AutoStrategy.reclassify(stub, {5: info})  # noqa: E731
+    acc = stub._acceptance(info)
+    for _ in range(3):
+        acc.record(4, 0)
+    assert reclassify() == {5: 1}
+    info.stats["class"] = 1  # what the decoder does with the answer
+    info.modes["plain"] += 7
+    assert reclassify() == {}
+    info.modes["plain"] += 1
+    assert reclassify() == {5: 0}
+    assert acc.rounds == 2 and acc.tested[1] == 1.5 and acc.accepted[1] == 0
+    info.stats["class"] = 0
+    assert reclassify() == {}  # not judged before its next speculative round
+    acc.record(4, 0)
+    assert reclassify() == {5: 1}
+    info.stats["class"] = 1
+    info.modes["plain"] += 15
+    assert reclassify() == {}
+    info.modes["plain"] += 1
+    assert reclassify() == {5: 0}
 
 
 def test_one_stalled_round_does_not_price_a_geometry_out():

@@ -30,13 +30,13 @@ import numpy as np
 from d3d_jax.decoding import window as W
 from d3d_jax.decoding.async_core import V_HIT, V_MISS, AsyncCore, handoff
 from d3d_jax.decoding.async_strategy import windowed_side
-from d3d_jax.decoding.auto_policy import (MIN_ROUNDS_TO_SET_ASIDE, Acceptance, Geometry, Policy,
-                                          Pool, geometric_rate)
+from d3d_jax.decoding.auto_policy import (MIN_ROUNDS_TO_SET_ASIDE, REJUDGE_AFTER, Acceptance, Geometry,
+                                          Policy, Pool, geometric_rate)
 from d3d_jax.decoding.strategies import (Carry, Context, Part, Strategy, mark_done, result_out,
                                          windowed)
 
 DEFAULT_PRIOR_TAU = 2.0  # a drafter of unknown quality: barely better than nothing
-CALIBRATION_ROUNDS = 2  # timed no-op rounds per program at start-up (after its compile)
+CALIBRATION_ROUNDS = 5  # timed no-op rounds per program at start-up, interleaved (after its compile)
 
 
 def offline_tau(drafter_dir) -> float | None:
@@ -177,10 +177,21 @@ class AutoStrategy(Strategy):
         return info.stats.get("class", 0) == 0 and acc.rounds >= MIN_ROUNDS_TO_SET_ASIDE
 
     def reclassify(self, infos: dict) -> dict:
-        """slot -> class (0 speculate, 1 plain rounds) for requests whose class changes."""
-        n = len(infos)
-        return {s: 1 for s, info in infos.items() if info.stats.get("class", 0) == 0
-                and self.policy.prefers_plain(self._acceptance(info), n)}
+        """slot -> class (0 speculate, 1 plain rounds) for requests whose class changes: set aside
+        when speculation costs them more than it gives, back to speculate (and judged again on
+        faded evidence) after ``REJUDGE_AFTER`` plain rounds, twice as many each time after."""
+        n, out = len(infos), {}
+        for slot, info in infos.items():
+            acc, stats = self._acceptance(info), info.stats
+            if stats.get("class", 0) == 0:
+                if self.policy.prefers_plain(acc, n):
+                    out[slot] = 1
+                    stats["aside_at"] = info.modes["plain"]
+                    stats["asides"] = stats.get("asides", 0) + 1
+            elif info.modes["plain"] - stats["aside_at"] >= REJUDGE_AFTER << (stats["asides"] - 1):
+                acc.fade()
+                out[slot] = 0
+        return out
 
     def dispatch(self, carry: Carry, params, groups, rows_info):
         rows = [(self._acceptance(i), i.request.max_new_tokens - i.n_out) for i in rows_info]
@@ -220,22 +231,24 @@ class AutoStrategy(Strategy):
     # ------------------------------------------------------------ start-up
     def warm_up(self, carry: Carry, params, widths: tuple[int, ...]) -> Carry:
         """Compile every (geometry, width) program and time it: the costs' starting point (an
-        untimed width is scaled from the nearest timed one, or timed when first run)."""
+        untimed width is scaled from the nearest timed one, or timed when first run).  The timed
+        rounds are interleaved (one of each program per pass, ``CALIBRATION_ROUNDS`` passes, the
+        median kept), so a change of load on the machine moves every geometry's time alike and
+        leaves their ratios, which are what the choice weighs, as they are."""
         n = self.ctx.config.num_slots
         carry = self.admit(carry, params, self._dummy_rows(n), np.full((n,), n, np.int32), 0)
-        for label in self.geometry:
-            for width in widths:
-                carry = self._calibrate(carry, params, label, width)
-        return carry
-
-    def _calibrate(self, carry: Carry, params, label: str, width: int) -> Carry:
-        self.note((label, width))
-        carry, _ = self._run(carry, params, label, 0, 0, 0, width)  # compiles
+        keys = [(label, width) for width in widths for label in self.geometry]
+        for label, width in keys:
+            self.note((label, width))
+            carry, _ = self._run(carry, params, label, 0, 0, 0, width)  # compiles
         jax.block_until_ready(carry)
-        t0 = time.perf_counter()
+        times: dict = {key: [] for key in keys}
         for _ in range(CALIBRATION_ROUNDS):
-            carry, _ = self._run(carry, params, label, 0, 0, 0, width)
-        jax.block_until_ready(carry)
-        self.policy.costs.calibrate(label, width, (time.perf_counter() - t0) / CALIBRATION_ROUNDS)
+            for label, width in keys:
+                t0 = time.perf_counter()
+                carry, _ = self._run(carry, params, label, 0, 0, 0, width)
+                jax.block_until_ready(carry)
+                times[(label, width)].append(time.perf_counter() - t0)
+        for (label, width), ts in times.items():
+            self.policy.costs.calibrate(label, width, float(np.median(ts)))
         return carry
-

@@ -28,6 +28,11 @@ SWITCH_MARGIN = 0.03  # another plan must be this much better to replace the cur
 PLAIN_MARGIN = 0.15  # a request runs plain once speculation pays this much less than plain
 MIN_ROUNDS_TO_SET_ASIDE = 3  # of the request's own speculative rounds
 EXPLORE_EVERY = 32  # plain rounds in a row after which one speculative round is tried
+# A request set aside for plain rounds is judged again after this many of them, then after twice
+# as many each time: a drafter's acceptance moves within a request (the demo's Shakespeare chat
+# prompts accept little in their first rounds and 4-10 drafts a round later), and one judged on
+# its start alone ran plain to its end.
+REJUDGE_AFTER = 8
 # A round-time sample counts at most this many times the estimate: one host stall (a GC, the
 # server's burst of stream writes, another program's compile) priced a geometry out of the choice
 # for good — a geometry that looks too dear is never run again, so it is never re-measured.
@@ -98,6 +103,15 @@ class Acceptance:
             self.accepted[k] += 1
         if accepted + 1 <= width - 1:
             self.tested[accepted + 1] += 1
+
+    def fade(self) -> None:
+        """Half the weight on the rounds so far, and one round short of judged: a request put
+        back to speculate after plain rounds is judged again on its next round, its new rounds
+        counting as much as all its old ones."""
+        self.tested = [t / 2 for t in self.tested]
+        self.accepted = [a / 2 for a in self.accepted]
+        self.rounds = min(self.rounds, MIN_ROUNDS_TO_SET_ASIDE - 1)
+        self._curve = None
 
     def prior_rate(self, k: int) -> float:
         return self.prior.rate(k) if isinstance(self.prior, Pool) else self.prior
