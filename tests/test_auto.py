@@ -212,6 +212,32 @@ def test_a_request_set_aside_is_judged_again_after_8_then_16_plain_rounds():
     assert reclassify() == {5: 0}
 
 
+def test_a_server_warm_up_request_never_joins_the_pool():
+    """The pool of finished requests is every new request's prior.  A server's warm-up requests
+    (prompts of n ones, run at start-up) joined it, and the first real requests started from
+    their τ of 3.5 instead of the drafter's 6.7; marked ``warmup``, they are left out."""
+    import collections
+    import types
+
+    from d3d_jax.decoding.auto import AutoStrategy
+    from d3d_jax.serving import server
+
+    stub = types.SimpleNamespace(pool=0.8, ctx=types.SimpleNamespace(config=types.SimpleNamespace(block_size=16)))
+    stub._acceptance = lambda info: AutoStrategy._acceptance(stub, info)
+    judged = {}
+    for warmup in (False, True):
+        info = types.SimpleNamespace(stats={}, modes=collections.Counter(),
+                                     request=Request([1] * 16, 33, warmup=warmup))
+        for _ in range(3):
+            stub._acceptance(info).record(16, 2)
+        judged[warmup] = AutoStrategy._pools(stub, info)
+    assert judged == {False: True, True: False}
+    svc = types.SimpleNamespace(scheduler=types.SimpleNamespace(decoder=types.SimpleNamespace(
+        config=types.SimpleNamespace(block_size=16))),
+        build=lambda params, ids, seed: Request(ids, params.max_tokens, seed=seed))
+    assert server._warmup_request(svc, 32, None).warmup
+
+
 def test_one_stalled_round_does_not_price_a_geometry_out():
     """A round-time sample counts at most OUTLIER x the estimate: a 5 s stall (a GC, another
     program's compile) on a 10 ms plain round leaves plain the choice; without the bound the

@@ -36,7 +36,10 @@ from d3d_jax.decoding.strategies import (Carry, Context, Part, Strategy, mark_do
                                          windowed)
 
 DEFAULT_PRIOR_TAU = 2.0  # a drafter of unknown quality: barely better than nothing
-CALIBRATION_ROUNDS = 5  # timed no-op rounds per program at start-up, interleaved (after its compile)
+CALIBRATION_ROUNDS = 5  # timing passes over the programs at start-up, interleaved (after the compiles)
+# rounds per program per pass, dispatched back to back: one round behind a host wait priced sync/16
+# at 1 row at 37 ms where served rounds (each queued behind the last) took 27-33 ms
+CALIBRATION_RUN = 2
 
 
 def offline_tau(drafter_dir) -> float | None:
@@ -172,9 +175,11 @@ class AutoStrategy(Strategy):
 
     def _pools(self, info) -> bool:
         """A finished request joins the pool once it passed its own judging (enough speculative
-        rounds and never set aside): one that finished before it could be judged proves nothing."""
+        rounds and never set aside): one that finished before it could be judged proves nothing.
+        A server's warm-up request never joins (its prompt is n ones)."""
         acc = self._acceptance(info)
-        return info.stats.get("class", 0) == 0 and acc.rounds >= MIN_ROUNDS_TO_SET_ASIDE
+        return (info.stats.get("class", 0) == 0 and acc.rounds >= MIN_ROUNDS_TO_SET_ASIDE
+                and not info.request.warmup)
 
     def reclassify(self, infos: dict) -> dict:
         """slot -> class (0 speculate, 1 plain rounds) for requests whose class changes: set aside
@@ -232,9 +237,9 @@ class AutoStrategy(Strategy):
     def warm_up(self, carry: Carry, params, widths: tuple[int, ...]) -> Carry:
         """Compile every (geometry, width) program and time it: the costs' starting point (an
         untimed width is scaled from the nearest timed one, or timed when first run).  The timed
-        rounds are interleaved (one of each program per pass, ``CALIBRATION_ROUNDS`` passes, the
-        median kept), so a change of load on the machine moves every geometry's time alike and
-        leaves their ratios, which are what the choice weighs, as they are."""
+        rounds are interleaved (``CALIBRATION_RUN`` of each program per pass, ``CALIBRATION_ROUNDS``
+        passes, the median kept), so a change of load on the machine moves every geometry's time
+        alike and leaves their ratios, which are what the choice weighs, as they are."""
         n = self.ctx.config.num_slots
         carry = self.admit(carry, params, self._dummy_rows(n), np.full((n,), n, np.int32), 0)
         keys = [(label, width) for width in widths for label in self.geometry]
@@ -246,9 +251,10 @@ class AutoStrategy(Strategy):
         for _ in range(CALIBRATION_ROUNDS):
             for label, width in keys:
                 t0 = time.perf_counter()
-                carry, _ = self._run(carry, params, label, 0, 0, 0, width)
+                for _ in range(CALIBRATION_RUN):  # back to back, as served rounds run
+                    carry, _ = self._run(carry, params, label, 0, 0, 0, width)
                 jax.block_until_ready(carry)
-                times[(label, width)].append(time.perf_counter() - t0)
+                times[(label, width)].append((time.perf_counter() - t0) / CALIBRATION_RUN)
         for (label, width), ts in times.items():
             self.policy.costs.calibrate(label, width, float(np.median(ts)))
         return carry

@@ -205,6 +205,7 @@ class Request:
     seed: int = 0
     index: int = 0
     eos_token_ids: Sequence[int] | None = None  # None: the decoder config's
+    warmup: bool = False  # a server's start-up request: auto learns no acceptance from it
 
 
 def prompt_problem(prompt, vocab: int, name: str = "prompt") -> str | None:

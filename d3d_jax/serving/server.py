@@ -14,6 +14,7 @@ one sets a field, see :func:`add_arguments`), then ``key=value`` overrides; chec
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import logging
@@ -211,7 +212,10 @@ def warmup_lengths(max_prompt: int, cap: int) -> list[int]:
 def _warmup_request(svc, n: int, max_tokens: int | None):
     block = svc.scheduler.decoder.config.block_size
     params = P.GenParams(max_tokens=max_tokens or 2 * block + 1, temperature=0.0, ignore_eos=True)
-    return svc.build(params, [1] * n, seed=0)
+    req = svc.build(params, [1] * n, seed=0)
+    # marked, so auto's prior (the acceptance pooled over finished requests) never learns from a
+    # prompt of n ones: it did, and the first real requests started from its τ of 3.5, not 6.7
+    return dataclasses.replace(req, warmup=True) if hasattr(req, "warmup") else req
 
 
 def warm_up_decoder(decoder, all_widths: bool = True) -> bool:
