@@ -212,10 +212,9 @@ def warmup_lengths(max_prompt: int, cap: int) -> list[int]:
 def _warmup_request(svc, n: int, max_tokens: int | None):
     block = svc.scheduler.decoder.config.block_size
     params = P.GenParams(max_tokens=max_tokens or 2 * block + 1, temperature=0.0, ignore_eos=True)
-    req = svc.build(params, [1] * n, seed=0)
     # marked, so auto's prior (the acceptance pooled over finished requests) never learns from a
     # prompt of n ones: it did, and the first real requests started from its τ of 3.5, not 6.7
-    return dataclasses.replace(req, warmup=True) if hasattr(req, "warmup") else req
+    return dataclasses.replace(svc.build(params, [1] * n, seed=0), warmup=True)
 
 
 def warm_up_decoder(decoder, all_widths: bool = True) -> bool:
