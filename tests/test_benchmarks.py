@@ -280,3 +280,51 @@ def test_serve_projection_is_the_roofline_arithmetic(tmp_path):
         assert got["auto_picks"] == max(rates, key=rates.get)
         assert got["tpot_ms"]["plain"] == pytest.approx(1e3 * target(n), rel=1e-6)
     assert p["projection"] and "Projection** (not measured)" in SP.markdown(p, [1, 8])
+
+
+def test_serve_bench_runs_modes_side_by_side_and_pools_the_repeats():
+    """``infer/bench.py serve``: each level's modes run next to each other, in reversed order on
+    every other repeat; a level's figures pool its repeats (tokens / wall time, p50 over every
+    request, rounds summed) and every ratio has its per-repeat range, pairing the same repeat."""
+    from types import SimpleNamespace
+
+    from d3d_jax.bench import serve as S
+
+    assert S.schedule(["plain", "sync", "auto"], [1, 4], 2) == [
+        (1, 0, "plain"), (1, 0, "sync"), (1, 0, "auto"), (1, 1, "auto"), (1, 1, "sync"), (1, 1, "plain"),
+        (4, 0, "plain"), (4, 0, "sync"), (4, 0, "auto"), (4, 1, "auto"), (4, 1, "sync"), (4, 1, "plain")]
+    args = SimpleNamespace(requests_per_client=3, min_requests=12)
+    assert [S.per_client(args, c) for c in (1, 4, 5, 16)] == [12, 3, 3, 3]
+
+    req = lambda tokens, ttft, kind="text", modes=None: {  # noqa: E731
+        "tokens": tokens, "ttft_s": ttft, "tpot_s": 0.01, "tau": None, "hit_rate": None,
+        "modes": modes or {"sync/16": 2}, "kind": kind}
+    runs = [{"clients": 2, "wall_s": 2.0, "reqs": [req(10, 0.1), req(10, 0.3)],
+             "rounds": {"sync/16": {"rounds": 4.0, "tokens": 20.0, "predicted_tokens": 18.0}}},
+            {"clients": 2, "wall_s": 3.0, "reqs": [req(30, 0.2), req(10, 0.5, "ids", {"plain": 6})],
+             "rounds": {"sync/16": {"rounds": 2.0, "tokens": 10.0, "predicted_tokens": 12.0},
+                        "plain": {"rounds": 6.0, "tokens": 6.0}}}]
+    lv = S.summarize(runs)
+    assert lv["tokens_per_s"] == pytest.approx(60 / 5.0)
+    assert lv["tokens_per_s_runs"] == pytest.approx([10.0, 40 / 3.0])
+    assert lv["ttft_ms_p50"] == pytest.approx(250.0)  # median of 100, 300, 200, 500 ms
+    assert lv["rounds"]["sync/16"]["tokens_per_round"] == pytest.approx(30 / 6)
+    assert lv["rounds"]["sync/16"]["predicted_per_round"] == pytest.approx(30 / 6)
+    assert lv["rounds"]["plain"]["tokens_per_round"] == 1.0
+    assert lv["mode_mix_by_kind"] == {"ids": {"plain": 1.0}, "text": {"sync/16": 1.0}}
+
+    level = lambda runs_: {"tokens_per_s": sum(runs_) / len(runs_), "tokens_per_s_runs": runs_,  # noqa: E731
+                           "ttft_ms_p50": 1.0, "tpot_ms_p50": None, "tau": None, "hit_rate": None, "rounds": {},
+                           "mode_mix_by_kind": {}}
+    report = {"modes": {"plain": {"levels": {"1": level([10.0, 12.0])}, "mixed": level([20.0, 20.0])},
+                        "sync": {"levels": {"1": level([15.0, 12.0])}, "mixed": level([10.0, 10.0])},
+                        "auto": {"levels": {"1": level([15.0, 14.0])}, "mixed": level([19.0, 21.0])}}}
+    S._ratios(report, [1])
+    assert report["best_fixed"] == {"1": "sync", "mixed": "plain"}
+    assert report["auto_vs_best_fixed"]["1"] == pytest.approx(14.5 / 13.5)
+    assert report["auto_vs_best_fixed_runs"]["1"] == pytest.approx([1.0, 14 / 12])
+    assert report["auto_vs_best_fixed_runs"]["mixed"] == pytest.approx([0.95, 1.05])
+    assert report["speedup_runs"]["sync"]["1"] == pytest.approx([1.5, 1.0])
+    table = S.tables(report, [1])
+    assert "| auto ÷ best fixed | 1.07 [1.00–1.17] (sync) |" in table
+    assert "| auto ÷ best fixed | 1.00 [0.95–1.05] (plain) | | |" in table

@@ -2,16 +2,22 @@
 on localhost, for plain, sync, async and auto decoding.
 
 For each mode one ``infer/serve.py`` subprocess is started (``--port 0``, its ``READY`` line gives
-the address; its start-up compiles every round program, and auto times them).  Each of ``c``
+the address; its start-up compiles every round program, and auto times them), one after another,
+and all stay up.  Then every level runs on every mode side by side, ``--repeats`` times, the
+modes' order reversed each time (:func:`schedule`): a ratio is never between runs that were
+minutes apart on a machine whose speed drifts (two sequential runs of this benchmark, mode after
+mode, gave auto 1.11× and 0.94× plain at 16 clients with the same choices).  Each of ``c``
 clients (the official ``openai`` async client, streaming chat completions) sends
-``--requests-per-client`` requests one after another; every request decodes exactly
-``--max-tokens`` tokens greedily (``ignore_eos``), so all modes do the same work.
+``--requests-per-client`` requests one after another (more at low concurrency, so every level has
+``--min-requests``); every request decodes exactly ``--max-tokens`` tokens greedily
+(``ignore_eos``), so all modes do the same work.
 
-Reported per (mode, clients): throughput (completion tokens / wall time of the level), time to
+Reported per (mode, clients), over the repeats: throughput (completion tokens / wall time), time to
 first token and time per output token (p50 over requests; TPOT = (last token − first) / (n − 1)),
 τ, the rounds per mode and geometry with the tokens they committed against the tokens auto
 predicted (the server's ``/metrics``, before and after the level), and the requests' mode mix.
-Then speedup = mode tokens/s ÷ plain tokens/s at the same concurrency, auto ÷ the best fixed mode.
+Then speedup = mode tokens/s ÷ plain tokens/s at the same concurrency, auto ÷ the best fixed mode,
+each with its range over the repeats.
 
 ``--mixed N``: one more level at N clients where half the requests are the benchmark's prompts
 and half random token ids (a drafter is useless on them): total tokens/s per mode, and auto's
@@ -52,7 +58,11 @@ def add_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
     ap.add_argument("--tokenizer", default=str(DEMO / "tokenizer"))
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--concurrency", default="1,4,8,16,32", help="client counts, comma-separated")
-    ap.add_argument("--requests-per-client", type=int, default=2)
+    ap.add_argument("--requests-per-client", type=int, default=3)
+    ap.add_argument("--min-requests", type=int, default=12,
+                    help="at least this many requests per level (more per client at low concurrency)")
+    ap.add_argument("--repeats", type=int, default=2,
+                    help="each level this many times per mode, the modes' order reversed every other time")
     ap.add_argument("--max-tokens", type=int, default=64, help="tokens per request (EOS ignored)")
     ap.add_argument("--num-slots", type=int, default=None, help="default: the highest concurrency")
     ap.add_argument("--dtype", default="float32", help="server --dtype (the demo models run in float32 on a CPU)")
@@ -191,7 +201,8 @@ def _mix(reqs: list[dict]) -> dict:
 
 async def run_level(url: str, model: str, prompts: list, clients: int, per_client: int,
                     max_tokens: int, api_key: str = "none", timeout_s: float = 600.0) -> dict:
-    """``clients`` concurrent clients, each sending ``per_client`` requests in a row."""
+    """``clients`` concurrent clients, each sending ``per_client`` requests in a row: the
+    requests' records and the wall time (:func:`summarize` makes the level's figures)."""
     from openai import AsyncOpenAI
 
     client = AsyncOpenAI(base_url=url + "/v1", api_key=api_key, max_retries=0, timeout=timeout_s)
@@ -204,18 +215,32 @@ async def run_level(url: str, model: str, prompts: list, clients: int, per_clien
     per_worker = await asyncio.wait_for(asyncio.gather(*(worker(w) for w in range(clients))), timeout_s)
     wall = time.perf_counter() - t0
     await client.close()
-    reqs = [r for rs in per_worker for r in rs]
+    return {"clients": clients, "reqs": [r for rs in per_worker for r in rs], "wall_s": wall}
+
+
+def summarize(runs: list[dict]) -> dict:
+    """One level's figures over its repeats (:func:`run_level` results): tokens/s = all tokens ÷
+    all wall time, p50s over every request, rounds summed; ``tokens_per_s_runs`` per repeat."""
+    reqs = [r for run in runs for r in run["reqs"]]
+    wall = sum(run["wall_s"] for run in runs)
     tokens = sum(r["tokens"] for r in reqs)
     taus = [r["tau"] for r in reqs if r["tau"] is not None]
     hits = [r["hit_rate"] for r in reqs if r["hit_rate"] is not None]
     tpots = [r["tpot_s"] for r in reqs if r["tpot_s"] is not None]
+    rounds: dict = {}
+    for run in runs:
+        for geom, d in run.get("rounds", {}).items():
+            acc = rounds.setdefault(geom, collections.Counter())
+            acc.update({k: v for k, v in d.items() if k in ("rounds", "tokens", "predicted_tokens")})
     by_kind = {k: _mix([r for r in reqs if r["kind"] == k]) for k in sorted({r["kind"] for r in reqs})}
-    return {"clients": clients, "requests": len(reqs), "tokens": tokens, "wall_s": wall,
-            "tokens_per_s": tokens / wall, "ttft_ms_p50": 1e3 * statistics.median(r["ttft_s"] for r in reqs),
+    return {"clients": runs[0]["clients"], "requests": len(reqs), "tokens": tokens, "wall_s": wall,
+            "tokens_per_s": tokens / wall,
+            "tokens_per_s_runs": [sum(r["tokens"] for r in run["reqs"]) / run["wall_s"] for run in runs],
+            "ttft_ms_p50": 1e3 * statistics.median(r["ttft_s"] for r in reqs),
             "tpot_ms_p50": 1e3 * statistics.median(tpots) if tpots else None,
             "tau": statistics.mean(taus) if taus else None,
             "hit_rate": statistics.mean(hits) if hits else None, "mode_mix": _mix(reqs),
-            "mode_mix_by_kind": by_kind}
+            "mode_mix_by_kind": by_kind, "rounds": _delta({}, {g: dict(c) for g, c in rounds.items()})}
 
 
 def _server_argv(args, mode: str, slots: int) -> list[str]:
@@ -228,34 +253,72 @@ def _server_argv(args, mode: str, slots: int) -> list[str]:
 
 def _level(server, args, prompts, clients: int, max_tokens: int) -> dict:
     before = _scrape(server.url)
-    res = asyncio.run(run_level(server.url, "bench", prompts, clients, args.requests_per_client,
+    res = asyncio.run(run_level(server.url, "bench", prompts, clients, per_client(args, clients),
                                 max_tokens, timeout_s=args.timeout))
     res["rounds"] = _delta(before, _scrape(server.url))
     return res
 
 
-def measure_mode(args, mode: str, levels: list[int], prompts: list[str], mixed: list | None) -> dict:
-    slots = args.num_slots or max(levels + [args.mixed])
-    t0 = time.perf_counter()
-    server = ServerProcess(_server_argv(args, mode, slots), args.timeout)
+def per_client(args, clients: int) -> int:
+    """Requests each client sends at this level: ``--requests-per-client``, more at low
+    concurrency so that every level has at least ``--min-requests`` (one request's TTFT at 1
+    client is a third of a 3-request level's p50)."""
+    return max(args.requests_per_client, -(-args.min_requests // clients))
+
+
+def schedule(modes: list[str], levels: list, repeats: int) -> list[tuple]:
+    """``(level, repeat, mode)`` in the order they run: each level's modes side by side, the
+    order reversed on every other repeat (A B C D, D C B A), so a drift of the machine's speed
+    during a level weighs on every mode alike and the ratios, which are what the table claims,
+    are taken within minutes of each other."""
+    return [(level, rep, mode) for level in levels for rep in range(repeats)
+            for mode in (modes if rep % 2 == 0 else modes[::-1])]
+
+
+def start_servers(args, modes: list[str], slots: int, prompts: list[str], levels: list[int]) -> dict:
+    """Every mode's server, started one after another (auto times its programs at start-up: on a
+    machine where another server compiles, its prices would be wrong), each warmed by one untimed
+    pass of every prompt at full load."""
+    servers: dict = {}
     try:
-        started = time.perf_counter() - t0
-        # untimed: every prompt once at full load (the programs are compiled at start-up)
-        asyncio.run(run_level(server.url, "bench", prompts, max(levels), args.requests_per_client, 2,
-                              timeout_s=args.timeout))
-        out = {"server_start_s": started, "slots": slots, "levels": {}}
-        for c in levels:
-            res = out["levels"][str(c)] = _level(server, args, prompts, c, args.max_tokens)
-            print(f"[serve] {mode:6s} {c:3d} clients: {res['tokens_per_s']:8.1f} tok/s  "
-                  f"TTFT {res['ttft_ms_p50']:7.1f} ms  TPOT {res['tpot_ms_p50'] or 0:6.2f} ms  "
-                  f"mix {_fmt_mix(res['mode_mix'])}", flush=True)
-        if mixed:
-            res = out["mixed"] = _level(server, args, mixed, args.mixed, args.max_tokens)
-            print(f"[serve] {mode:6s} mixed {args.mixed} clients: {res['tokens_per_s']:8.1f} tok/s  "
-                  + "  ".join(f"{k}: {_fmt_mix(v)}" for k, v in res["mode_mix_by_kind"].items()), flush=True)
-        return out
+        for mode in modes:
+            t0 = time.perf_counter()
+            servers[mode] = ServerProcess(_server_argv(args, mode, slots), args.timeout)
+            servers[mode].start_s = time.perf_counter() - t0
+            print(f"[serve] {mode} server ready in {servers[mode].start_s:.0f} s", flush=True)
+            asyncio.run(run_level(servers[mode].url, "bench", prompts, max(levels), args.requests_per_client, 2,
+                                  timeout_s=args.timeout))
+    except BaseException:
+        for s in servers.values():
+            s.stop()
+        raise
+    return servers
+
+
+def measure(args, modes: list[str], levels: list[int], prompts: list[str], mixed: list | None) -> dict:
+    """Every mode at every level (and the mixed level), interleaved by :func:`schedule`."""
+    slots = args.num_slots or max(levels + [args.mixed])
+    servers = start_servers(args, modes, slots, prompts, levels)
+    runs: dict = collections.defaultdict(list)
+    try:
+        keys = levels + (["mixed"] if mixed else [])
+        for level, rep, mode in schedule(modes, keys, args.repeats):
+            clients, texts = (args.mixed, mixed) if level == "mixed" else (level, prompts)
+            res = _level(servers[mode], args, texts, clients, args.max_tokens)
+            runs[(mode, level)].append(res)
+            tps = sum(r["tokens"] for r in res["reqs"]) / res["wall_s"]
+            print(f"[serve] {mode:6s} {level!s:>5} ({clients} clients, repeat {rep + 1}): {tps:8.1f} tok/s  "
+                  f"mix {_fmt_mix(_mix(res['reqs']))}", flush=True)
     finally:
-        server.stop()
+        for s in servers.values():
+            s.stop()
+    out = {}
+    for mode in modes:
+        out[mode] = {"server_start_s": servers[mode].start_s, "slots": slots,
+                     "levels": {str(c): summarize(runs[(mode, c)]) for c in levels}}
+        if mixed:
+            out[mode]["mixed"] = summarize(runs[(mode, "mixed")])
+    return out
 
 
 def _fmt_mix(mix: dict) -> str:
@@ -290,11 +353,16 @@ def tables(report: dict, levels: list[int]) -> str:
     head = "| method | " + " | ".join(f"@{c}" for c in levels) + " |"
     rows += ["", "Speedup over plain at each load (Table 2 form):", "", head,
              "|---|" + "---|" * len(levels)]
+    spread = lambda v, vs: f"{v:.2f}" + (f" [{min(vs):.2f}–{max(vs):.2f}]" if len(vs) > 1 else "")  # noqa: E731
     for mode, sp in report["speedup"].items():
-        rows.append(f"| {mode} | " + " | ".join(f"{sp[str(c)]:.2f}×" for c in levels) + " |")
+        rows.append(f"| {mode} | " + " | ".join(spread(sp[str(c)], report["speedup_runs"][mode][str(c)]) + "×"
+                                              for c in levels) + " |")
     if "auto_vs_best_fixed" in report:
         rows.append("| auto ÷ best fixed | " + " | ".join(
-            f"{report['auto_vs_best_fixed'][str(c)]:.2f} ({report['best_fixed'][str(c)]})" for c in levels) + " |")
+            spread(report["auto_vs_best_fixed"][str(c)], report["auto_vs_best_fixed_runs"][str(c)])
+            + f" ({report['best_fixed'][str(c)]})" for c in levels) + " |")
+    rows.append("")
+    rows.append("(all repeats pooled; [min–max] of the same ratio within each repeat)")
     if any("mixed" in m for m in report["modes"].values()):
         rows += ["", "Mixed quality (half benchmark prompts, half random token ids):", "",
                  "| mode | tokens/s | mode mix: text prompts | mode mix: random ids |", "|---|---|---|---|"]
@@ -304,19 +372,31 @@ def tables(report: dict, levels: list[int]) -> str:
                 k = r["mode_mix_by_kind"]
                 rows.append(f"| {mode} | {r['tokens_per_s']:.1f} | {_fmt_mix(k.get('text', {}))} | "
                             f"{_fmt_mix(k.get('ids', {}))} |")
+        if "mixed" in report.get("auto_vs_best_fixed", {}):
+            rows.append(f"| auto ÷ best fixed | {spread(report['auto_vs_best_fixed']['mixed'], report['auto_vs_best_fixed_runs']['mixed'])}"
+                        f" ({report['best_fixed']['mixed']}) | | |")
     return "\n".join(rows)
 
 
 def _ratios(report: dict, levels: list[int]) -> None:
-    tps = {m: {str(c): r["levels"][str(c)]["tokens_per_s"] for c in levels} for m, r in report["modes"].items()}
+    """Speedups over plain and auto ÷ the best fixed mode, from each level's tokens/s over all its
+    repeats; ``*_runs``: the same ratio within each repeat (the spread the table shows)."""
+    keys = [str(c) for c in levels] + (["mixed"] if all("mixed" in m for m in report["modes"].values())
+                                       and report["modes"] else [])
+    lv = lambda m, k: report["modes"][m]["mixed"] if k == "mixed" else report["modes"][m]["levels"][k]  # noqa: E731
+    tps = {m: {k: lv(m, k)["tokens_per_s"] for k in keys} for m in report["modes"]}
+    runs = {m: {k: lv(m, k).get("tokens_per_s_runs", [tps[m][k]]) for k in keys} for m in report["modes"]}
+    per_run = lambda a, b, k: [x / y for x, y in zip(runs[a][k], runs[b][k])]  # noqa: E731
     report["concurrency_gain"] = {m: t[str(max(levels))] / t[str(min(levels))] for m, t in tps.items()}
-    report["speedup"] = ({m: {c: t[c] / tps["plain"][c] for c in t} for m, t in tps.items() if m != "plain"}
+    report["speedup"] = ({m: {k: t[k] / tps["plain"][k] for k in keys} for m, t in tps.items() if m != "plain"}
                          if "plain" in tps else {})
+    report["speedup_runs"] = ({m: {k: per_run(m, "plain", k) for k in keys} for m in tps if m != "plain"}
+                              if "plain" in tps else {})
     fixed = [m for m in tps if m != "auto"]
     if "auto" in tps and fixed:
-        report["best_fixed"] = {str(c): max(fixed, key=lambda m: tps[m][str(c)]) for c in levels}
-        report["auto_vs_best_fixed"] = {str(c): tps["auto"][str(c)] / tps[report["best_fixed"][str(c)]][str(c)]
-                                        for c in levels}
+        report["best_fixed"] = {k: max(fixed, key=lambda m: tps[m][k]) for k in keys}
+        report["auto_vs_best_fixed"] = {k: tps["auto"][k] / tps[report["best_fixed"][k]][k] for k in keys}
+        report["auto_vs_best_fixed_runs"] = {k: per_run("auto", report["best_fixed"][k], k) for k in keys}
 
 
 def _projection(args, levels: list[int]) -> int:
@@ -340,12 +420,13 @@ def main(args) -> int:
         raise UsageError("--concurrency, --requests-per-client and --max-tokens must be >= 1")
     if any(m not in MODES for m in modes):
         raise UsageError(f"--modes: {', '.join(MODES)}, got {args.modes!r}")
-    prompts = _prompts(args, max(levels + [args.mixed]) * args.requests_per_client)
-    mixed = _mixed_prompts(args, prompts[: max(args.mixed * args.requests_per_client // 2, 1)]) if args.mixed else None
+    if args.repeats < 1 or args.min_requests < 0:
+        raise UsageError("--repeats must be >= 1 and --min-requests >= 0")
+    prompts = _prompts(args, max(c * per_client(args, c) for c in levels + [args.mixed]))
+    mixed = _mixed_prompts(args, prompts[: max(args.mixed * per_client(args, args.mixed) // 2, 1)]) if args.mixed else None
     report: dict = {"settings": {k: v for k, v in vars(args).items() if k != "func"}, "modes": {},
                     "load_avg_start": os.getloadavg()}
-    for mode in modes:
-        report["modes"][mode] = measure_mode(args, mode, levels, prompts, mixed)
+    report["modes"] = measure(args, modes, levels, prompts, mixed)
     report["load_avg_end"] = os.getloadavg()
     _ratios(report, levels)
     print(tables(report, levels))
