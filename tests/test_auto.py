@@ -69,9 +69,16 @@ def test_auto_greedy_equals_plain_in_every_mix_of_modes(setup, monkeypatch):
     s, dec = setup, setup["auto"]
     monkeypatch.setattr(dec.strategy.policy, "choose", Cycle(dec.strategy.policy))
     reqs = [Request(p, n, index=i) for i, (p, n) in enumerate(zip(s["prompts"], MAX_NEW))]
-    metrics = {}
+    metrics, before = {}, dec.decisions()
     tokens, reasons = serve(dec, reqs, schedule=[0, 0, 1, 2, 2, 5], cancel={1: 4}, metrics=metrics,
                             pick=0)
+    # round time per geometry: only one-part rounds are timed (a split round's time is shared),
+    # each with the seconds auto's estimate gave it (none before a geometry's first timing: no
+    # warm-up here)
+    delta = {g: {k: v - before.get(g, {}).get(k, 0) for k, v in c.items()} for g, c in dec.decisions().items()}
+    for g, d in delta.items():
+        assert 0 < d["timed_rounds"] < d["rounds"] and d["seconds"] > 0, g
+        assert 0 < d["predicted_seconds"] < float("inf"), g
     assert reasons[1] == "cancelled" and tokens[1] == s["solo"][1][: len(tokens[1])]
     for i in (0, 2, 3, 4, 5):
         assert tokens[i] == s["solo"][i][: MAX_NEW[i]], i

@@ -300,7 +300,8 @@ def test_serve_bench_runs_modes_side_by_side_and_pools_the_repeats():
         "tokens": tokens, "ttft_s": ttft, "tpot_s": 0.01, "tau": None, "hit_rate": None,
         "modes": modes or {"sync/16": 2}, "kind": kind}
     runs = [{"clients": 2, "wall_s": 2.0, "reqs": [req(10, 0.1), req(10, 0.3)],
-             "rounds": {"sync/16": {"rounds": 4.0, "tokens": 20.0, "predicted_tokens": 18.0}}},
+             "rounds": {"sync/16": {"rounds": 4.0, "tokens": 20.0, "predicted_tokens": 18.0, "timed_rounds": 3.0,
+                                    "seconds": 0.3, "predicted_seconds": 0.24}}},
             {"clients": 2, "wall_s": 3.0, "reqs": [req(30, 0.2), req(10, 0.5, "ids", {"plain": 6})],
              "rounds": {"sync/16": {"rounds": 2.0, "tokens": 10.0, "predicted_tokens": 12.0},
                         "plain": {"rounds": 6.0, "tokens": 6.0}}}]
@@ -311,6 +312,10 @@ def test_serve_bench_runs_modes_side_by_side_and_pools_the_repeats():
     assert lv["rounds"]["sync/16"]["tokens_per_round"] == pytest.approx(30 / 6)
     assert lv["rounds"]["sync/16"]["predicted_per_round"] == pytest.approx(30 / 6)
     assert lv["rounds"]["plain"]["tokens_per_round"] == 1.0
+    assert lv["rounds"]["sync/16"]["ms_per_round"] == pytest.approx(100.0)  # timed rounds only
+    assert lv["rounds"]["sync/16"]["predicted_ms_per_round"] == pytest.approx(80.0)
+    assert "ms_per_round" not in lv["rounds"]["plain"]
+    assert S._fmt_rounds("sync/16", lv["rounds"]["sync/16"]) == "sync/16 6 (5.00 / 5.00; 100.0 / 80.0 ms)"
     assert lv["mode_mix_by_kind"] == {"ids": {"plain": 1.0}, "text": {"sync/16": 1.0}}
 
     level = lambda runs_: {"tokens_per_s": sum(runs_) / len(runs_), "tokens_per_s_runs": runs_,  # noqa: E731
@@ -327,4 +332,4 @@ def test_serve_bench_runs_modes_side_by_side_and_pools_the_repeats():
     assert report["speedup_runs"]["sync"]["1"] == pytest.approx([1.5, 1.0])
     table = S.tables(report, [1])
     assert "| auto ÷ best fixed | 1.07 [1.00–1.17] (sync) |" in table
-    assert "| auto ÷ best fixed | 1.00 [0.95–1.05] (plain) | | |" in table
+    assert "| auto ÷ best fixed | 1.00 [0.95–1.05] (plain) | | | |" in table

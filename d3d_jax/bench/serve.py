@@ -48,6 +48,7 @@ from d3d_jax.errors import UsageError
 ROOT = Path(__file__).resolve().parents[2]
 DEMO = ROOT / "artifacts" / "demo"
 MODES = ("plain", "sync", "async", "auto")
+COUNTERS = ("rounds", "tokens", "predicted_tokens", "timed_rounds", "seconds", "predicted_seconds")
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -168,7 +169,8 @@ def _scrape(url: str) -> dict:
     text = urllib.request.urlopen(url + "/metrics", timeout=30).read().decode()
     out: dict = collections.defaultdict(dict)
     names = {"d3d_mode_rounds_total": "rounds", "d3d_mode_tokens_total": "tokens",
-             "d3d_mode_predicted_tokens_total": "predicted_tokens"}
+             "d3d_mode_predicted_tokens_total": "predicted_tokens", "d3d_mode_timed_rounds_total": "timed_rounds",
+             "d3d_mode_round_seconds_total": "seconds", "d3d_mode_predicted_round_seconds_total": "predicted_seconds"}
     for line in text.splitlines():
         name, _, rest = line.partition("{")
         if name in names:
@@ -186,6 +188,9 @@ def _delta(before: dict, after: dict) -> dict:
         if d.get("rounds", 0) > 0:
             d["tokens_per_round"] = d["tokens"] / d["rounds"]
             d["predicted_per_round"] = d.get("predicted_tokens", 0.0) / d["rounds"]
+            if d.get("timed_rounds", 0) > 0:  # ms a timed round took, and what auto expected
+                d["ms_per_round"] = 1e3 * d["seconds"] / d["timed_rounds"]
+                d["predicted_ms_per_round"] = 1e3 * d.get("predicted_seconds", 0.0) / d["timed_rounds"]
             out[geom] = d
     return out
 
@@ -231,7 +236,7 @@ def summarize(runs: list[dict]) -> dict:
     for run in runs:
         for geom, d in run.get("rounds", {}).items():
             acc = rounds.setdefault(geom, collections.Counter())
-            acc.update({k: v for k, v in d.items() if k in ("rounds", "tokens", "predicted_tokens")})
+            acc.update({k: v for k, v in d.items() if k in COUNTERS})
     by_kind = {k: _mix([r for r in reqs if r["kind"] == k]) for k in sorted({r["kind"] for r in reqs})}
     return {"clients": runs[0]["clients"], "requests": len(reqs), "tokens": tokens, "wall_s": wall,
             "tokens_per_s": tokens / wall,
@@ -321,6 +326,12 @@ def measure(args, modes: list[str], levels: list[int], prompts: list[str], mixed
     return out
 
 
+def _fmt_rounds(geom: str, d: dict) -> str:
+    pred = lambda k, f: f" / {d[k]:{f}}" if d.get(k) else ""  # noqa: E731
+    ms = f"; {d['ms_per_round']:.1f}{pred('predicted_ms_per_round', '.1f')} ms" if "ms_per_round" in d else ""
+    return f"{geom} {int(d['rounds'])} ({d['tokens_per_round']:.2f}{pred('predicted_per_round', '.2f')}{ms})"
+
+
 def _fmt_mix(mix: dict) -> str:
     return ", ".join(f"{g} {share:.0%}" for g, share in sorted(mix.items(), key=lambda kv: -kv[1])) or "–"
 
@@ -339,14 +350,12 @@ def _mixed_prompts(args, prompts: list[str]) -> list:
 
 def tables(report: dict, levels: list[int]) -> str:
     fmt = lambda v, f: "–" if v is None else format(v, f)  # noqa: E731
-    rows = ["| mode | clients | tokens/s | TTFT p50 (ms) | TPOT p50 (ms) | τ | hit rate | rounds (tokens/round measured / predicted) |",
-            "|---|---|---|---|---|---|---|---|"]
+    rows = ["| mode | clients | tokens/s | TTFT p50 (ms) | TPOT p50 (ms) | τ | hit rate | rounds (tokens/round"
+            " measured / predicted; ms/round of timed rounds, measured / predicted) |", "|---|---|---|---|---|---|---|---|"]
     for mode, m in report["modes"].items():
         for c in levels:
             r = m["levels"][str(c)]
-            rounds = "; ".join(f"{g} {int(d['rounds'])} ({d['tokens_per_round']:.2f}"
-                               + (f" / {d['predicted_per_round']:.2f}" if d.get("predicted_per_round") else "")
-                               + ")" for g, d in r["rounds"].items())
+            rounds = "; ".join(_fmt_rounds(g, d) for g, d in r["rounds"].items())
             rows.append(f"| {mode} | {c} | {r['tokens_per_s']:.1f} | {r['ttft_ms_p50']:.1f} | "
                         f"{fmt(r['tpot_ms_p50'], '.2f')} | {fmt(r['tau'], '.2f')} | {fmt(r['hit_rate'], '.2f')} | "
                         f"{rounds or '–'} |")
@@ -365,16 +374,17 @@ def tables(report: dict, levels: list[int]) -> str:
     rows.append("(all repeats pooled; [min–max] of the same ratio within each repeat)")
     if any("mixed" in m for m in report["modes"].values()):
         rows += ["", "Mixed quality (half benchmark prompts, half random token ids):", "",
-                 "| mode | tokens/s | mode mix: text prompts | mode mix: random ids |", "|---|---|---|---|"]
+                 "| mode | tokens/s | mode mix: text prompts | mode mix: random ids | rounds |", "|---|---|---|---|---|"]
         for mode, m in report["modes"].items():
             r = m.get("mixed")
             if r:
                 k = r["mode_mix_by_kind"]
                 rows.append(f"| {mode} | {r['tokens_per_s']:.1f} | {_fmt_mix(k.get('text', {}))} | "
-                            f"{_fmt_mix(k.get('ids', {}))} |")
+                            f"{_fmt_mix(k.get('ids', {}))} | "
+                            + "; ".join(_fmt_rounds(g, d) for g, d in r.get("rounds", {}).items()) + " |")
         if "mixed" in report.get("auto_vs_best_fixed", {}):
             rows.append(f"| auto ÷ best fixed | {spread(report['auto_vs_best_fixed']['mixed'], report['auto_vs_best_fixed_runs']['mixed'])}"
-                        f" ({report['best_fixed']['mixed']}) | | |")
+                        f" ({report['best_fixed']['mixed']}) | | | |")
     return "\n".join(rows)
 
 

@@ -207,8 +207,9 @@ class AutoStrategy(Strategy):
             start, width = self.ctx.window(lo, hi)
             fresh = self.note((geom.label, width))
             carry, out = self._run(carry, params, geom.label, start, lo, hi, width)
-            parts.append(Part(geom.label, start, width, lo, hi, out,
-                              self.policy.tokens(rows[lo:hi], geom), fresh))
+            parts.append(Part(geom.label, start, width, lo, hi, out, fresh=fresh,
+                              predicted=self.policy.tokens(rows[lo:hi], geom),
+                              predicted_s=self.policy.costs.get(geom.label, self.policy.bucket(hi - lo))))
         return carry, parts
 
     def observe(self, parts, host_outs, seconds, snapshot) -> None:

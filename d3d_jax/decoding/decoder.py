@@ -360,10 +360,8 @@ class SpecDecoder:
         self._last_read = now
         outs = {}
         for part, h in zip(rnd.parts, host):
-            tally = self._tally.setdefault(part.label, collections.Counter())
-            tally["rounds"] += 1
-            tally["tokens"] += int(np.sum(h["count"]))
-            tally["predicted_tokens"] += part.predicted or 0.0
+            M.tally_round(self._tally.setdefault(part.label, collections.Counter()), part,
+                          int(np.sum(h["count"])), seconds if len(rnd.parts) == 1 else None)
             for i, row in enumerate(range(part.start, part.start + part.rows)):
                 slot, info = rnd.snapshot[row]
                 if part.lo <= row < part.hi and info is not None and self._slots.get(slot) is info \
@@ -435,7 +433,8 @@ class SpecDecoder:
 
     def decisions(self) -> dict[str, dict]:
         """Per geometry (``plain``, ``sync/8``, ``async/12x2``): rounds run (step's, not the
-        on-device loop's), tokens committed and, auto, the tokens its choice predicted."""
+        on-device loop's), tokens committed and, auto, the tokens its choice predicted; of the
+        timed one-part rounds, their seconds and, auto, the seconds its choice predicted."""
         return {label: dict(t) for label, t in sorted(self._tally.items())}
 
     @property

@@ -54,6 +54,7 @@ class Part:
     hi: int
     out: dict
     predicted: float | None = None  # auto: the tokens its choice expected of this part
+    predicted_s: float | None = None  # auto: the seconds its choice expected of this part
     fresh: bool = False  # its program ran for the first time (its time includes the compile)
 
 

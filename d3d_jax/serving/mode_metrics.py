@@ -1,5 +1,6 @@
 """``/metrics`` lines for the decoder's round choices (issue 25): rounds per mode and geometry,
-and tokens committed against tokens predicted by auto's choice.  Self-contained: the metrics
+tokens committed against tokens predicted by auto's choice, and round seconds against the
+seconds it predicted (its tokens per second is the one ratio over the other).  Self-contained: the metrics
 exposition appends :func:`render`'s lines when the decoder reports decisions."""
 
 from __future__ import annotations
@@ -19,7 +20,12 @@ def render(decisions: dict[str, dict]) -> list[str]:
             ("mode_rounds_total", "rounds", "decoder rounds run, by mode and geometry"),
             ("mode_tokens_total", "tokens", "tokens committed by those rounds"),
             ("mode_predicted_tokens_total", "predicted_tokens",
-             "tokens auto's choice expected of those rounds (0 for fixed modes)")):
+             "tokens auto's choice expected of those rounds (0 for fixed modes)"),
+            ("mode_timed_rounds_total", "timed_rounds",
+             "one-part rounds timed (not after host work: admissions, row operations, a compile)"),
+            ("mode_round_seconds_total", "seconds", "wall seconds of those timed rounds"),
+            ("mode_predicted_round_seconds_total", "predicted_seconds",
+             "seconds auto's choice expected of those timed rounds (0 for fixed modes)")):
         out += [f"# HELP d3d_{name} {help_}", f"# TYPE d3d_{name} counter"]
         out += [f"d3d_{name}{_labels(g)} {float(c.get(key, 0)):.6g}" for g, c in decisions.items()]
     return out
