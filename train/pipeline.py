@@ -6,8 +6,8 @@ benchmark (Table 1, ablations, pruning, latency by depth; plots, JSON).
     python train/pipeline.py --config configs/pipelines/demo.yaml [key=value ...]
     python train/pipeline.py --config configs/pipelines/demo.yaml --rebuild   # from nothing
     python train/pipeline.py --config configs/pipelines/demo.yaml --rebuild --quick   # every stage, shortened
-    python train/pipeline.py --config configs/pipelines/demo.yaml --config configs/pipelines/demo-rest.yaml
-        # later files merge over earlier ones (here: the stages not shipped yet)
+    python train/pipeline.py --config configs/pipelines/demo.yaml --config my-changes.yaml
+        # later files merge over earlier ones
 
 Stages whose output exists under ``out_dir`` are skipped, so with the shipped checkpoints only
 the benchmark runs.  Exit status 3 if any sync/async output differs from plain greedy decoding.
