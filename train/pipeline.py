@@ -34,7 +34,7 @@ def main(argv=None) -> int:
     ap.add_argument("--work-dir", default=None,
                     help="scratch: training checkpoints, corpus (default runs/pipeline/<out_dir>)")
     ap.add_argument("--quick", action="store_true",
-                    help="every stage at ~1/8 of the steps, under runs/quick/ (with --rebuild: ~15 min for the demo)")
+                    help="every stage at ~1/8 of the steps, under runs/quick/ (with --rebuild: ~41 min for the demo on 2 cores)")
     ap.add_argument("--no-eval", action="store_true", help="build the artifacts, skip the benchmark")
     ap.add_argument("--update-artifacts", action="store_true",
                     help="also replace the shipped reference results in <out_dir>/eval (default: the "
