@@ -108,7 +108,8 @@ class PipelineConfig:
     def quick(self, factor: int = 8) -> "PipelineConfig":
         """``train/pipeline.py --quick``: every stage at about 1/``factor`` of the steps, a tenth of
         the regenerated prompts and half the benchmark, written under ``runs/quick/`` so the shipped
-        artifacts stay as they are (the demo with ``--rebuild``: 41 min on the 2-core machine of 2026-12-02, now with the target-initialised drafter, its pruning and the second seeds)."""
+        artifacts stay as they are (the demo with ``--rebuild``: 41 min on the 2-core machine of
+        2026-12-02, with the target-initialised drafter, its pruning and the second seeds)."""
         def steps(n: int) -> int:
             return max(4, n // factor)
 
