@@ -38,7 +38,10 @@ from d3d_jax.decoding.strategies import (Carry, Context, Part, Strategy, mark_do
 DEFAULT_PRIOR_TAU = 2.0  # a drafter of unknown quality: barely better than nothing
 CALIBRATION_ROUNDS = 5  # timing passes over the programs at start-up, interleaved (after the compiles)
 # rounds per program per pass, dispatched back to back: one round behind a host wait priced sync/16
-# at 1 row at 37 ms where served rounds (each queued behind the last) took 27-33 ms
+# at 1 row at 37 ms where served rounds (each queued behind the last) took 27-33 ms.  They follow
+# one untimed lead-in round of the same program: the first round after another program's priced
+# plain at 16 rows at 26-27 ms where a run of plain rounds took 15-18 ms, so auto never chose
+# plain where it was the best plan (the mixed level)
 CALIBRATION_RUN = 2
 
 
@@ -238,9 +241,10 @@ class AutoStrategy(Strategy):
     def warm_up(self, carry: Carry, params, widths: tuple[int, ...]) -> Carry:
         """Compile every (geometry, width) program and time it: the costs' starting point (an
         untimed width is scaled from the nearest timed one, or timed when first run).  The timed
-        rounds are interleaved (``CALIBRATION_RUN`` of each program per pass, ``CALIBRATION_ROUNDS``
-        passes, the median kept), so a change of load on the machine moves every geometry's time
-        alike and leaves their ratios, which are what the choice weighs, as they are."""
+        rounds are interleaved (``CALIBRATION_RUN`` of each program per pass after an untimed
+        lead-in, ``CALIBRATION_ROUNDS`` passes, the median kept), so a change of load on the
+        machine moves every geometry's time alike and leaves their ratios, which are what the
+        choice weighs, as they are."""
         n = self.ctx.config.num_slots
         carry = self.admit(carry, params, self._dummy_rows(n), np.full((n,), n, np.int32), 0)
         keys = [(label, width) for width in widths for label in self.geometry]
@@ -251,6 +255,8 @@ class AutoStrategy(Strategy):
         times: dict = {key: [] for key in keys}
         for _ in range(CALIBRATION_ROUNDS):
             for label, width in keys:
+                carry, _ = self._run(carry, params, label, 0, 0, 0, width)  # the lead-in
+                jax.block_until_ready(carry)
                 t0 = time.perf_counter()
                 for _ in range(CALIBRATION_RUN):  # back to back, as served rounds run
                     carry, _ = self._run(carry, params, label, 0, 0, 0, width)

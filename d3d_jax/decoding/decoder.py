@@ -81,7 +81,7 @@ class _Round:
     parts: list  # [strategies.Part]
     snapshot: list  # row -> (slot, SlotInfo) when dispatched
     t_dispatch: float
-    clean: bool  # no admission ran just before it (its time is the round's own)
+    clean: bool  # no admission or row op ran just before it (its time is the round's own)
     host_work: bool = False  # its dispatch flushed admissions/row ops or compiled a program
 
 
@@ -273,21 +273,19 @@ class SpecDecoder:
                         ints(lambda q: q.index), ints(lambda q: q.max_new_tokens), stop_ids,
                         stop_is_eos, SamplingParams.stack([q.sampling for q in reqs]), data)
 
-    def _flush(self) -> bool:
+    def _flush(self) -> None:
         """Replay the queued admissions and row operations in order (consecutive ones of a kind
-        in one dispatch); True if anything was admitted."""
+        in one dispatch)."""
         self._ensure_state()
-        admitted, queue, self._queue = False, self._queue, []
+        queue, self._queue = self._queue, []
         while queue:
             kind = queue[0][0]
             run = list(itertools.takewhile(lambda e: e[0] == kind, queue))
             queue = queue[len(run):]
             if kind == "admit":
                 self._admit(run)
-                admitted = True
             else:
                 self._row_ops(run)
-        return admitted
 
     def _admit(self, run: list[tuple]) -> None:
         live = [(s, row) for _, s, row in run if s in self._slots]
@@ -313,15 +311,17 @@ class SpecDecoder:
     def _dispatch(self) -> bool:
         """Dispatch one round over the live rows (nothing waits); False if none is running."""
         self._reclassify()
-        flushed = bool(self._queue)  # admissions or row ops (a first one compiles) ran
-        clean = not self._flush()
+        # admissions or row ops (a first one compiles) run before it: their device time would
+        # count as the round's (a swap moves two rows of every cache), so it is not timed
+        flushed = bool(self._queue)
+        self._flush()
         if not self._running():
             return False
         groups = self.placement.groups()
         infos = [self._slots[s] for s in self.placement.slot_at[: self.placement.size]]
         t0 = time.perf_counter()
         self.carry, parts = self.strategy.dispatch(self.carry, self._params, groups, infos)
-        self._pending.append(_Round(parts, self._snapshot(), t0, clean,
+        self._pending.append(_Round(parts, self._snapshot(), t0, not flushed,
                                     flushed or any(p.fresh for p in parts)))
         return True
 
