@@ -333,3 +333,48 @@ def test_serve_bench_runs_modes_side_by_side_and_pools_the_repeats():
     table = S.tables(report, [1])
     assert "| auto ÷ best fixed | 1.07 [1.00–1.17] (sync) |" in table
     assert "| auto ÷ best fixed | 1.00 [0.95–1.05] (plain) | | | |" in table
+
+
+def test_mixed_level_samples_the_random_ids_and_keeps_text_greedy():
+    """The mixed level's random-id half goes out as completions sampled at --mixed-temperature,
+    each with its own seed (the same draws in every mode); the text half stays greedy chat."""
+    import argparse
+    import asyncio
+    import types
+
+    from d3d_jax.bench import serve as S
+
+    sent = []
+
+    class Stream:
+        def __init__(self, text):
+            self.chunks = [types.SimpleNamespace(choices=[types.SimpleNamespace(text=text)], usage=None),
+                           types.SimpleNamespace(choices=[], model_extra={"spec_metrics": {"tau": 1.0}},
+                                                 usage=types.SimpleNamespace(completion_tokens=1))]
+
+        def __aiter__(self):
+            return self
+
+        async def __anext__(self):
+            if not self.chunks:
+                raise StopAsyncIteration
+            return self.chunks.pop(0)
+
+    async def create(kind, **kw):
+        sent.append((kind, kw))
+        return Stream("x")
+
+    client = types.SimpleNamespace(
+        completions=types.SimpleNamespace(create=lambda **kw: create("completion", **kw)),
+        chat=types.SimpleNamespace(completions=types.SimpleNamespace(create=lambda **kw: create("chat", **kw))))
+    args = argparse.Namespace(tokenizer=str(S.DEMO / "tokenizer"), mixed_temperature=0.7)
+    prompts = S._mixed_prompts(args, ["a" * 40, "b" * 40])
+    assert [type(p).__name__ for p in prompts] == ["str", "IdPrompt", "str", "IdPrompt"]
+    assert [p.seed for p in prompts[1::2]] == [0, 1] and len(prompts[1].ids) == 10
+    assert prompts[1].ids != prompts[3].ids
+    for p in prompts[:2]:
+        asyncio.run(S._one(client, "m", p, 4))
+    (k1, chat), (k2, comp) = sent
+    assert k1 == "chat" and chat["temperature"] == 0 and "seed" not in chat
+    assert k2 == "completion" and comp["prompt"] == prompts[1].ids
+    assert comp["temperature"] == 0.7 and comp["seed"] == 0

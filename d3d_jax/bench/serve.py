@@ -20,8 +20,13 @@ Then speedup = mode tokens/s ÷ plain tokens/s at the same concurrency, auto ÷ 
 each with its range over the repeats.
 
 ``--mixed N``: one more level at N clients where half the requests are the benchmark's prompts
-and half random token ids (a drafter is useless on them): total tokens/s per mode, and auto's
-mode mix per kind of request.
+and half random token ids, sampled at ``--mixed-temperature`` (default 1; each request with its
+own seed, the same in every mode): total tokens/s per mode, and auto's mode mix per kind of
+request.  Sampled, because a drafter is useless on random ids only then: the demo target's
+greedy continuation of random ids falls into a repeated phrase that drafter ``small`` predicts
+(1.94 tokens a row per sync/4 round, against 2.27 for the Shakespeare prompts and 1.03 for the
+same ids sampled at temperature 1; 48 tokens each, 16 rows).  ``--mixed-temperature 0`` gives
+the greedy level.
 
     python infer/bench.py --cpu-threads 2 serve                      # demo target + drafter `small`
     python infer/bench.py serve --target T --drafter D --tokenizer T --max-tokens 256 --num-slots 32
@@ -42,6 +47,7 @@ import tempfile
 import time
 import urllib.request
 from pathlib import Path
+from typing import NamedTuple
 
 from d3d_jax.errors import UsageError
 
@@ -49,6 +55,14 @@ ROOT = Path(__file__).resolve().parents[2]
 DEMO = ROOT / "artifacts" / "demo"
 MODES = ("plain", "sync", "async", "auto")
 COUNTERS = ("rounds", "tokens", "predicted_tokens", "timed_rounds", "seconds", "predicted_seconds")
+
+
+class IdPrompt(NamedTuple):
+    """Token ids sent as a completion, sampled at ``temperature`` with ``seed`` (0: greedy)."""
+
+    ids: list
+    temperature: float = 0.0
+    seed: int = 0
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -71,6 +85,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
     ap.add_argument("--passage-chars", type=int, default=300, help="prompt size for shakespeare/stdlib")
     ap.add_argument("--mixed", type=int, default=0, metavar="N",
                     help="also a level at N clients, half of the requests random token ids")
+    ap.add_argument("--mixed-temperature", type=float, default=1.0, metavar="T",
+                    help="sampling temperature of the mixed level's random-id requests (0: greedy)")
     ap.add_argument("--server-arg", action="append", default=[], metavar="ARG",
                     help="extra infer/serve.py argument (repeatable), e.g. --server-arg=--max-model-len=2048")
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds per mode (server start + load)")
@@ -139,7 +155,8 @@ class ServerProcess:
 
 
 async def _one(client, model: str, prompt, max_tokens: int) -> dict:
-    """One streaming request: chat for a text prompt, a completion for token ids."""
+    """One streaming request: chat for a text prompt (greedy), a completion for an
+    :class:`IdPrompt`."""
     t0 = time.perf_counter()
     first = last = None
     usage = spec = None
@@ -148,7 +165,8 @@ async def _one(client, model: str, prompt, max_tokens: int) -> dict:
     if isinstance(prompt, str):
         stream = await client.chat.completions.create(messages=[{"role": "user", "content": prompt}], **common)
     else:
-        stream = await client.completions.create(prompt=prompt, **common)
+        common.update(temperature=prompt.temperature, seed=prompt.seed)
+        stream = await client.completions.create(prompt=list(prompt.ids), **common)
     async for ch in stream:
         text = (ch.choices[0].delta.content if hasattr(ch.choices[0], "delta") else ch.choices[0].text) \
             if ch.choices else None
@@ -337,14 +355,16 @@ def _fmt_mix(mix: dict) -> str:
 
 
 def _mixed_prompts(args, prompts: list[str]) -> list:
-    """Alternating: a benchmark prompt, then as many random token ids as it has characters / 4."""
+    """Alternating: a benchmark prompt, then as many random token ids as it has characters / 4
+    (sampled at ``--mixed-temperature``, seed = its index)."""
     from d3d_jax.io.hf import load_tokenizer
 
     vocab = len(load_tokenizer(args.tokenizer)[0])
     rng = random.Random(0)
-    out = []
-    for p in prompts:
-        out += [p, [rng.randrange(4, vocab) for _ in range(max(len(p) // 4, 8))]]
+    out: list = []
+    for i, p in enumerate(prompts):
+        ids = [rng.randrange(4, vocab) for _ in range(max(len(p) // 4, 8))]
+        out += [p, IdPrompt(ids, args.mixed_temperature, i)]
     return out
 
 
@@ -432,6 +452,8 @@ def main(args) -> int:
         raise UsageError(f"--modes: {', '.join(MODES)}, got {args.modes!r}")
     if args.repeats < 1 or args.min_requests < 0:
         raise UsageError("--repeats must be >= 1 and --min-requests >= 0")
+    if not 0.0 <= args.mixed_temperature <= 2.0:
+        raise UsageError(f"--mixed-temperature must be in [0, 2] (the API's range), got {args.mixed_temperature}")
     prompts = _prompts(args, max(c * per_client(args, c) for c in levels + [args.mixed]))
     mixed = _mixed_prompts(args, prompts[: max(args.mixed * per_client(args, args.mixed) // 2, 1)]) if args.mixed else None
     report: dict = {"settings": {k: v for k, v in vars(args).items() if k != "func"}, "modes": {},
