@@ -22,7 +22,7 @@ each with its range over the repeats.
 ``--mixed N``: one more level at N clients where half the requests are the benchmark's prompts
 and half random token ids, sampled at ``--mixed-temperature`` (default 1; each request with its
 own seed, the same in every mode): total tokens/s per mode, and auto's mode mix per kind of
-request.  Sampled, because a drafter is useless on random ids only then: the demo target's
+request.  Sampled, because greedy the drafter is not useless on them: the demo target's
 greedy continuation of random ids falls into a repeated phrase that drafter ``small`` predicts
 (1.94 tokens a row per sync/4 round, against 2.27 for the Shakespeare prompts and 1.03 for the
 same ids sampled at temperature 1; 48 tokens each, 16 rows).  ``--mixed-temperature 0`` gives

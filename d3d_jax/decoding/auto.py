@@ -40,8 +40,8 @@ CALIBRATION_ROUNDS = 5  # timing passes over the programs at start-up, interleav
 # rounds per program per pass, dispatched back to back: one round behind a host wait priced sync/16
 # at 1 row at 37 ms where served rounds (each queued behind the last) took 27-33 ms.  They follow
 # one untimed lead-in round of the same program: the first round after another program's priced
-# plain at 16 rows at 26-27 ms where a run of plain rounds took 15-18 ms, so auto never chose
-# plain where it was the best plan (the mixed level)
+# plain at 16 rows at 23-27 ms where a run of plain rounds took 15-18 ms, so on the mixed level
+# auto ran sync/4 where plain rounds cost as much per token
 CALIBRATION_RUN = 2
 
 
