@@ -362,3 +362,27 @@ def test_pooled_prior_from_finished_requests():
     assert live.expected(4) == pytest.approx(1 + 3.5 / 6 * (1 + 0.7 + 0.7 ** 2))
     # the finished request's own rounds count on top of the pooled prior: slot 1 (2 + 3 x 3.5 / 6) / 6
     assert done.expected(2) == pytest.approx(1 + (2 + 1.75) / 6)
+
+
+def test_a_round_right_after_row_ops_is_not_timed(setup, monkeypatch):
+    """A cancelled request's free and the swap that keeps the rows packed run on the device just
+    before the next round, so that round's time would hold theirs: it is not timed (as after an
+    admission), and the rounds after it are again."""
+    s, dec = setup, setup["auto"]
+    plain = next(g for g in dec.strategy.policy.geometries if g.width == 1)
+    monkeypatch.setattr(dec.strategy.policy, "choose",
+                        lambda rows, boundary: Plan([(0, len(rows), plain)], float(len(rows)), 1.0))
+    seen, observe = [], dec.strategy.observe
+
+    def spy(parts, host_outs, seconds, snapshot):
+        seen.append((sum(info is not None for _, info in snapshot), seconds))
+        return observe(parts, host_outs, seconds, snapshot)
+
+    monkeypatch.setattr(dec.strategy, "observe", spy)
+    reqs = [Request(p, 30, index=i) for i, p in enumerate(s["prompts"][:3])]
+    tokens, reasons = serve(dec, reqs, schedule=[0, 0, 0], cancel={0: 8})
+    assert reasons[0] == "cancelled" and all(tokens[i] == s["solo"][i][:30] for i in (1, 2))
+    live = [n for n, _ in seen]
+    first_two = live.index(2)  # the first round dispatched after the free and the swap
+    assert all(n == 3 for n in live[:first_two]) and seen[first_two][1] is None
+    assert any(t is not None for n, t in seen[first_two + 1:] if n == 2)
