@@ -386,3 +386,26 @@ def test_a_round_right_after_row_ops_is_not_timed(setup, monkeypatch):
     first_two = live.index(2)  # the first round dispatched after the free and the swap
     assert all(n == 3 for n in live[:first_two]) and seen[first_two][1] is None
     assert any(t is not None for n, t in seen[first_two + 1:] if n == 2)
+
+
+def test_start_up_times_each_program_after_a_lead_in_round(setup, monkeypatch):
+    """A program's first round after another program's runs slower (its data is cold); start-up
+    times each program's rounds after one untimed lead-in round of it, so it prices what a run of
+    its rounds costs (priced on the first round after a switch, plain came out 1.5x too dear)."""
+    import time as clock
+
+    dec = setup["auto"]
+    st, last = dec.strategy, [None]
+
+    def run(carry, params, label, start, lo, hi, rows):  # 30 ms after a switch, else 5 ms
+        clock.sleep(0.030 if label != last[0] else 0.005)
+        last[0] = label
+        return carry, {}
+
+    monkeypatch.setattr(st, "_run", run)
+    monkeypatch.setattr(st, "policy", Policy(st.policy.geometries, st.policy.buckets))
+    dec._ensure_state()
+    dec.carry = st.warm_up(dec.carry, dec._params, (1,))
+    assert len(st.policy.geometries) >= 3
+    for g in st.policy.geometries:
+        assert st.policy.costs.get(g.label, 1) == pytest.approx(0.005, abs=0.003), g.label
