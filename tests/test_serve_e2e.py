@@ -207,8 +207,17 @@ def test_load_200_requests_with_cancellations(models, tmp_path):
         modes = {line.split("{")[1].split("}")[0] for line in text.splitlines()
                  if line.startswith("d3d_mode_rounds_total{")}
         assert len(modes) >= 2, modes  # auto chose more than one geometry (every output stayed exact)
-        # each stream closed after 1-3 of its 100 tokens: its slot was freed, not run to the end
-        assert _metric(text, "requests_total{outcome=\"cancelled\"}") == n_cancelled == 40
+        # each of the 40 streams closed after 1-3 of its 100 tokens. The server counts it cancelled
+        # when it saw the disconnect before the request's last round, else by its finish reason: on
+        # a loaded machine the client reads its first chunks late, and CI once found 18 of the 40
+        # already decoded to the end. So: every request counted once, none failed, and the
+        # disconnects that came in time freed their slots (that a disconnect frees its slot well
+        # before the end is test_serve's test_a_disconnected_stream_frees_its_slot, on a clock).
+        outcomes = {line.split('"')[1]: float(line.split()[-1]) for line in text.splitlines()
+                    if line.startswith("d3d_requests_total{")}
+        assert n_cancelled == 40 and sum(outcomes.values()) == len(pool) + len(jobs), outcomes
+        assert set(outcomes) <= {"stop", "length", "cancelled"}, outcomes
+        assert 1 <= outcomes.get("cancelled", 0) <= n_cancelled, outcomes
         rss_after = _rss(server.pid)
         assert abs(rss_after - rss_warm) <= 0.10 * rss_warm, (rss_warm, rss_after)
         with pytest.raises(openai.AuthenticationError):  # the key came from the environment
