@@ -66,3 +66,30 @@ def test_schedule_warmup_then_cosine():
         want = 1e-6 + 0.5 * (1e-5 - 1e-6) * (1 + math.cos(math.pi * (t - 10) / 100))
         assert math.isclose(float(s(t)), want, rel_tol=1e-4)
     assert math.isclose(float(s(110)), 1e-6, rel_tol=1e-5)
+
+
+def test_schedule_with_decay_steps_reaches_the_final_rate_there_and_holds_it():
+    """decay_steps ends the cosine early: the same rates as a run of that length, then the final
+    rate to the end (how a run is extended past its decay and resumed from its checkpoint)."""
+    short = optim.lr_schedule(OptimConfig(learning_rate=1e-3, final_learning_rate=1e-4, warmup_steps=20), 800)
+    long_ = optim.lr_schedule(OptimConfig(learning_rate=1e-3, final_learning_rate=1e-4, warmup_steps=20,
+                                          decay_steps=800), 1200)
+    for t in (0, 10, 20, 300, 650, 799, 800):
+        assert float(long_(t)) == float(short(t)), t
+    assert float(short(400)) > 2e-4  # mid-cosine, well above the floor
+    for t in (801, 1000, 1200):
+        assert math.isclose(float(long_(t)), 1e-4, rel_tol=1e-6), t
+    plain = optim.lr_schedule(OptimConfig(learning_rate=1e-3, final_learning_rate=1e-4, warmup_steps=20), 1200)
+    assert float(plain(1000)) > 1.2e-4  # without it the cosine would still be falling at 1000
+
+
+@pytest.mark.parametrize("decay,steps,match", [
+    (10, 100, r"optim.decay_steps: must be 0 .* or > warmup_steps \(20\), got 10"),
+    (150, 100, r"optim.decay_steps: 150 is past train.steps=100"),
+])
+def test_decay_steps_out_of_range_are_refused_naming_the_key(decay, steps, match):
+    from d3d_jax.config import ConfigError, TrainRunConfig, load_config
+
+    with pytest.raises(ConfigError, match=match):
+        load_config(TrainRunConfig, [], [f"optim.decay_steps={decay}", "optim.warmup_steps=20",
+                                         f"train.steps={steps}"])

@@ -88,6 +88,7 @@ class OptimConfig:
     learning_rate: float = 1e-5
     final_learning_rate: float = 1e-6
     warmup_steps: int = 0
+    decay_steps: int = 0  # the cosine reaches final_learning_rate here and holds it (0: at train.steps)
     b1: float = 0.9
     b2: float = 0.999
     eps: float = 1e-8
@@ -103,6 +104,8 @@ class OptimConfig:
         _require(0 <= self.final_learning_rate <= self.learning_rate, f"{prefix}.final_learning_rate",
                  "must be in [0, learning_rate]")
         _require(self.warmup_steps >= 0, f"{prefix}.warmup_steps", "must be >= 0")
+        _require(self.decay_steps == 0 or self.decay_steps > self.warmup_steps, f"{prefix}.decay_steps",
+                 f"must be 0 (decay until train.steps) or > warmup_steps ({self.warmup_steps}), got {self.decay_steps}")
         _require(0 <= self.b1 < 1 and 0 <= self.b2 < 1, f"{prefix}.b1/b2", "must be in [0, 1)")
         _require(self.eps > 0, f"{prefix}.eps", "must be > 0")
         _require(self.clip_norm >= 0, f"{prefix}.clip_norm", "must be >= 0")
@@ -194,6 +197,9 @@ class TrainRunConfig:
         if self.model.block_size is not None and self.data.mode == "d3d":
             _require(self.model.block_size == self.data.block_size, f"{p}data.block_size",
                      f"{self.data.block_size} differs from model.block_size={self.model.block_size}")
+        _require(self.optim.decay_steps <= self.train.steps, f"{p}optim.decay_steps",
+                 f"{self.optim.decay_steps} is past train.steps={self.train.steps}: the run would end "
+                 "before its learning rate reached final_learning_rate")
         micro, rem = divmod(self.data.batch_size, self.optim.grad_accum_steps)
         _require(rem == 0, f"{p}data.batch_size", f"{self.data.batch_size} is not a multiple of "
                  f"optim.grad_accum_steps={self.optim.grad_accum_steps}")

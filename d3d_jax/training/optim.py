@@ -141,11 +141,13 @@ def adamw_8bit(learning_rate, b1: float = 0.9, b2: float = 0.999, eps: float = 1
 # Schedule and the configured optimiser
 # --------------------------------------------------------------------------------------
 def lr_schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:
-    """Linear warm-up to ``learning_rate``, then cosine to ``final_learning_rate`` at ``total_steps``."""
+    """Linear warm-up to ``learning_rate``, then cosine to ``final_learning_rate`` at ``decay_steps``
+    (``total_steps`` when 0), held from there to the end."""
     warm = min(cfg.warmup_steps, max(total_steps - 1, 0))
+    decay = cfg.decay_steps or total_steps
     return optax.warmup_cosine_decay_schedule(
         init_value=0.0 if warm else cfg.learning_rate, peak_value=cfg.learning_rate,
-        warmup_steps=warm, decay_steps=max(total_steps, warm + 1), end_value=cfg.final_learning_rate)
+        warmup_steps=warm, decay_steps=max(decay, warm + 1), end_value=cfg.final_learning_rate)
 
 
 def make_optimizer(cfg: OptimConfig, total_steps: int) -> optax.GradientTransformation:
