@@ -364,6 +364,30 @@ def test_pooled_prior_from_finished_requests():
     assert done.expected(2) == pytest.approx(1 + (2 + 1.75) / 6)
 
 
+def test_plain_rounds_keep_the_next_round_in_flight_near_a_request_end(setup, monkeypatch):
+    """A round is dispatched ahead of the read while some request is sure to outlive the rounds
+    in flight. That bound is what each of them can commit (a plain round: one token a row), not
+    auto's widest geometry: priced at 16 a round, a request 16 tokens from its end stopped the
+    run-ahead, and its last plain rounds waited on the host between reads."""
+    s, dec = setup, setup["auto"]
+    plain = next(g for g in dec.strategy.policy.geometries if g.width == 1)
+    monkeypatch.setattr(dec.strategy.policy, "choose",
+                        lambda rows, boundary: Plan([(0, len(rows), plain)], float(len(rows)), 1.0))
+    depth, dispatch = [], dec._dispatch
+
+    def spy():
+        ran = dispatch()
+        depth.append(len(dec._pending))
+        return ran
+
+    monkeypatch.setattr(dec, "_dispatch", spy)
+    tokens, _ = serve(dec, [Request(s["prompts"][0], 12, index=0)], schedule=[0])
+    assert tokens[0] == s["solo"][0][:12]
+    # one round a token; from the second dispatch on, the next is always in flight (before: not
+    # in the last 3, where a request had under BLOCK = 4 tokens left)
+    assert depth == [1] + [2] * 11, depth
+
+
 def test_a_round_right_after_row_ops_is_not_timed(setup, monkeypatch):
     """A cancelled request's free and the swap that keeps the rows packed run on the device just
     before the next round, so that round's time would hold theirs: it is not timed (as after an

@@ -215,6 +215,9 @@ class AutoStrategy(Strategy):
                               predicted_s=self.policy.costs.get(geom.label, self.policy.bucket(hi - lo))))
         return carry, parts
 
+    def most_tokens(self, parts) -> int:
+        return max(self.geometry[p.label].width for p in parts)
+
     def observe(self, parts, host_outs, seconds, snapshot) -> None:
         costs = [self.policy.costs.get(p.label, p.rows) for p in parts]
         for part, out, cost in zip(parts, host_outs, costs):

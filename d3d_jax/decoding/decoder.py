@@ -334,7 +334,7 @@ class SpecDecoder:
 
     def _can_run_ahead(self) -> bool:
         """Some request is sure to be running once every dispatched round has run."""
-        ahead = self.config.width * len(self._pending)
+        ahead = sum(self.strategy.most_tokens(r.parts) for r in self._pending)
         return any(info.n_out + ahead < info.request.max_new_tokens
                    for info in self._slots.values() if info.finish_reason is None)
 

@@ -178,6 +178,11 @@ class Strategy:
         """slot -> new placement class, for the running requests (``infos``: slot -> SlotInfo)."""
         return {}
 
+    def most_tokens(self, parts: list[Part]) -> int:
+        """The most tokens a row can commit in a round of ``parts`` (the mode's width; auto: its
+        widest geometry in them)."""
+        return self.ctx.config.width
+
     def initial_class(self, request) -> int:
         """The placement class of a new request (auto: 0 speculates, 1 runs plain)."""
         return 0
