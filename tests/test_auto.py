@@ -10,6 +10,7 @@ expected tokens; a brute-force list model for the placement's swaps; counted dis
 from __future__ import annotations
 
 import itertools
+import math
 import random
 
 import jax
@@ -362,6 +363,32 @@ def test_pooled_prior_from_finished_requests():
     assert live.expected(4) == pytest.approx(1 + 3.5 / 6 * (1 + 0.7 + 0.7 ** 2))
     # the finished request's own rounds count on top of the pooled prior: slot 1 (2 + 3 x 3.5 / 6) / 6
     assert done.expected(2) == pytest.approx(1 + (2 + 1.75) / 6)
+
+
+def test_pooled_slots_no_round_tested_are_no_better_than_the_slot_before():
+    """The offline rate is each slot's prior, capped by the pooled rate of the slot before: a
+    pool of sync/4 rounds accepting half its drafts prices slots 4-15 at about that half, not at
+    the offline τ's 0.85, and a sync/8 round's expected tokens with them."""
+    from d3d_jax.decoding.auto_policy import Pool
+
+    c0 = geometric_rate(6.7, 16)  # `small`'s offline τ
+    assert 0.84 < c0 < 0.87
+    pool, done = Pool(16, c0), Acceptance(16, c0)
+    for accepted in [0, 1, 0, 2, 1, 0, 3, 0] * 8:  # 64 sync/4 rounds, slots 1-3 tested
+        done.record(4, accepted)
+    pool.add(done)
+    tested = [pool.rate(k) for k in (1, 2, 3)]
+    assert all(0.45 < r < 0.55 for r in tested), tested
+    for k in range(4, 16):  # never tested: the slot before's rate, not the offline one
+        assert pool.rate(k) == pytest.approx(min(c0, pool.rate(k - 1)))
+        assert pool.rate(k) == pytest.approx(pool.rate(3))
+    live = Acceptance(16, pool)
+    capped = 1 + sum(math.prod(tested[: min(k, 3)]) * tested[2] ** max(0, k - 3) for k in range(1, 8))
+    uncapped = 1 + sum(math.prod(tested[: min(k, 3)]) * c0 ** max(0, k - 3) for k in range(1, 8))
+    assert live.expected(8) == pytest.approx(capped)
+    assert live.expected(8) < 0.9 * uncapped  # 2.03 against 2.27 tokens a sync/8 round
+    # with no rounds yet every slot keeps the offline rate
+    assert Pool(16, c0).rate(9) == pytest.approx(c0)
 
 
 def test_plain_rounds_keep_the_next_round_in_flight_near_a_request_end(setup, monkeypatch):

@@ -66,6 +66,7 @@ class Pool:
         self.accepted = [0.0] * width
         self.prior = prior_rate
         self.version = 0  # bumped on every change: requests' cached curves follow it
+        self._rates: list[float] | None = None
 
     def add(self, acc: "Acceptance") -> None:
         """A finished request's own rounds."""
@@ -75,9 +76,20 @@ class Pool:
             self.tested = [t / 2 for t in self.tested]
             self.accepted = [a / 2 for a in self.accepted]
         self.version += 1
+        self._rates = None
 
     def rate(self, k: int) -> float:
-        return (self.accepted[k] + PRIOR_ROUNDS * self.prior) / (self.tested[k] + PRIOR_ROUNDS)
+        """Slot ``k``'s pooled rate.  Its prior is the offline rate, but never above the slot
+        before's pooled rate: a drafter's slots accept less the further out they are, and slots
+        beyond the widths that ran (sync/4 tests 3) would otherwise keep the offline τ's rate
+        for good (the demo's `small`: 0.85 offline), and price a wider geometry by it."""
+        if self._rates is None or len(self._rates) <= k:
+            rates, prior = [self.prior], self.prior
+            for j in range(1, len(self.tested)):
+                rates.append((self.accepted[j] + PRIOR_ROUNDS * prior) / (self.tested[j] + PRIOR_ROUNDS))
+                prior = min(self.prior, rates[-1])
+            self._rates = rates
+        return self._rates[k]
 
 
 class Acceptance:
