@@ -335,6 +335,30 @@ def test_serve_bench_runs_modes_side_by_side_and_pools_the_repeats():
     assert "| auto ÷ best fixed | 1.00 [0.95–1.05] (plain) | | | |" in table
 
 
+def test_serve_bench_without_a_mixed_level_runs(monkeypatch, capsys):
+    """``infer/bench.py serve`` without ``--mixed`` (its default, 0): prompts for the levels only
+    (it divided by the mixed level's 0 clients and stopped before measuring)."""
+    import argparse
+
+    from d3d_jax.bench import serve as S
+
+    seen = {}
+
+    def measure(args, modes, levels, prompts, mixed):
+        seen.update(levels=levels, n=len(prompts), mixed=mixed)
+        lv = {"tokens_per_s": 1.0, "tokens_per_s_runs": [1.0], "ttft_ms_p50": 1.0, "tpot_ms_p50": None,
+              "tau": None, "hit_rate": None, "rounds": {}, "mode_mix_by_kind": {}}
+        return {m: {"levels": {str(c): lv for c in levels}} for m in modes}
+
+    monkeypatch.setattr(S, "measure", measure)
+    monkeypatch.setattr(S, "_prompts", lambda args, n: ["p"] * n)
+    args = S.add_arguments(argparse.ArgumentParser()).parse_args(
+        ["--modes", "plain,sync", "--concurrency", "1,4", "--min-requests", "12"])
+    assert args.mixed == 0 and S.main(args) == 0
+    assert seen == {"levels": [1, 4], "n": 12, "mixed": None}  # 1 client x 12 requests
+    assert "| sync |" in capsys.readouterr().out
+
+
 def test_mixed_level_samples_the_random_ids_and_keeps_text_greedy():
     """The mixed level's random-id half goes out as completions sampled at --mixed-temperature,
     each with its own seed (the same draws in every mode); the text half stays greedy chat."""

@@ -454,7 +454,7 @@ def main(args) -> int:
         raise UsageError("--repeats must be >= 1 and --min-requests >= 0")
     if not 0.0 <= args.mixed_temperature <= 2.0:
         raise UsageError(f"--mixed-temperature must be in [0, 2] (the API's range), got {args.mixed_temperature}")
-    prompts = _prompts(args, max(c * per_client(args, c) for c in levels + [args.mixed]))
+    prompts = _prompts(args, max(c * per_client(args, c) for c in levels + ([args.mixed] if args.mixed else [])))
     mixed = _mixed_prompts(args, prompts[: max(args.mixed * per_client(args, args.mixed) // 2, 1)]) if args.mixed else None
     report: dict = {"settings": {k: v for k, v in vars(args).items() if k != "func"}, "modes": {},
                     "load_avg_start": os.getloadavg()}
