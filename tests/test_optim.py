@@ -84,7 +84,8 @@ def test_schedule_with_decay_steps_reaches_the_final_rate_there_and_holds_it():
 
 
 @pytest.mark.parametrize("decay,steps,match", [
-    (10, 100, r"optim.decay_steps: must be 0 .* or > warmup_steps \(20\), got 10"),
+    (10, 100, r"optim.decay_steps: must be 0 .* or > the warm-up \(20 steps\), got 10"),
+    (-1, 100, r"optim.decay_steps: must be >= 0"),
     (150, 100, r"optim.decay_steps: 150 is past train.steps=100"),
 ])
 def test_decay_steps_out_of_range_are_refused_naming_the_key(decay, steps, match):

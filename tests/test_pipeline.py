@@ -16,6 +16,9 @@ def test_bad_pipeline_configs_name_the_key():
         load_config(PipelineConfig, [MINI], ["eval_drafters=[nope]"])
     with pytest.raises(ConfigError, match="drafter_packed_length"):
         load_config(PipelineConfig, [MINI], ["drafter_packed_length=16"])
+    for bad in ("{name: a, steps: 100, decay_steps: 200}", "{name: a, decay_steps: 50}"):
+        with pytest.raises(ConfigError, match=r"drafters\[0\].decay_steps: must be within the variant's own steps"):
+            load_config(PipelineConfig, [MINI], [f"drafters=[{bad}]", "eval_drafters=[a]", "prune_drafter=''"])
 
 
 def test_quick_variant_shortens_every_stage_and_leaves_the_artifacts():
@@ -29,6 +32,8 @@ def test_quick_variant_shortens_every_stage_and_leaves_the_artifacts():
     for v, q in zip(cfg.drafters, quick.drafters):
         assert (q.name, q.init, q.ar_weight) == (v.name, v.init, v.ar_weight)
         assert q.steps is None if v.steps is None else q.steps == max(4, v.steps // 8)
+        assert q.decay_steps is None if v.decay_steps is None else q.decay_steps == max(4, v.decay_steps // 8)
+    assert any(v.decay_steps for v in cfg.drafters)  # the target drafter's cosine ends before its last step
     assert quick.eval_samples < cfg.eval_samples and not quick.hf_peer
 
 

@@ -40,12 +40,16 @@ class DrafterVariantConfig:
     init: str = "small"  # "small" (pretrained small model) | "target" (target's weights) | "random"
     ar_weight: float = 1.0
     steps: int | None = None  # None: the stage's steps
+    decay_steps: int | None = None  # the cosine ends here, then the LR holds (None: at its steps)
     seed: int | None = None  # of the init, the data order and the anchors (None: the pipeline's)
 
     def validate(self, prefix: str = "drafter") -> None:
         _require(self.init in ("small", "target", "random"), f"{prefix}.init",
                  f"must be 'small', 'target' or 'random', got {self.init!r}")
         _require(self.ar_weight >= 0, f"{prefix}.ar_weight", "must be >= 0")
+        _require(self.decay_steps is None or (self.decay_steps >= 1 and self.steps is not None
+                                              and self.decay_steps <= self.steps), f"{prefix}.decay_steps",
+                 f"must be within the variant's own steps (1..{self.steps}), got {self.decay_steps}")
         _require(bool(self.name) and "/" not in self.name, f"{prefix}.name", "must be a plain non-empty name")
 
 
@@ -109,7 +113,8 @@ class PipelineConfig:
         """``train/pipeline.py --quick``: every stage at about 1/``factor`` of the steps, a tenth of
         the regenerated prompts and half the benchmark, written under ``runs/quick/`` so the shipped
         artifacts stay as they are (the demo with ``--rebuild``: 41 min on the 2-core machine of
-        2026-12-02, with the target-initialised drafter, its pruning and the second seeds)."""
+        2026-12-02, with the target-initialised drafter at 40 of its then 320 steps, its pruning
+        and the second seeds; its 150 of 1200 steps now add about 8 min, not re-measured)."""
         def steps(n: int) -> int:
             return max(4, n // factor)
 
@@ -121,7 +126,8 @@ class PipelineConfig:
                                       warmup_steps=min(self.small.warmup_steps, steps(self.small.steps) // 4)),
             regen_prompts=max(16, self.regen_prompts // 10),
             regen_docstring_prompts=self.regen_docstring_prompts // 10, drafter_steps=steps(self.drafter_steps),
-            drafters=tuple(dataclasses.replace(d, steps=None if d.steps is None else steps(d.steps))
+            drafters=tuple(dataclasses.replace(d, steps=None if d.steps is None else steps(d.steps),
+                                               decay_steps=None if d.decay_steps is None else steps(d.decay_steps))
                            for d in self.drafters),
             prune_recover_steps=max(2, self.prune_recover_steps // 4),
             prune_eval_every=max(1, self.prune_eval_every // 4) if self.prune_eval_every else 0,

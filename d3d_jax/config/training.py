@@ -104,8 +104,7 @@ class OptimConfig:
         _require(0 <= self.final_learning_rate <= self.learning_rate, f"{prefix}.final_learning_rate",
                  "must be in [0, learning_rate]")
         _require(self.warmup_steps >= 0, f"{prefix}.warmup_steps", "must be >= 0")
-        _require(self.decay_steps == 0 or self.decay_steps > self.warmup_steps, f"{prefix}.decay_steps",
-                 f"must be 0 (decay until train.steps) or > warmup_steps ({self.warmup_steps}), got {self.decay_steps}")
+        _require(self.decay_steps >= 0, f"{prefix}.decay_steps", "must be >= 0 (0: decay until train.steps)")
         _require(0 <= self.b1 < 1 and 0 <= self.b2 < 1, f"{prefix}.b1/b2", "must be in [0, 1)")
         _require(self.eps > 0, f"{prefix}.eps", "must be > 0")
         _require(self.clip_norm >= 0, f"{prefix}.clip_norm", "must be >= 0")
@@ -197,6 +196,9 @@ class TrainRunConfig:
         if self.model.block_size is not None and self.data.mode == "d3d":
             _require(self.model.block_size == self.data.block_size, f"{p}data.block_size",
                      f"{self.data.block_size} differs from model.block_size={self.model.block_size}")
+        warm = min(self.optim.warmup_steps, self.train.steps - 1)  # the schedule's own clamp
+        _require(self.optim.decay_steps == 0 or self.optim.decay_steps > warm, f"{p}optim.decay_steps",
+                 f"must be 0 (decay until train.steps) or > the warm-up ({warm} steps), got {self.optim.decay_steps}")
         _require(self.optim.decay_steps <= self.train.steps, f"{p}optim.decay_steps",
                  f"{self.optim.decay_steps} is past train.steps={self.train.steps}: the run would end "
                  "before its learning rate reached final_learning_rate")

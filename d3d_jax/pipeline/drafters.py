@@ -34,14 +34,15 @@ def train_drafter(p: Pipeline, v: C.DrafterVariantConfig) -> None:
     base = load_model_config(str(init_dir or p.model_dir("small")))
     mc = p.model_config(base, mask_token_id=p.special_ids()["mask"], block_size=c.block_size)
     optim = C.OptimConfig(name="adamw", learning_rate=c.drafter_learning_rate,
-                          final_learning_rate=c.drafter_learning_rate * 0.1, warmup_steps=20)
+                          final_learning_rate=c.drafter_learning_rate * 0.1, warmup_steps=20,
+                          decay_steps=v.decay_steps or 0)
     objective = C.ObjectiveConfig(kind="d3d", gamma=c.drafter_gamma, ar_weight=v.ar_weight)
     steps = v.steps or c.drafter_steps
     seed = c.seed if v.seed is None else v.seed
     data = dataclasses.replace(p.drafter_data(), seed=seed)
     hf_dir, losses = p.train_run(f"drafter_{v.name}", mc, data, objective, optim, steps,
                                  init_from=str(init_dir) if init_dir else "", seed=seed,
-                                 eval_every=max(25, steps // 12))  # the dev-loss curve
+                                 eval_every=max(25, steps // 30))  # the dev-loss curve
     dest = p.drafter_dir(v.name)
     shutil.copytree(hf_dir, dest, dirs_exist_ok=True)
     p.store_compact(dest)  # pruning starts from the run's float32 export (float32_export)
