@@ -97,6 +97,10 @@ class OptimConfig:
     grad_accum_steps: int = 1
     quant_block_size: int = 256  # 8-bit moments: one float32 scale per this many entries
 
+    def warmup_for(self, total_steps: int) -> int:
+        """The warm-up a run of ``total_steps`` gets: ``warmup_steps``, at most every step but one."""
+        return min(self.warmup_steps, max(total_steps - 1, 0))
+
     def validate(self, prefix: str = "optim") -> None:
         _require(self.name in ("adamw", "adamw8bit"), f"{prefix}.name",
                  f"must be 'adamw' or 'adamw8bit', got {self.name!r}")
@@ -196,7 +200,7 @@ class TrainRunConfig:
         if self.model.block_size is not None and self.data.mode == "d3d":
             _require(self.model.block_size == self.data.block_size, f"{p}data.block_size",
                      f"{self.data.block_size} differs from model.block_size={self.model.block_size}")
-        warm = min(self.optim.warmup_steps, self.train.steps - 1)  # the schedule's own clamp
+        warm = self.optim.warmup_for(self.train.steps)  # what the schedule runs
         _require(self.optim.decay_steps == 0 or self.optim.decay_steps > warm, f"{p}optim.decay_steps",
                  f"must be 0 (decay until train.steps) or > the warm-up ({warm} steps), got {self.optim.decay_steps}")
         _require(self.optim.decay_steps <= self.train.steps, f"{p}optim.decay_steps",

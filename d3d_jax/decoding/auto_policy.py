@@ -83,7 +83,7 @@ class Pool:
         before's pooled rate: a drafter's slots accept less the further out they are, and slots
         beyond the widths that ran (sync/4 tests 3) would otherwise keep the offline τ's rate
         for good (the demo's `small`: 0.85 offline), and price a wider geometry by it."""
-        if self._rates is None or len(self._rates) <= k:
+        if self._rates is None:  # every slot's, until the pool changes
             rates, prior = [self.prior], self.prior
             for j in range(1, len(self.tested)):
                 rates.append((self.accepted[j] + PRIOR_ROUNDS * prior) / (self.tested[j] + PRIOR_ROUNDS))

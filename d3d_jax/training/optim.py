@@ -143,7 +143,7 @@ def adamw_8bit(learning_rate, b1: float = 0.9, b2: float = 0.999, eps: float = 1
 def lr_schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:
     """Linear warm-up to ``learning_rate``, then cosine to ``final_learning_rate`` at ``decay_steps``
     (``total_steps`` when 0), held from there to the end."""
-    warm = min(cfg.warmup_steps, max(total_steps - 1, 0))
+    warm = cfg.warmup_for(total_steps)
     decay = cfg.decay_steps or total_steps
     return optax.warmup_cosine_decay_schedule(
         init_value=0.0 if warm else cfg.learning_rate, peak_value=cfg.learning_rate,
