@@ -195,7 +195,7 @@ def test_a_request_set_aside_is_judged_again_after_8_then_16_plain_rounds():
 
     judge = types.SimpleNamespace(prefers_plain=lambda acc, n: acc.rounds >= 3 and acc.rate(1) < 0.5)
     stub = types.SimpleNamespace(policy=judge, pool=0.8,
-                                 ctx=types.SimpleNamespace(config=types.SimpleNamespace(block_size=16)))
+                                 ctx=types.SimpleNamespace(config=types.SimpleNamespace(block_size=16), drafter=None))
     stub._acceptance = lambda info: AutoStrategy._acceptance(stub, info)
     info = types.SimpleNamespace(stats={}, modes=collections.Counter())
     reclassify = lambda: AutoStrategy.reclassify(stub, {5: info})  # noqa: E731
@@ -230,7 +230,7 @@ def test_a_server_warm_up_request_never_joins_the_pool():
     from d3d_jax.decoding.auto import AutoStrategy
     from d3d_jax.serving import server
 
-    stub = types.SimpleNamespace(pool=0.8, ctx=types.SimpleNamespace(config=types.SimpleNamespace(block_size=16)))
+    stub = types.SimpleNamespace(pool=0.8, ctx=types.SimpleNamespace(config=types.SimpleNamespace(block_size=16), drafter=None))
     stub._acceptance = lambda info: AutoStrategy._acceptance(stub, info)
     judged = {}
     for warmup in (False, True):
@@ -460,3 +460,159 @@ def test_start_up_times_each_program_after_a_lead_in_round(setup, monkeypatch):
     assert len(st.policy.geometries) >= 3
     for g in st.policy.geometries:
         assert st.policy.costs.get(g.label, 1) == pytest.approx(0.005, abs=0.003), g.label
+
+
+def test_a_prompt_the_drafter_cannot_predict_judges_its_request_at_admission():
+    """The prompt score scales a request's prior by score / (0.5 x the pooled requests' mean),
+    at most 1: a request whose prompt the drafter predicts as well as the pooled ones keeps the
+    pooled prior and is judged by its own rounds; one with score 0 expects 1 token a round in
+    every geometry, is judged at once (no speculative round) and set aside.  Re-judging takes
+    the scale's square root each time; with no pooled score yet the prompt counts for nothing."""
+    pool = Pool(16, 0.8)
+    ref = Acceptance(16, pool)
+    for _ in range(5):
+        ref.record(4, 3)
+    ref.set_prompt(0.4)
+    pool.add(ref)
+    assert pool.prompt_ref() == pytest.approx(0.4)
+    known, noise, half, none = (Acceptance(16, pool) for _ in range(4))
+    known.set_prompt(0.35)  # above half the mean: the full prior
+    noise.set_prompt(0.0)
+    half.set_prompt(0.05)  # a quarter of the mean's half
+    none.set_prompt(float("nan"))  # the drafter gives no score (a replay)
+    assert known.prompt_scale() == 1.0 and none.prompt_scale() == 1.0
+    assert known.expected(4) == pytest.approx(Acceptance(16, pool).expected(4))
+    assert noise.expected(4) == 1.0 and half.prompt_scale() == pytest.approx(0.25)
+    c = [half.prior.rate(k) * 0.25 for k in range(4)]
+    assert half.expected(4) == pytest.approx(1 + c[1] + c[1] * c[2] + c[1] * c[2] * c[3])
+    assert [a.judged for a in (known, noise, half, none)] == [False, True, True, False]
+    pol = Policy([Geometry("plain", 1), Geometry("sync/4", 4)], (1, 2))
+    pol.costs.calibrate("plain", 2, 1.0)
+    pol.costs.calibrate("sync/4", 2, 1.5)
+    assert pol.prefers_plain(noise, 2) and not pol.prefers_plain(known, 2)
+    # a request not yet judged speculates while that costs the batch under PLAIN_MARGIN (15 %),
+    # so that its rounds can judge it; one judged by its prompt does not
+    pol.costs.calibrate("sync/4", 1, 1.1)
+    pol.costs.calibrate("plain", 1, 1.0)
+    assert pol.choose([(Acceptance(16, 0.01), 100)], 1).key == ("sync/4",)
+    assert pol.choose([(noise, 100)], 1).key == ("plain",)
+    half.fade()
+    assert half.prompt_scale() == pytest.approx(0.5) and not half.judged
+    fresh = Acceptance(16, Pool(16, 0.8))
+    fresh.set_prompt(0.0)
+    assert fresh.prompt_scale() == 1.0 and not fresh.judged  # nothing pooled to compare with
+
+
+def test_the_prompt_score_is_the_share_of_prompt_tokens_the_drafter_predicts(setup):
+    """``ModelDrafter.prefill_scored`` against the drafter's uncached forward: per prompt, the
+    share of tokens 1 … n-1 equal to the argmax one position before; NaN for a 1-token prompt.
+    Auto reads it with the request's first round (``stats['prompt']``)."""
+    s = setup
+    md = ModelDrafter(s["drafter_model"], MASK)
+    prompts = [p for p in s["prompts"] if len(p) > 1] + [[3]]
+    want = []
+    for p in prompts:
+        logits = np.asarray(s["drafter_model"](np.asarray([p], np.int32)))[0]
+        hits = [int(np.argmax(logits[t])) == p[t + 1] for t in range(len(p) - 1)]
+        want.append(np.mean(hits) if hits else np.nan)
+    width = max(len(p) for p in prompts)
+    bt = np.asarray([p + [0] * (width - len(p)) for p in prompts], np.int32)
+    _, got = md.prefill_scored(md.params, None, bt, np.asarray([len(p) - 1 for p in prompts]))
+    np.testing.assert_allclose(np.asarray(got), want, atol=1e-6)
+    assert 0 < np.nanmax(want) and np.isnan(np.asarray(got)[-1])
+    # predictable prompts: the drafter's own greedy continuation scores 1
+    own = [s["prompts"][1][:3]]
+    for _ in range(8):
+        own[0].append(int(np.argmax(np.asarray(s["drafter_model"](np.asarray(own, np.int32)))[0, -1])))
+    _, one = md.prefill_scored(md.params, None, np.asarray(own, np.int32), np.asarray([10]))
+    assert float(one[0]) >= 0.8 - 1e-6  # of tokens 1..10, 3..10 are its own argmaxes
+
+
+def test_auto_reads_each_request_s_prompt_score_with_its_first_round(setup, monkeypatch):
+    """With a model drafter, admission keeps each row's prompt score on the device (through the
+    row swaps of placement) and the first round brings it to the request's Acceptance."""
+    s = setup
+    cfg = DecoderConfig(mode="auto", num_slots=2, max_cache_len=CACHE, block_size=BLOCK)
+    dec = SpecDecoder(s["target"], s["drafter_model"], cfg)
+    plain = dec.strategy.policy.plain
+    monkeypatch.setattr(dec.strategy.policy, "choose", lambda rows, b: Plan([(0, len(rows), plain)], 0, 1))
+    md = ModelDrafter(s["drafter_model"], MASK)
+    prompts = [s["prompts"][1], s["prompts"][3]]
+    for slot, p in zip((1, 0), prompts):
+        dec.insert(dec.prefill(Request(p, 4, index=slot)), slot)
+    dec.step()
+    for slot, p in zip((1, 0), prompts):
+        _, want = md.prefill_scored(md.params, None, np.asarray([p], np.int32), np.asarray([len(p) - 1]))
+        info = dec._slots[slot]
+        assert info.stats["prompt"] == pytest.approx(float(want[0]), abs=1e-6)
+        assert info.stats["acceptance"].prompt == pytest.approx(float(want[0]), abs=1e-6)
+    dec.free(dec.active_slots())
+
+
+def _pool_with_prompt_ref(ref: float) -> Pool:
+    pool = Pool(16, 0.8)
+    done = Acceptance(16, pool)
+    for _ in range(5):
+        done.record(4, 3)
+    done.set_prompt(ref)
+    pool.add(done)
+    return pool
+
+
+def test_a_request_is_speculated_on_to_judge_it_only_once_its_prompt_says_it_is_unlike_the_pool():
+    """Exploration (a speculative plan up to PLAIN_MARGIN dearer than all-plain, to judge a
+    request) waits for the prompt score (read one round behind) and skips a request whose prompt
+    scored like the pooled requests': their prior stands for it.  A prompt scored lower, none
+    (NaN), no pooled score to compare with, or a request being judged again still explores."""
+    pool = _pool_with_prompt_ref(0.4)
+    like = Acceptance(16, pool, scored=True)
+    assert like.pending and not like.explores  # the score is on its way
+    like.set_prompt(0.3)  # at least half the pooled mean: the full prior, vouched for
+    assert not like.pending and like.prompt_scale() == 1.0 and not like.explores
+    lower, none, alone = (Acceptance(16, p, scored=True) for p in (pool, pool, Pool(16, 0.8)))
+    lower.set_prompt(0.19)  # scale 0.95: not judged by it, not vouched for either
+    none.set_prompt(float("nan"))
+    alone.set_prompt(0.4)
+    assert lower.explores and none.explores and alone.explores
+    assert Acceptance(16, pool).explores  # a drafter that scores nothing (a replay)
+    pol = Policy([Geometry("plain", 1), Geometry("sync/4", 4)], (1, 2))
+    pol.costs.calibrate("plain", 1, 1.0)
+    pol.costs.calibrate("sync/4", 1, like.expected(4) / 0.92)  # 8 % fewer tokens a second
+    assert none.expected(4) == pytest.approx(like.expected(4))
+    assert pol.choose([(like, 100)], 1).key == ("plain",)
+    assert pol.choose([(none, 100)], 1).key == ("sync/4",)
+    assert pol.choose([(like, 100), (lower, 100)], 2).key == ("sync/4",)
+    like.fade()  # judged again: its own rounds decide, not its prompt
+    assert like.explores and pol.choose([(like, 100)], 1).key == ("sync/4",)
+
+
+def test_a_request_judged_by_its_prompt_stays_aside_when_judged_again():
+    """A request set aside on its prompt score alone is not swapped back to speculate when its
+    re-judging comes and its faded score still sets it aside (each swap is a row operation of
+    5-8 ms; with prompt score 0 it came back and went aside every 8, 16, 32 plain rounds); it
+    waits twice as long for the next one.  A score the fading lifts goes back as before."""
+    import collections
+    import types
+
+    from d3d_jax.decoding.auto import AutoStrategy
+
+    pool = _pool_with_prompt_ref(0.4)
+    judge = types.SimpleNamespace(prefers_plain=lambda acc, n: acc.judged)
+    stub = types.SimpleNamespace(policy=judge, pool=pool, ctx=types.SimpleNamespace(
+        config=types.SimpleNamespace(block_size=16), drafter=None))
+    stub._acceptance = lambda info: AutoStrategy._acceptance(stub, info)
+    infos = {s: types.SimpleNamespace(stats={}, modes=collections.Counter()) for s in (3, 5)}
+    stub._acceptance(infos[3]).set_prompt(0.0)
+    stub._acceptance(infos[5]).set_prompt(0.05)  # scale 0.25, then 0.5 once faded
+    assert AutoStrategy.reclassify(stub, infos) == {3: 1, 5: 1}
+    for info in infos.values():
+        info.stats["class"] = 1
+        info.modes["plain"] += 8
+    assert AutoStrategy.reclassify(stub, infos) == {5: 0}
+    assert infos[3].stats["asides"] == 2 and infos[3].stats["aside_at"] == 8
+    infos[3].modes["plain"] += 15
+    assert AutoStrategy.reclassify(stub, {3: infos[3]}) == {}
+    infos[3].modes["plain"] += 1
+    assert AutoStrategy.reclassify(stub, {3: infos[3]}) == {}  # still 0: aside, no swap
+    assert infos[3].stats["asides"] == 3 and infos[3].stats["aside_at"] == 24
+

@@ -28,8 +28,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from d3d_jax.decoding import window as W
+from d3d_jax.decoding.admission import admit as admit_rows
 from d3d_jax.decoding.async_core import V_HIT, V_MISS, AsyncCore, handoff
 from d3d_jax.decoding.async_strategy import windowed_side
+from d3d_jax.decoding.drafting import prefill_scored
 from d3d_jax.decoding.auto_policy import (MIN_ROUNDS_TO_SET_ASIDE, REJUDGE_AFTER, Acceptance, Geometry,
                                           Policy, Pool, geometric_rate)
 from d3d_jax.decoding.strategies import (Carry, Context, Part, Strategy, mark_done, result_out,
@@ -90,21 +92,36 @@ class AutoStrategy(Strategy):
                                                      static_argnums=0)(num_slots),
                                             dstate=None, anchor=jnp.full((num_slots,), -1, jnp.int32))
                  for label, a in self.async_cores.items()}
-        return Carry(super().init(num_slots).state, sides)
+        return Carry(super().init(num_slots).state, sides,
+                     prompt_score=jnp.full((num_slots,), jnp.nan, jnp.float32))
 
     def _admit_all_fn(self, t_leaves, d_leaves, carry: Carry, rows, index, count):
-        state = self._admit_fn(t_leaves, d_leaves, carry.state, rows, index, count)
+        """Prefill and insert as every strategy does, keeping each row's prompt score (from the
+        drafter's prefill forward: :func:`~d3d_jax.decoding.drafting.prefill_scored`)."""
+        cfg, tp, dp = self.ctx.config, self.ctx.tp(t_leaves), self.ctx.dp(d_leaves)
+
+        def prefill(r):
+            d, score = prefill_scored(self.ctx.drafter, dp, r.drafter_data, r.prompt, r.prompt_len - 1)
+            return (self.home.prefill_target(tp, r), d), score
+
+        def insert(t, parts, slot):
+            (target, drafter), score = parts
+            return self.home.insert(t[0], target, drafter, slot), t[1].at[slot].set(score, mode="drop")
+
+        state, scores = admit_rows((carry.state, carry.prompt_score), rows, index, count,
+                                   prefill=prefill, insert=insert, buckets=cfg.prompt_buckets,
+                                   cache_len=cfg.max_cache_len)
         # a new request has no next block in any async geometry yet: its first round redrafts
         stale = lambda side: dataclasses.replace(  # noqa: E731
             side, anchor=side.anchor.at[jnp.where(jnp.arange(index.shape[0]) < count, index,
                                                   side.anchor.shape[0])].set(-1, mode="drop"))
-        return Carry(state, {k: stale(v) for k, v in carry.side.items()})
+        return Carry(state, {k: stale(v) for k, v in carry.side.items()}, prompt_score=scores)
 
     def admit(self, carry: Carry, params, rows, index, count) -> Carry:
         return self._admit_all(*params, carry, rows, index, count)
 
     def _ops_all_fn(self, carry: Carry, ops, count):
-        mark = lambda c, row, flag: Carry(mark_done(c.state, row, flag), c.side)  # noqa: E731
+        mark = lambda c, row, flag: dataclasses.replace(c, state=mark_done(c.state, row, flag))  # noqa: E731
         return W.apply_row_ops(carry, ops, count, mark)
 
     def row_ops(self, carry: Carry, ops, count) -> Carry:
@@ -115,7 +132,7 @@ class AutoStrategy(Strategy):
         tp = self.ctx.tp(t_leaves)
         state, res = windowed(lambda v: self.cores["plain"].round(tp, None, v), rows, carry.state,
                               start, lo, hi)
-        return Carry(state, carry.side), result_out(res)
+        return dataclasses.replace(carry, state=state), self._out(res, carry, start, rows)
 
     def _sync_fn(self, t_leaves, d_leaves, carry: Carry, start, lo, hi, *, label, rows):
         tp, dp, core = self.ctx.tp(t_leaves), self.ctx.dp(d_leaves), self.cores[label]
@@ -125,7 +142,7 @@ class AutoStrategy(Strategy):
             return core.round(tp, dp, dataclasses.replace(v, drafter_state=d))
 
         state, res = windowed(round_, rows, carry.state, start, lo, hi)
-        return Carry(state, carry.side), result_out(res)
+        return dataclasses.replace(carry, state=state), self._out(res, carry, start, rows)
 
     def _async_fn(self, t_leaves, d_leaves, carry: Carry, start, lo, hi, *, label, rows):
         tp, dp, acore = self.ctx.tp(t_leaves), self.ctx.dp(d_leaves), self.async_cores[label]
@@ -144,7 +161,13 @@ class AutoStrategy(Strategy):
         side_view = W.view(side_full, start, rows)
         state, (side, res, view) = windowed(round_, rows, carry.state, start, lo, hi, side_view)
         sides = dict(carry.side, **{label: W.merge(side_full, side, keep, start)})
-        return Carry(state, sides), dict(result_out(res), hit=view[:, V_HIT], miss=view[:, V_MISS])
+        return (dataclasses.replace(carry, state=state, side=sides),
+                dict(self._out(res, carry, start, rows), hit=view[:, V_HIT], miss=view[:, V_MISS]))
+
+    @staticmethod
+    def _out(res, carry: Carry, start, rows: int) -> dict:
+        """A round's per-row results, with each row's prompt score (read once by the host)."""
+        return dict(result_out(res), prompt_score=W.view(carry.prompt_score, start, rows))
 
     @staticmethod
     def _fresh_blocks(acore: AsyncCore, dp, v, side):
@@ -173,7 +196,8 @@ class AutoStrategy(Strategy):
     # ------------------------------------------------------------ the choice
     def _acceptance(self, info) -> Acceptance:
         if "acceptance" not in info.stats:
-            info.stats["acceptance"] = Acceptance(self.ctx.config.block_size, self.pool)
+            info.stats["acceptance"] = Acceptance(self.ctx.config.block_size, self.pool,
+                                                  scored=hasattr(self.ctx.drafter, "prefill_scored"))
         return info.stats["acceptance"]
 
     def _pools(self, info) -> bool:
@@ -198,7 +222,11 @@ class AutoStrategy(Strategy):
                     stats["asides"] = stats.get("asides", 0) + 1
             elif info.modes["plain"] - stats["aside_at"] >= REJUDGE_AFTER << (stats["asides"] - 1):
                 acc.fade()
-                out[slot] = 0
+                if self.policy.prefers_plain(acc, n):  # judged still (by its prompt): no swap
+                    stats["aside_at"] = info.modes["plain"]
+                    stats["asides"] += 1
+                else:
+                    out[slot] = 0
         return out
 
     def dispatch(self, carry: Carry, params, groups, rows_info):
@@ -224,6 +252,9 @@ class AutoStrategy(Strategy):
             width = self.geometry[part.label].width
             for i, row in enumerate(range(part.start, part.start + part.rows)):
                 slot, info = snapshot[row]
+                if part.lo <= row < part.hi and info is not None and "prompt" not in info.stats:
+                    info.stats["prompt"] = float(out["prompt_score"][i])
+                    self._acceptance(info).set_prompt(info.stats["prompt"])
                 if part.lo <= row < part.hi and info is not None and int(out["count"][i]) > 0:
                     acc = self._acceptance(info)
                     acc.record(width, int(out["accepted"][i]))

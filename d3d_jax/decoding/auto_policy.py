@@ -38,6 +38,17 @@ REJUDGE_AFTER = 8
 # for good — a geometry that looks too dear is never run again, so it is never re-measured.
 OUTLIER = 2.0
 POOL_ROUNDS = 256  # the drafter's pooled acceptance halves its counts past this many rounds
+# A request's prompt score (the share of its prompt tokens the drafter predicts, measured at
+# admission) scales its prior: by score / (PROMPT_FULL x the pooled requests' mean score), at
+# most 1.  A prior scaled below PROMPT_JUDGED judges the request before any round of its own:
+# on the mixed level, random-id prompts (score 0) were speculated on for their first rounds, and
+# every round with an unjudged request in it speculated the whole batch.  Each re-judging takes
+# the scale's square root, so a prompt score that was wrong stops counting after a few.
+# A request is not speculated on to judge it (:attr:`Acceptance.explores`) while its score is on
+# its way (the first one or two rounds, read one round behind), nor when its prompt scored like
+# the pooled requests' (full prior, never re-judged): the pool already says what it is worth.
+PROMPT_FULL = 0.5
+PROMPT_JUDGED = 0.5
 
 
 def geometric_rate(tau: float, width: int) -> float:
@@ -65,6 +76,7 @@ class Pool:
         self.tested = [0.0] * width
         self.accepted = [0.0] * width
         self.prior = prior_rate
+        self.prompt_total = self.prompt_count = 0.0  # the pooled requests' prompt scores
         self.version = 0  # bumped on every change: requests' cached curves follow it
         self._rates: list[float] | None = None
 
@@ -72,9 +84,13 @@ class Pool:
         """A finished request's own rounds."""
         self.tested = [t + a for t, a in zip(self.tested, acc.tested)]
         self.accepted = [t + a for t, a in zip(self.accepted, acc.accepted)]
+        if acc.prompt is not None:
+            self.prompt_total += acc.prompt
+            self.prompt_count += 1
         while self.tested[1] > POOL_ROUNDS:
             self.tested = [t / 2 for t in self.tested]
             self.accepted = [a / 2 for a in self.accepted]
+            self.prompt_total, self.prompt_count = self.prompt_total / 2, self.prompt_count / 2
         self.version += 1
         self._rates = None
 
@@ -91,16 +107,23 @@ class Pool:
             self._rates = rates
         return self._rates[k]
 
+    def prompt_ref(self) -> float | None:
+        """The pooled requests' mean prompt score (None before a scored one joined)."""
+        return self.prompt_total / self.prompt_count if self.prompt_count > 0 else None
+
 
 class Acceptance:
     """One request's acceptance by draft slot (censored by the width of each round).  ``prior``:
     a per-slot rate (a float) or a :class:`Pool` whose rates it follows."""
 
-    def __init__(self, width: int, prior: "float | Pool"):
+    def __init__(self, width: int, prior: "float | Pool", scored: bool = False):
         self.tested = [0] * width  # index k: rounds in which draft slot k was judged
         self.accepted = [0] * width
         self.prior = prior
         self.rounds = 0
+        self.pending = scored  # a prompt score is coming (the drafter scores prompts)
+        self.prompt: float | None = None  # the prompt score (None: not known, or none)
+        self.prompt_weight = 1.0  # halved at each re-judging
         self._curve: list[float] | None = None  # expected tokens by width (until a change)
         self._version = -1  # the pool's version the curve was computed with
 
@@ -116,6 +139,35 @@ class Acceptance:
         if accepted + 1 <= width - 1:
             self.tested[accepted + 1] += 1
 
+    def set_prompt(self, score: float) -> None:
+        """The request's prompt score, once it is read (NaN: the drafter gives none)."""
+        self.prompt = None if not math.isfinite(score) else float(score)
+        self.pending = False
+        self._curve = None
+
+    def _prompt_ref(self) -> float | None:
+        return self.prior.prompt_ref() if isinstance(self.prior, Pool) else None
+
+    def prompt_scale(self) -> float:
+        """The prior's scale from the prompt score (see :data:`PROMPT_FULL`; 1 without one)."""
+        ref = self._prompt_ref()
+        if self.prompt is None or not ref:
+            return 1.0
+        return min(1.0, self.prompt / (PROMPT_FULL * ref)) ** self.prompt_weight
+
+    @property
+    def judged(self) -> bool:
+        """Enough speculative rounds of its own, or a prompt score that already says enough."""
+        return self.rounds >= MIN_ROUNDS_TO_SET_ASIDE or self.prompt_scale() < PROMPT_JUDGED
+
+    @property
+    def explores(self) -> bool:
+        """Worth speculative rounds to judge it (see :data:`PROMPT_JUDGED`'s comment)."""
+        if self.judged or self.pending:
+            return False
+        vouched = self.prompt is not None and self._prompt_ref() and self.prompt_weight == 1.0
+        return not (vouched and self.prompt_scale() == 1.0)
+
     def fade(self) -> None:
         """Half the weight on the rounds so far, and one round short of judged: a request put
         back to speculate after plain rounds is judged again on its next round, its new rounds
@@ -123,10 +175,11 @@ class Acceptance:
         self.tested = [t / 2 for t in self.tested]
         self.accepted = [a / 2 for a in self.accepted]
         self.rounds = min(self.rounds, MIN_ROUNDS_TO_SET_ASIDE - 1)
+        self.prompt_weight /= 2
         self._curve = None
 
     def prior_rate(self, k: int) -> float:
-        return self.prior.rate(k) if isinstance(self.prior, Pool) else self.prior
+        return (self.prior.rate(k) if isinstance(self.prior, Pool) else self.prior) * self.prompt_scale()
 
     def rate(self, k: int) -> float:
         return (self.accepted[k] + PRIOR_ROUNDS * self.prior_rate(k)) / (self.tested[k] + PRIOR_ROUNDS)
@@ -272,7 +325,7 @@ class Policy:
         """A speculative plan instead of all-plain while a request has not had the speculative
         rounds that judge it and speculating costs at most ``PLAIN_MARGIN``: a prior is only a
         guess, and a request that never speculates never shows what its drafts are worth."""
-        if not any(acc.rounds < MIN_ROUNDS_TO_SET_ASIDE for acc, _ in speculative_rows):
+        if not any(acc.explores for acc, _ in speculative_rows):
             return plain
         spec = [p for p in plans if p.key != (self.plain.label,)]
         near = [p for p in spec if p.rate >= plain.rate * (1 - PLAIN_MARGIN)]
@@ -280,7 +333,7 @@ class Policy:
 
     def prefers_plain(self, acc: Acceptance, n: int) -> bool:
         """Speculation on this request pays less than a plain round would, at this load."""
-        if acc.rounds < MIN_ROUNDS_TO_SET_ASIDE:
+        if not acc.judged:
             return False
         b = self.bucket(n)
         plain = 1.0 / self.costs.get(self.plain.label, b)

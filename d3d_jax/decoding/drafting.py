@@ -106,6 +106,24 @@ def as_drafter(drafter, target_vocab: int, mask_token_id: int | None = None):
     return d
 
 
+def prompt_score(logits_btv: jax.Array, prompt_bt: jax.Array, prefill_len: jax.Array) -> jax.Array:
+    """``[b]``: the share of prompt positions ``1 … prefill_len[b]`` whose token is the argmax of
+    the logits one position before (NaN where ``prefill_len`` is 0)."""
+    hit = jnp.argmax(logits_btv[:, :-1], axis=-1).astype(jnp.int32) == prompt_bt[:, 1:]
+    valid = jnp.arange(prompt_bt.shape[1] - 1)[None, :] < prefill_len[:, None]
+    n = jnp.sum(valid, axis=1)
+    return jnp.where(n > 0, jnp.sum(hit & valid, axis=1) / jnp.maximum(n, 1), jnp.nan).astype(jnp.float32)
+
+
+def prefill_scored(drafter, params, data, prompt_bt: jax.Array, prefill_len: jax.Array):
+    """``(state, score [b])``: the drafter's prefill and its prompt score
+    (:meth:`ModelDrafter.prefill_scored`); NaN scores for a drafter that has none (a replay)."""
+    if hasattr(drafter, "prefill_scored"):
+        return drafter.prefill_scored(params, data, prompt_bt, prefill_len)
+    return (drafter.prefill(params, data, prompt_bt, prefill_len),
+            jnp.full((prompt_bt.shape[0],), jnp.nan, jnp.float32))
+
+
 UNCACHED_NARROW = 4  # uncached committed tokens fed by the drafter's narrow variant
 CATCH_UP_CHUNK = 16  # committed tokens a catch-up forward caches per row
 
@@ -137,13 +155,20 @@ class ModelDrafter:
 
     def prefill(self, params, data, prompt_bt: jax.Array, prefill_len: jax.Array) -> kvc.KVCache:
         """A prompt-length cache holding the first ``prefill_len[b]`` prompt tokens (causal)."""
+        return self.prefill_scored(params, data, prompt_bt, prefill_len)[0]  # logits: dead code
+
+    def prefill_scored(self, params, data, prompt_bt: jax.Array, prefill_len: jax.Array
+                       ) -> tuple[kvc.KVCache, jax.Array]:
+        """:meth:`prefill`, and from the same forward each row's prompt score ``[b]``: the share
+        of prompt tokens ``1 … prefill_len`` the drafter predicts (its top-1 after the tokens
+        before), NaN for a prompt of one token.  Auto mode's first evidence of a request."""
         model = nnx.merge(self.graphdef, params)
         b, p = prompt_bt.shape
         pos = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
         meta = causal_meta(pos, pos < prefill_len[:, None])
         # nothing cached yet: attend to one (masked) slot instead of the whole cache
-        _, cache = model(prompt_bt, meta, cache=kvc.init_cache(self.config, b, p), cache_span=1)
-        return cache.with_lengths(prefill_len)
+        logits, cache = model(prompt_bt, meta, cache=kvc.init_cache(self.config, b, p), cache_span=1)
+        return cache.with_lengths(prefill_len), prompt_score(logits, prompt_bt, prefill_len)
 
     def insert(self, state, rows, slots):
         return insert_cache_rows(state, rows, slots)

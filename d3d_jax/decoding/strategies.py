@@ -40,6 +40,7 @@ class Carry:
     state: DecodeState
     side: Any = None
     hand: Any = None
+    prompt_score: Any = None  # auto: each row's prompt score [slots] (NaN: none)
 
 
 @dataclasses.dataclass
