@@ -402,3 +402,15 @@ def test_mixed_level_samples_the_random_ids_and_keeps_text_greedy():
     assert k1 == "chat" and chat["temperature"] == 0 and "seed" not in chat
     assert k2 == "completion" and comp["prompt"] == prompts[1].ids
     assert comp["temperature"] == 0.7 and comp["seed"] == 0
+
+
+def test_a_server_that_fails_to_start_reports_its_own_error(tmp_path):
+    """``bench serve`` raises with the tail of the server's stderr; it raised ``ValueError: I/O
+    operation on closed file`` instead (the log was read after ``stop()`` had closed it), losing
+    why the server had died."""
+    from d3d_jax.bench.serve import ServerProcess
+
+    missing = tmp_path / "no-such-model"
+    with pytest.raises(RuntimeError, match="did not become ready") as err:
+        ServerProcess(["--target", str(missing)], timeout_s=120)
+    assert "no-such-model" in str(err.value)

@@ -133,9 +133,11 @@ class ServerProcess:
                 line = self.proc.stdout.readline()
                 if line.startswith("READY "):
                     return line.split()[1]
-        self.stop()
+        self.log.flush()
         self.log.seek(0)
-        raise RuntimeError(f"server did not become ready (exit {self.proc.returncode}):\n{self.log.read()[-4000:]}")
+        tail = self.log.read()[-4000:]  # before stop() closes and removes the log
+        self.stop()
+        raise RuntimeError(f"server did not become ready (exit {self.proc.returncode}):\n{tail}")
 
     @property
     def pid(self) -> int:
