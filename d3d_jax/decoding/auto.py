@@ -28,7 +28,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from d3d_jax.decoding import window as W
-from d3d_jax.decoding.admission import admit as admit_rows
 from d3d_jax.decoding.async_core import V_HIT, V_MISS, AsyncCore, handoff
 from d3d_jax.decoding.async_strategy import windowed_side
 from d3d_jax.decoding.drafting import prefill_scored
@@ -98,7 +97,7 @@ class AutoStrategy(Strategy):
     def _admit_all_fn(self, t_leaves, d_leaves, carry: Carry, rows, index, count):
         """Prefill and insert as every strategy does, keeping each row's prompt score (from the
         drafter's prefill forward: :func:`~d3d_jax.decoding.drafting.prefill_scored`)."""
-        cfg, tp, dp = self.ctx.config, self.ctx.tp(t_leaves), self.ctx.dp(d_leaves)
+        tp, dp = self.ctx.tp(t_leaves), self.ctx.dp(d_leaves)
 
         def prefill(r):
             d, score = prefill_scored(self.ctx.drafter, dp, r.drafter_data, r.prompt, r.prompt_len - 1)
@@ -108,9 +107,8 @@ class AutoStrategy(Strategy):
             (target, drafter), score = parts
             return self.home.insert(t[0], target, drafter, slot), t[1].at[slot].set(score, mode="drop")
 
-        state, scores = admit_rows((carry.state, carry.prompt_score), rows, index, count,
-                                   prefill=prefill, insert=insert, buckets=cfg.prompt_buckets,
-                                   cache_len=cfg.max_cache_len)
+        state, scores = self._admit_fn(t_leaves, d_leaves, (carry.state, carry.prompt_score), rows,
+                                       index, count, prefill=prefill, insert=insert)
         # a new request has no next block in any async geometry yet: its first round redrafts
         stale = lambda side: dataclasses.replace(  # noqa: E731
             side, anchor=side.anchor.at[jnp.where(jnp.arange(index.shape[0]) < count, index,

@@ -138,11 +138,13 @@ class Strategy:
                    if self.drafter_in_state else None)
         return target, drafter
 
-    def _admit_fn(self, t_leaves, d_leaves, state, rows: RowInput, index, count):
+    def _admit_fn(self, t_leaves, d_leaves, state, rows: RowInput, index, count, *, prefill=None,
+                  insert=None):
+        """``prefill`` / ``insert``: a strategy's own (auto keeps a prompt score beside the state)."""
         cfg = self.ctx.config
         return admit_rows(state, rows, index, count,
-                          prefill=lambda r: self._prefill_parts(t_leaves, d_leaves, r),
-                          insert=lambda st, parts, slot: self.home.insert(st, *parts, slot),
+                          prefill=prefill or (lambda r: self._prefill_parts(t_leaves, d_leaves, r)),
+                          insert=insert or (lambda st, parts, slot: self.home.insert(st, *parts, slot)),
                           buckets=cfg.prompt_buckets, cache_len=cfg.max_cache_len)
 
     def admit(self, carry: Carry, params, rows: RowInput, index, count) -> Carry:
