@@ -54,13 +54,38 @@ def test_row_ops_swap_and_free_rows_in_order_like_a_numpy_replay(seed):
     padded[: len(ops)] = ops
     fn = jax.jit(lambda t, o, n: W.apply_row_ops(t, o, n, _mark))
     got = fn(tree, jnp.asarray(padded), len(ops))
-    for g, w in zip((got["cache"].k_lbskh, got["cache"].v_lbskh, got["cache"].lengths, got["seq"],
-                     got["done"]), want):
+    for g, w in zip((got["cache"].lengths, got["seq"], got["done"]), want[2:]):
         np.testing.assert_array_equal(np.asarray(g), w)
+    # K/V: every row's valid positions (those past a row's length are invalid whatever they hold)
+    for g, w in zip((got["cache"].k_lbskh, got["cache"].v_lbskh), want[:2]):
+        for row, n in enumerate(want[2]):
+            np.testing.assert_array_equal(np.asarray(g)[:, row, :n], w[:, row, :n])
     assert int(got["step"]) == 7
     # ops past ``count`` are not applied
     none = fn(tree, jnp.asarray(padded), 0)
     np.testing.assert_array_equal(np.asarray(none["seq"]), np.asarray(tree["seq"]))
+
+
+def test_a_swap_moves_only_the_longer_rows_valid_positions():
+    """Positions at or past both rows' lengths stay where they are: a swap's work follows the
+    requests' lengths, not the cache's (the whole row moved was 8 MB of the demo target's)."""
+    tree = _tree()
+    cache = tree["cache"]
+    lengths = np.array(cache.lengths)
+    lengths[[1, 6]] = [5, 20]
+    tree["cache"] = KVCache(cache.k_lbskh, cache.v_lbskh, jnp.asarray(lengths))
+    k0 = np.array(cache.k_lbskh)
+    got = jax.jit(lambda t, o, n: W.apply_row_ops(t, o, n, _mark))(
+        tree, jnp.asarray([[1, 6, W.OP_SWAP]] + [[0, 0, 0]] * 15, jnp.int32), 1)
+    k = np.asarray(got["cache"].k_lbskh)
+    np.testing.assert_array_equal(k[:, 1, :20], k0[:, 6, :20])  # row 6's 20 valid positions
+    np.testing.assert_array_equal(k[:, 6, :5], k0[:, 1, :5])
+    chunk = W.math.gcd(S, W.SWAP_CHUNK)
+    moved = -(-20 // chunk) * chunk
+    assert moved < S  # the test's shapes leave positions that must stay
+    np.testing.assert_array_equal(k[:, 1, moved:], k0[:, 1, moved:])
+    np.testing.assert_array_equal(k[:, 6, moved:], k0[:, 6, moved:])
+    assert np.asarray(got["cache"].lengths)[[1, 6]].tolist() == [20, 5]
 
 
 def test_the_row_ops_program_never_copies_the_whole_cache():

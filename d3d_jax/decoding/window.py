@@ -11,6 +11,8 @@ follows the live requests, not the slots.  Rule for the pytrees: a
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 
@@ -61,13 +63,39 @@ def _swap(x: jax.Array, a: jax.Array, b: jax.Array, axis: int) -> jax.Array:
     return x.at[(slice(None),) * axis + (jnp.stack([b, a]),)].set(rows)
 
 
+SWAP_CHUNK = 64  # cache positions a step of a K/V swap moves
+
+
+def _swap_prefix(x: jax.Array, a: jax.Array, b: jax.Array, n: jax.Array) -> jax.Array:
+    """Rows ``a`` and ``b`` of ``x [L, B, S, K, H]`` exchanged at positions ``[0, n)`` (rounded
+    up to a chunk), a chunk a step, each step one gather and one scatter in place."""
+    chunk = math.gcd(x.shape[2], SWAP_CHUNK)  # chunks tile S exactly: none is swapped twice
+    idx = jnp.stack([a, b])[:, None]
+    back = jnp.stack([b, a])[:, None]
+
+    def body(c, x):
+        pos = (c * chunk + jnp.arange(chunk, dtype=jnp.int32))[None, :]
+        return x.at[:, back, pos].set(x[:, idx, pos])
+
+    return jax.lax.fori_loop(0, (n + chunk - 1) // chunk, body, x)
+
+
+def _swap_cache(c: KVCache, a: jax.Array, b: jax.Array) -> KVCache:
+    # Positions at or past a row's length are invalid whatever they hold (the cache's contract),
+    # so only the longer row's valid prefix moves: a request of 150 tokens in a 1024-position
+    # cache moves 1/6 of its rows (auto at 32 clients spent 0.5 of 7.1 s on row operations
+    # moving whole rows of the demo target's cache, 8 MB a row).
+    n = jnp.where(a == b, 0, jnp.minimum(jnp.maximum(c.lengths[a], c.lengths[b]), c.max_len))  # a free: none
+    return KVCache(_swap_prefix(c.k_lbskh, a, b, n), _swap_prefix(c.v_lbskh, a, b, n),
+                   _swap(c.lengths, a, b, 0))
+
+
 def swap_rows(tree, a: jax.Array, b: jax.Array):
     """Rows ``a`` and ``b`` exchanged in every per-row array (in place on a donated tree)."""
 
     def one(x):
         if isinstance(x, KVCache):
-            return KVCache(_swap(x.k_lbskh, a, b, 1), _swap(x.v_lbskh, a, b, 1),
-                           _swap(x.lengths, a, b, 0))
+            return _swap_cache(x, a, b)
         if getattr(x, "ndim", 0) == 0:
             return x
         return _swap(x, a, b, 0)
