@@ -184,6 +184,37 @@ def test_policy_expected_tokens_and_choice():
     assert pol.costs.get("plain", 4) == pytest.approx(2 ** 0.5)  # scaled from the nearest width
 
 
+def test_a_split_round_is_priced_by_the_split_rounds_that_ran_not_by_its_parts():
+    """Two windows in one round cost more than their parts alone.  Priced as the sum of its
+    parts' one-part costs, a split looked best where plain rounds over the whole batch made more
+    (the mixed level); a timed split round now prices splits of its shape, and scales the
+    estimate of splits never run, while leaving the one-part costs to one-part rounds."""
+    pol = Policy([Geometry("plain", 1), Geometry("sync/4", 4)], (1, 2, 4))
+    for rows, plain, sync in ((1, 0.5, 1.0), (2, 1.0, 1.5), (4, 2.0, 6.0)):
+        pol.costs.calibrate("plain", rows, plain)
+        pol.costs.calibrate("sync/4", rows, sync)
+    good, useless = Acceptance(16, 0.99), Acceptance(16, 0.0)
+    batch = [(good, 100)] * 2 + [(useless, 100)] * 2  # rows 0-1 speculate, 2-3 set aside
+    # by its parts' sum (sync/4 over 2 rows beside plain over 2: 2.5 s) the split is best:
+    # 9.9 tokens in 2.5 s against plain's 4 in 2 s and all-sync/4's 9.9 in 6 s
+    split = pol.choose(batch, 2)
+    assert [g.label for _, _, g in split.groups] == ["sync/4", "plain"]
+    assert split.seconds == pytest.approx(2.5)
+    # it took 8 s: the first sample counts at most twice the estimate (5 s), the second is
+    # averaged in by half (6.5 s)
+    pol.measured([("sync/4", 2), ("plain", 2)], 8.0)
+    assert pol.seconds([("sync/4", 2), ("plain", 2)]) == pytest.approx(5.0)
+    pol.measured([("sync/4", 2), ("plain", 2)], 8.0)
+    assert pol.seconds([("sync/4", 2), ("plain", 2)]) == pytest.approx(6.5)
+    assert pol.costs.get("sync/4", 2) == 1.5 and pol.costs.get("plain", 2) == 1.0  # parts untouched
+    assert pol.choose(batch, 2).key == ("plain",)  # 9.9 tokens in 6.5 s against 4 in 2
+    # a split of another shape, never run: its parts (6.0 + 0.5) times the ratio seen (6.5 / 2.5)
+    assert pol.seconds([("sync/4", 4), ("plain", 1)]) == pytest.approx(6.5 * 6.5 / 2.5)
+    # later samples weigh 1/3, 1/4 … down to EMA, each at most twice the estimate
+    pol.measured([("sync/4", 2), ("plain", 2)], 100.0)
+    assert pol.seconds([("sync/4", 2), ("plain", 2)]) == pytest.approx(6.5 * 2 / 3 + 13.0 / 3)
+
+
 def test_a_request_set_aside_is_judged_again_after_8_then_16_plain_rounds():
     """Set aside for plain rounds, a request speculates again after REJUDGE_AFTER = 8 of them,
     with its counts halved and one round short of judged, so its next round decides; set aside

@@ -238,15 +238,14 @@ class AutoStrategy(Strategy):
             carry, out = self._run(carry, params, geom.label, start, lo, hi, width)
             parts.append(Part(geom.label, start, width, lo, hi, out, fresh=fresh,
                               predicted=self.policy.tokens(rows[lo:hi], geom),
-                              predicted_s=self.policy.costs.get(geom.label, self.policy.bucket(hi - lo))))
+                              predicted_s=self.policy.seconds([(geom.label, self.policy.bucket(hi - lo))])))
         return carry, parts
 
     def most_tokens(self, parts) -> int:
         return max(self.geometry[p.label].width for p in parts)
 
     def observe(self, parts, host_outs, seconds, snapshot) -> None:
-        costs = [self.policy.costs.get(p.label, p.rows) for p in parts]
-        for part, out, cost in zip(parts, host_outs, costs):
+        for part, out in zip(parts, host_outs):
             width = self.geometry[part.label].width
             for i, row in enumerate(range(part.start, part.start + part.rows)):
                 slot, info = snapshot[row]
@@ -258,11 +257,8 @@ class AutoStrategy(Strategy):
                     acc.record(width, int(out["accepted"][i]))
                     if int(out["finish"][i]) and self._pools(info):
                         self.pool.add(acc)  # the next requests' prior
-            if seconds is not None and not any(p.fresh for p in parts):
-                # a two-part round's time is shared as its estimates are
-                total = sum(costs)
-                share = cost / total if np.isfinite(total) and total > 0 else 1 / len(parts)
-                self.policy.costs.measured(part.label, part.rows, seconds * share)
+        if seconds is not None and not any(p.fresh for p in parts):  # a split: its own key
+            self.policy.measured([(p.label, p.rows) for p in parts], seconds)
 
     def run_until_done(self, carry: Carry, params, lo: int, hi: int, *, step, **_):
         """Rounds chosen one at a time: the decoder's own :meth:`step` loop (``step()`` returns

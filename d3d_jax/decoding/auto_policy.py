@@ -37,6 +37,7 @@ REJUDGE_AFTER = 8
 # server's burst of stream writes, another program's compile) priced a geometry out of the choice
 # for good — a geometry that looks too dear is never run again, so it is never re-measured.
 OUTLIER = 2.0
+SPLIT_PLAIN = "plain"  # the label of a split round's plain part
 POOL_ROUNDS = 256  # the drafter's pooled acceptance halves its counts past this many rounds
 # A request's prompt score (the share of its prompt tokens the drafter predicts, measured at
 # admission) scales its prior: by score / (PROMPT_FULL x the pooled requests' mean score), at
@@ -213,6 +214,8 @@ class Costs:
         self.seconds: dict[tuple[str, int], float] = {}
         self.calibrated: dict[tuple[str, int], float] = {}
         self.samples: collections.Counter = collections.Counter()
+        self.splits: dict[tuple[str, int, int], float] = {}  # (label, rows, plain rows) -> seconds
+        self.split_samples: collections.Counter = collections.Counter()
 
     def calibrate(self, label: str, rows: int, seconds: float) -> None:
         self.seconds[(label, rows)] = self.calibrated[(label, rows)] = seconds
@@ -226,6 +229,40 @@ class Costs:
             w = max(EMA, 1.0 / (self.samples[key] + 2))  # start-up's time counts as one sample
             self.seconds[key] = (1 - w) * old + w * min(seconds, OUTLIER * old)
         self.samples[key] += 1
+
+    def split(self, label: str, rows: int, plain_rows: int) -> float:
+        """A split round's estimate: ``label`` over ``rows`` then plain over ``plain_rows``.
+        Priced by the split rounds that ran (their own key), not by the sum of the parts'
+        one-part estimates: two windows cost more than their parts did alone (on the mixed
+        level, sync/4 over the text rows beside plain over the rest took 51.9 ms where the parts
+        predicted 44.9, and sync/8 78.1 against 60.0, so auto split the batch where plain rounds
+        over it all made more).  A split never run is the parts' sum times the served splits'
+        mean ratio to their parts (1 before any ran)."""
+        key = (label, rows, plain_rows)
+        if key in self.splits:
+            return self.splits[key]
+        return self._parts(key) * self.split_ratio()
+
+    def _parts(self, key: tuple) -> float:
+        label, rows, plain_rows = key
+        return self.get(label, rows) + self.get(SPLIT_PLAIN, plain_rows)
+
+    def split_measured(self, label: str, rows: int, plain_rows: int, seconds: float) -> None:
+        """A timed split round: its first time replaces the parts' estimate, later ones are
+        averaged in (1/2, 1/3, … down to ``EMA``), each at most ``OUTLIER`` times the estimate."""
+        key = (label, rows, plain_rows)
+        old = self.split(label, rows, plain_rows)
+        w = max(EMA, 1.0 / (self.split_samples[key] + 1))
+        self.splits[key] = seconds if not math.isfinite(old) else \
+            (1 - w) * old + w * min(seconds, OUTLIER * old)
+        self.split_samples[key] += 1
+
+    def split_ratio(self) -> float:
+        """Geometric mean, over the splits that ran, of their estimate ÷ their parts'."""
+        ratios = [v / self._parts(k) for k, v in self.splits.items() if 0 < self._parts(k) < math.inf]
+        if not ratios:
+            return 1.0
+        return math.exp(sum(math.log(max(r, 1e-9)) for r in ratios) / len(ratios))
 
     def served_ratio(self, label: str) -> float:
         """Geometric mean of served / start-up time over the geometry's served widths (1 if none:
@@ -292,8 +329,24 @@ class Policy:
 
     def _plan(self, parts: list[tuple[int, int, list, Geometry]]) -> Plan:
         tokens = sum(self.tokens(rows, g) for _, _, rows, g in parts)
-        seconds = sum(self.costs.get(g.label, self.bucket(hi - lo)) for lo, hi, _, g in parts)
-        return Plan([(lo, hi, g) for lo, hi, _, g in parts], tokens, seconds)
+        return Plan([(lo, hi, g) for lo, hi, _, g in parts], tokens, self.seconds(
+            [(g.label, self.bucket(hi - lo)) for lo, hi, _, g in parts]))
+
+    def seconds(self, parts: list[tuple[str, int]]) -> float:
+        """A round's estimate from its parts' ``(label, window width)``: one part's own, or a
+        split's (:meth:`Costs.split`)."""
+        if len(parts) == 1:
+            return self.costs.get(*parts[0])
+        (label, rows), (_, plain_rows) = parts
+        return self.costs.split(label, rows, plain_rows)
+
+    def measured(self, parts: list[tuple[str, int]], seconds: float) -> None:
+        """A timed round of ``parts`` (as :meth:`seconds`) took ``seconds``."""
+        if len(parts) == 1:
+            self.costs.measured(*parts[0], seconds)
+        else:
+            (label, rows), (_, plain_rows) = parts
+            self.costs.split_measured(label, rows, plain_rows, seconds)
 
     def choose(self, rows: list, boundary: int) -> Plan:
         """The best plan for ``rows`` (per row: ``(Acceptance, tokens left)``, in row order, rows
