@@ -222,12 +222,8 @@ class Costs:
 
     def measured(self, label: str, rows: int, seconds: float) -> None:
         key = (label, rows)
-        old = self.get(label, rows)
-        if not math.isfinite(old):
-            self.seconds[key] = seconds
-        else:
-            w = max(EMA, 1.0 / (self.samples[key] + 2))  # start-up's time counts as one sample
-            self.seconds[key] = (1 - w) * old + w * min(seconds, OUTLIER * old)
+        # start-up's time counts as one sample
+        self.seconds[key] = _averaged(self.get(label, rows), seconds, self.samples[key] + 2)
         self.samples[key] += 1
 
     def split(self, label: str, rows: int, plain_rows: int) -> float:
@@ -251,15 +247,14 @@ class Costs:
         """A timed split round: its first time replaces the parts' estimate, later ones are
         averaged in (1/2, 1/3, … down to ``EMA``), each at most ``OUTLIER`` times the estimate."""
         key = (label, rows, plain_rows)
-        old = self.split(label, rows, plain_rows)
-        w = max(EMA, 1.0 / (self.split_samples[key] + 1))
-        self.splits[key] = seconds if not math.isfinite(old) else \
-            (1 - w) * old + w * min(seconds, OUTLIER * old)
+        self.splits[key] = _averaged(self.split(label, rows, plain_rows), seconds,
+                                     self.split_samples[key] + 1)
         self.split_samples[key] += 1
 
     def split_ratio(self) -> float:
         """Geometric mean, over the splits that ran, of their estimate ÷ their parts'."""
-        ratios = [v / self._parts(k) for k, v in self.splits.items() if 0 < self._parts(k) < math.inf]
+        parts = {k: self._parts(k) for k in self.splits}  # each split's parts priced once
+        ratios = [self.splits[k] / p for k, p in parts.items() if 0 < p < math.inf]
         if not ratios:
             return 1.0
         return math.exp(sum(math.log(max(r, 1e-9)) for r in ratios) / len(ratios))
@@ -284,6 +279,15 @@ class Costs:
             return math.inf
         near = min(known, key=lambda r: abs(math.log(r / rows)))
         return self.get(label, near) * max(rows / near, 1.0) ** 0.5
+
+
+def _averaged(old: float, seconds: float, n: int) -> float:
+    """An estimate after one more timed sample: the sample itself when there was none, else
+    averaged in with weight ``1/n`` (at least ``EMA``), counting at most ``OUTLIER`` × the estimate."""
+    if not math.isfinite(old):
+        return seconds
+    w = max(EMA, 1.0 / n)
+    return (1 - w) * old + w * min(seconds, OUTLIER * old)
 
 
 @dataclasses.dataclass(frozen=True)
