@@ -19,6 +19,7 @@ import pytest
 
 from d3d_jax.bench.generator import Generator
 from d3d_jax.decoding.async_replay import CostedReplayDrafter
+from d3d_jax.decoding.auto_gate import Gate
 from d3d_jax.decoding.auto_policy import Acceptance, Geometry, Plan, Policy, Pool, geometric_rate
 from d3d_jax.decoding.decoder import DecoderConfig, Request, SpecDecoder
 from d3d_jax.decoding.drafting import ModelDrafter
@@ -46,6 +47,13 @@ def setup():
                 drafter=drafter, auto=SpecDecoder(target, drafter, cfg))
 
 
+def ungate(dec, monkeypatch) -> None:
+    """The policy's own choice runs (the gate judges by wall time, which tests that set the
+    costs or the choice do not control)."""
+    monkeypatch.setattr(dec.strategy.gate, "before", lambda bucket: True)
+    monkeypatch.setattr(dec.strategy.gate, "speculates", lambda bucket: True)
+
+
 class Cycle:
     """A stand-in for the policy's choice: every plan in turn (whole batch in each geometry,
     and the split into a speculative and a plain group), so every mix of modes happens."""
@@ -69,6 +77,7 @@ def test_auto_greedy_equals_plain_in_every_mix_of_modes(setup, monkeypatch):
     per geometry."""
     s, dec = setup, setup["auto"]
     monkeypatch.setattr(dec.strategy.policy, "choose", Cycle(dec.strategy.policy))
+    ungate(dec, monkeypatch)
     reqs = [Request(p, n, index=i) for i, (p, n) in enumerate(zip(s["prompts"], MAX_NEW))]
     metrics, before = {}, dec.decisions()
     tokens, reasons = serve(dec, reqs, schedule=[0, 0, 1, 2, 2, 5], cancel={1: 4}, metrics=metrics,
@@ -135,6 +144,7 @@ def test_mixed_quality_useless_requests_get_plain_rounds(setup, monkeypatch):
     dec.load(s["target"], CostedReplayDrafter(cont, VOCAB, s["drafter_model"], error_rate=0.25,
                                               hit_rate=0.6, seed=1, mask_token_id=MASK))
     policy = dec.strategy.policy
+    ungate(dec, monkeypatch)  # the device's costs are set below: the wall clock is not that device
     # the pool of finished requests starts empty, from a τ = 6 prior (the first 3 requests' prior;
     # the good ones that finish join it, and are the prior of the 3 admitted after them)
     monkeypatch.setattr(dec.strategy, "pool", Pool(BLOCK, geometric_rate(6.0, 16)))
@@ -224,8 +234,9 @@ def test_a_request_set_aside_is_judged_again_after_8_then_16_plain_rounds():
 
     from d3d_jax.decoding.auto import AutoStrategy
 
-    judge = types.SimpleNamespace(prefers_plain=lambda acc, n: acc.rounds >= 3 and acc.rate(1) < 0.5)
-    stub = types.SimpleNamespace(policy=judge, pool=0.8,
+    judge = types.SimpleNamespace(prefers_plain=lambda acc, n: acc.rounds >= 3 and acc.rate(1) < 0.5,
+                                  bucket=lambda n: n)
+    stub = types.SimpleNamespace(policy=judge, pool=0.8, gate=Gate(),
                                  ctx=types.SimpleNamespace(config=types.SimpleNamespace(block_size=16), drafter=None))
     stub._acceptance = lambda info: AutoStrategy._acceptance(stub, info)
     info = types.SimpleNamespace(stats={}, modes=collections.Counter())
@@ -456,9 +467,9 @@ def test_a_round_right_after_row_ops_is_not_timed(setup, monkeypatch):
                         lambda rows, boundary: Plan([(0, len(rows), plain)], float(len(rows)), 1.0))
     seen, observe = [], dec.strategy.observe
 
-    def spy(parts, host_outs, seconds, snapshot):
+    def spy(parts, host_outs, seconds, snapshot, wall=None):
         seen.append((sum(info is not None for _, info in snapshot), seconds))
-        return observe(parts, host_outs, seconds, snapshot)
+        return observe(parts, host_outs, seconds, snapshot, wall=wall)
 
     monkeypatch.setattr(dec.strategy, "observe", spy)
     reqs = [Request(p, 30, index=i) for i, p in enumerate(s["prompts"][:3])]
@@ -628,8 +639,8 @@ def test_a_request_judged_by_its_prompt_stays_aside_when_judged_again():
     from d3d_jax.decoding.auto import AutoStrategy
 
     pool = _pool_with_prompt_ref(0.4)
-    judge = types.SimpleNamespace(prefers_plain=lambda acc, n: acc.judged)
-    stub = types.SimpleNamespace(policy=judge, pool=pool, ctx=types.SimpleNamespace(
+    judge = types.SimpleNamespace(prefers_plain=lambda acc, n: acc.judged, bucket=lambda n: n)
+    stub = types.SimpleNamespace(policy=judge, pool=pool, gate=Gate(), ctx=types.SimpleNamespace(
         config=types.SimpleNamespace(block_size=16), drafter=None))
     stub._acceptance = lambda info: AutoStrategy._acceptance(stub, info)
     infos = {s: types.SimpleNamespace(stats={}, modes=collections.Counter()) for s in (3, 5)}

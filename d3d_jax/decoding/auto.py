@@ -30,6 +30,7 @@ import numpy as np
 from d3d_jax.decoding import window as W
 from d3d_jax.decoding.async_core import V_HIT, V_MISS, AsyncCore, handoff
 from d3d_jax.decoding.async_strategy import windowed_side
+from d3d_jax.decoding.auto_gate import Gate
 from d3d_jax.decoding.drafting import prefill_scored
 from d3d_jax.decoding.auto_policy import (MIN_ROUNDS_TO_SET_ASIDE, REJUDGE_AFTER, Acceptance, Geometry,
                                           Policy, Pool, geometric_rate)
@@ -75,6 +76,7 @@ class AutoStrategy(Strategy):
         geoms += [Geometry(label, cfg.block_size) for label in self.async_cores]
         self.geometry = {g.label: g for g in geoms}
         self.policy = Policy(geoms, cfg.buckets)
+        self.gate = Gate()
         tau = DEFAULT_PRIOR_TAU if cfg.prior_tau is None else float(cfg.prior_tau)
         # every request's prior: the drafter's acceptance pooled over finished requests, starting
         # from the offline τ (as trained: of a 16-token block)
@@ -130,7 +132,7 @@ class AutoStrategy(Strategy):
         tp = self.ctx.tp(t_leaves)
         state, res = windowed(lambda v: self.cores["plain"].round(tp, None, v), rows, carry.state,
                               start, lo, hi)
-        return dataclasses.replace(carry, state=state), self._out(res, carry, start, rows)
+        return dataclasses.replace(carry, state=state), self._out(res, carry.prompt_score, start, rows)
 
     def _sync_fn(self, t_leaves, d_leaves, carry: Carry, start, lo, hi, *, label, rows):
         tp, dp, core = self.ctx.tp(t_leaves), self.ctx.dp(d_leaves), self.cores[label]
@@ -140,7 +142,7 @@ class AutoStrategy(Strategy):
             return core.round(tp, dp, dataclasses.replace(v, drafter_state=d))
 
         state, res = windowed(round_, rows, carry.state, start, lo, hi)
-        return dataclasses.replace(carry, state=state), self._out(res, carry, start, rows)
+        return dataclasses.replace(carry, state=state), self._out(res, carry.prompt_score, start, rows)
 
     def _async_fn(self, t_leaves, d_leaves, carry: Carry, start, lo, hi, *, label, rows):
         tp, dp, acore = self.ctx.tp(t_leaves), self.ctx.dp(d_leaves), self.async_cores[label]
@@ -160,12 +162,12 @@ class AutoStrategy(Strategy):
         state, (side, res, view) = windowed(round_, rows, carry.state, start, lo, hi, side_view)
         sides = dict(carry.side, **{label: W.merge(side_full, side, keep, start)})
         return (dataclasses.replace(carry, state=state, side=sides),
-                dict(self._out(res, carry, start, rows), hit=view[:, V_HIT], miss=view[:, V_MISS]))
+                dict(self._out(res, carry.prompt_score, start, rows), hit=view[:, V_HIT], miss=view[:, V_MISS]))
 
     @staticmethod
-    def _out(res, carry: Carry, start, rows: int) -> dict:
+    def _out(res, prompt_score, start, rows: int) -> dict:
         """A round's per-row results, with each row's prompt score (read once by the host)."""
-        return dict(result_out(res), prompt_score=W.view(carry.prompt_score, start, rows))
+        return dict(result_out(res), prompt_score=W.view(prompt_score, start, rows))
 
     @staticmethod
     def _fresh_blocks(acore: AsyncCore, dp, v, side):
@@ -211,6 +213,8 @@ class AutoStrategy(Strategy):
         when speculation costs them more than it gives, back to speculate (and judged again on
         faded evidence) after ``REJUDGE_AFTER`` plain rounds, twice as many each time after."""
         n, out = len(infos), {}
+        if n and not self.gate.speculates(self.policy.bucket(n)):
+            return out  # every round runs plain here: moving rows between classes only costs
         for slot, info in infos.items():
             acc, stats = self._acceptance(info), info.stats
             if stats.get("class", 0) == 0:
@@ -230,7 +234,9 @@ class AutoStrategy(Strategy):
     def dispatch(self, carry: Carry, params, groups, rows_info):
         rows = [(self._acceptance(i), i.request.max_new_tokens - i.n_out) for i in rows_info]
         boundary = groups[0][1] if groups[0][2] == 0 else 0
-        plan = self.policy.choose(rows, boundary)
+        gated = not self.gate.before(self.policy.bucket(len(rows)))
+        # gated: speculation delivered less than plain rounds at this load (or a plain probe)
+        plan = self.policy.all_plain(rows) if gated else self.policy.choose(rows, boundary)
         parts = []
         for lo, hi, geom in plan.groups:
             start, width = self.ctx.window(lo, hi)
@@ -238,13 +244,14 @@ class AutoStrategy(Strategy):
             carry, out = self._run(carry, params, geom.label, start, lo, hi, width)
             parts.append(Part(geom.label, start, width, lo, hi, out, fresh=fresh,
                               predicted=self.policy.tokens(rows[lo:hi], geom),
-                              predicted_s=self.policy.seconds([(geom.label, self.policy.bucket(hi - lo))])))
+                              predicted_s=self.policy.seconds([(geom.label, self.policy.bucket(hi - lo))]),
+                              gated=gated))
         return carry, parts
 
     def most_tokens(self, parts) -> int:
         return max(self.geometry[p.label].width for p in parts)
 
-    def observe(self, parts, host_outs, seconds, snapshot) -> None:
+    def observe(self, parts, host_outs, seconds, snapshot, wall=None) -> None:
         for part, out in zip(parts, host_outs):
             width = self.geometry[part.label].width
             for i, row in enumerate(range(part.start, part.start + part.rows)):
@@ -257,8 +264,12 @@ class AutoStrategy(Strategy):
                     acc.record(width, int(out["accepted"][i]))
                     if int(out["finish"][i]) and self._pools(info):
                         self.pool.add(acc)  # the next requests' prior
-        if seconds is not None and not any(p.fresh for p in parts):  # a split: its own key
+        fresh = any(p.fresh for p in parts)
+        if seconds is not None and not fresh:  # a split: its own key
             self.policy.measured([(p.label, p.rows) for p in parts], seconds)
+        self.gate.observe(self.policy.bucket(sum(p.hi - p.lo for p in parts)),
+                          any(self.geometry[p.label].width > 1 for p in parts),
+                          sum(int(np.sum(o["count"])) for o in host_outs), None if fresh else wall)
 
     def run_until_done(self, carry: Carry, params, lo: int, hi: int, *, step, **_):
         """Rounds chosen one at a time: the decoder's own :meth:`step` loop (``step()`` returns

@@ -352,6 +352,10 @@ class Policy:
             (label, rows), (_, plain_rows) = parts
             self.costs.split_measured(label, rows, plain_rows, seconds)
 
+    def all_plain(self, rows: list) -> Plan:
+        """Every row in a plain round (the gate's override of a speculative choice)."""
+        return self._plan([(0, len(rows), rows, self.plain)])
+
     def choose(self, rows: list, boundary: int) -> Plan:
         """The best plan for ``rows`` (per row: ``(Acceptance, tokens left)``, in row order, rows
         ``< boundary`` speculative-class, the rest plain-class)."""

@@ -81,17 +81,9 @@ class _Round:
     parts: list  # [strategies.Part]
     snapshot: list  # row -> (slot, SlotInfo) when dispatched
     t_dispatch: float
+    t_start: float  # before its admissions and row ops ran
     clean: bool  # no admission or row op ran just before it (its time is the round's own)
     host_work: bool = False  # its dispatch flushed admissions/row ops or compiled a program
-
-
-def _logprobs(row: dict, n: int, top: int) -> list | None:
-    """One row's emitted tokens' log-probabilities (and ``top`` alternatives) from a round read."""
-    if top < 0:
-        return None
-    return [(float(row["logprob"][k]),
-             [(int(i), float(lp)) for i, lp in zip(row["top_ids"][k, :top], row["top_logprobs"][k, :top])])
-            for k in range(n)]
 
 
 OPS_PER_DISPATCH = 64  # row operations per row-ops dispatch (fixed shape; more: several)
@@ -131,7 +123,7 @@ class SpecDecoder:
         self.carry = None
         self._queue: list[tuple] = []  # ("admit", slot, row) | ("op", a, b, kind), in order
         self._pending: collections.deque[_Round] = collections.deque()
-        self._last_read = 0.0
+        self._last_read, self._busy = 0.0, False  # the last read; whether a request ran on after it
         self._tally: dict[str, collections.Counter] = {}  # per geometry: rounds, tokens, predicted
         self._stale = False  # after run_until_done: host counts lag the device
 
@@ -310,6 +302,7 @@ class SpecDecoder:
 
     def _dispatch(self) -> bool:
         """Dispatch one round over the live rows (nothing waits); False if none is running."""
+        t_start = time.perf_counter()
         self._reclassify()
         # admissions or row ops (a first one compiles) run before it: their device time would
         # count as the round's (a swap moves two rows of every cache), so it is not timed
@@ -321,7 +314,7 @@ class SpecDecoder:
         infos = [self._slots[s] for s in self.placement.slot_at[: self.placement.size]]
         t0 = time.perf_counter()
         self.carry, parts = self.strategy.dispatch(self.carry, self._params, groups, infos)
-        self._pending.append(_Round(parts, self._snapshot(), t0, not flushed,
+        self._pending.append(_Round(parts, self._snapshot(), t0, t_start, not flushed,
                                     flushed or any(p.fresh for p in parts)))
         return True
 
@@ -357,6 +350,8 @@ class SpecDecoder:
                                for p in rnd.parts])
         now = time.perf_counter()
         seconds = now - max(rnd.t_dispatch, self._last_read) if rnd.clean else None
+        # all the time since the last read while requests ran (host work, admissions, row ops)
+        wall = now - (self._last_read if self._busy else rnd.t_start)
         self._last_read = now
         outs = {}
         for part, h in zip(rnd.parts, host):
@@ -367,7 +362,8 @@ class SpecDecoder:
                 if part.lo <= row < part.hi and info is not None and self._slots.get(slot) is info \
                         and info.finish_reason is None:
                     outs[slot] = self._count(info, part.label, {k: v[i] for k, v in h.items()})
-        self.strategy.observe(rnd.parts, host, seconds, rnd.snapshot)
+        self.strategy.observe(rnd.parts, host, seconds, rnd.snapshot, wall=wall)
+        self._busy = any(info.finish_reason is None for info in self._slots.values())
         return outs
 
     @staticmethod
@@ -384,7 +380,7 @@ class SpecDecoder:
         info.misses += bool(row.get("miss", False))
         info.modes[label] += 1
         return StepOutput([int(t) for t in row["tokens"][:n]], reason is not None, reason,
-                          accepted, hit, _logprobs(row, n, info.request.sampling.logprobs))
+                          accepted, hit, M.row_logprobs(row, n, info.request.sampling.logprobs))
 
     def _drain(self) -> None:
         while self._pending:

@@ -18,10 +18,21 @@ def tally_round(tally, part, tokens: int, seconds: float | None) -> None:
     tokens and the tokens auto predicted; with ``seconds`` (the round was timed and had this one
     part) also timed rounds, their seconds and the seconds auto predicted.  A prediction of inf (a
     program auto never timed: no warm-up) leaves the round untimed."""
-    tally.update(rounds=1, tokens=tokens, predicted_tokens=part.predicted or 0.0)
+    tally.update(rounds=1, tokens=tokens, predicted_tokens=part.predicted or 0.0,
+                 gated_rounds=int(part.gated))
     predicted_s = part.predicted_s or 0.0
     if seconds is not None and math.isfinite(predicted_s):
         tally.update(timed_rounds=1, seconds=seconds, predicted_seconds=predicted_s)
+
+
+def row_logprobs(row: dict, n: int, top: int) -> list | None:
+    """One row's emitted tokens' log-probabilities (and ``top`` alternatives) from a round read
+    (None when the request asked for none: ``top < 0``)."""
+    if top < 0:
+        return None
+    return [(float(row["logprob"][k]),
+             [(int(i), float(lp)) for i, lp in zip(row["top_ids"][k, :top], row["top_logprobs"][k, :top])])
+            for k in range(n)]
 
 
 def tau_from_hist(hist: np.ndarray) -> float:

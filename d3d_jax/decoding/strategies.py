@@ -57,6 +57,7 @@ class Part:
     predicted: float | None = None  # auto: the tokens its choice expected of this part
     predicted_s: float | None = None  # auto: the seconds its choice expected of this part
     fresh: bool = False  # its program ran for the first time (its time includes the compile)
+    gated: bool = False  # auto: run plain by the gate where the policy chose to speculate
 
 
 @dataclasses.dataclass
@@ -172,10 +173,11 @@ class Strategy:
         raise NotImplementedError
 
     def observe(self, parts: list[Part], host_outs: list[dict], seconds: float | None,
-                snapshot: list) -> None:
+                snapshot: list, wall: float | None = None) -> None:
         """The read outcome of a round (auto learns from it; the fixed strategies do not):
         ``seconds`` is its time on the device (None when an admission ran just before it),
-        ``snapshot`` each row's (slot, SlotInfo) when it was dispatched."""
+        ``snapshot`` each row's (slot, SlotInfo) when it was dispatched, ``wall`` all the time
+        since the read before it while requests ran (admissions and row ops included)."""
 
     def reclassify(self, infos: dict) -> dict:
         """slot -> new placement class, for the running requests (``infos``: slot -> SlotInfo)."""
