@@ -81,8 +81,10 @@ class AutoStrategy(Strategy):
         # every request's prior: the drafter's acceptance pooled over finished requests, starting
         # from the offline τ (as trained: of a 16-token block)
         self.pool = Pool(cfg.block_size, geometric_rate(tau, max(16, cfg.block_size)))
+        # plain and sync rounds take the state they read, not the carry: async's sides (and, for
+        # plain, the drafter's state and parameters) stay out of their programs
         self._sync = self.jit(self._sync_fn, static_argnames=("label", "rows"), donate_argnums=2)
-        self._plain = self.jit(self._plain_fn, static_argnames="rows", donate_argnums=2)
+        self._plain = self.jit(self._plain_fn, static_argnames="rows", donate_argnums=1)
         self._async = self.jit(self._async_fn, static_argnames=("label", "rows"), donate_argnums=2)
         self._admit_all = self.jit(self._admit_all_fn, donate_argnums=2)
         self._ops_all = self.jit(self._ops_all_fn, donate_argnums=0)
@@ -128,21 +130,21 @@ class AutoStrategy(Strategy):
         return self._ops_all(carry, ops, count)
 
     # ------------------------------------------------------------ round programs
-    def _plain_fn(self, t_leaves, d_leaves, carry: Carry, start, lo, hi, *, rows):
+    def _plain_fn(self, t_leaves, state, prompt_score, start, lo, hi, *, rows):
+        """A plain round over ``state`` without the drafter's (a plain round never reads it)."""
         tp = self.ctx.tp(t_leaves)
-        state, res = windowed(lambda v: self.cores["plain"].round(tp, None, v), rows, carry.state,
-                              start, lo, hi)
-        return dataclasses.replace(carry, state=state), self._out(res, carry.prompt_score, start, rows)
+        state, res = windowed(lambda v: self.cores["plain"].round(tp, None, v), rows, state, start, lo, hi)
+        return state, self._out(res, prompt_score, start, rows)
 
-    def _sync_fn(self, t_leaves, d_leaves, carry: Carry, start, lo, hi, *, label, rows):
+    def _sync_fn(self, t_leaves, d_leaves, state, prompt_score, start, lo, hi, *, label, rows):
         tp, dp, core = self.ctx.tp(t_leaves), self.ctx.dp(d_leaves), self.cores[label]
 
         def round_(v):
             d = core.drafter.catch_up(dp, v.drafter_state, v.seq, v.anchor_pos, ~v.done, core.width)
             return core.round(tp, dp, dataclasses.replace(v, drafter_state=d))
 
-        state, res = windowed(round_, rows, carry.state, start, lo, hi)
-        return dataclasses.replace(carry, state=state), self._out(res, carry.prompt_score, start, rows)
+        state, res = windowed(round_, rows, state, start, lo, hi)
+        return state, self._out(res, prompt_score, start, rows)
 
     def _async_fn(self, t_leaves, d_leaves, carry: Carry, start, lo, hi, *, label, rows):
         tp, dp, acore = self.ctx.tp(t_leaves), self.ctx.dp(d_leaves), self.async_cores[label]
@@ -188,10 +190,16 @@ class AutoStrategy(Strategy):
                                    key_data=v.key_data)
 
     def _run(self, carry: Carry, params, label: str, start, lo, hi, rows):
+        if label.startswith("async/"):
+            return self._async(*params, carry, start, lo, hi, label=label, rows=rows)
         if label == "plain":
-            return self._plain(*params, carry, start, lo, hi, rows=rows)
-        fn = self._async if label.startswith("async/") else self._sync
-        return fn(*params, carry, start, lo, hi, label=label, rows=rows)
+            dstate = carry.state.drafter_state
+            state, out = self._plain(params[0], dataclasses.replace(carry.state, drafter_state=None),
+                                     carry.prompt_score, start, lo, hi, rows=rows)
+            state = dataclasses.replace(state, drafter_state=dstate)
+        else:
+            state, out = self._sync(*params, carry.state, carry.prompt_score, start, lo, hi, label=label, rows=rows)
+        return dataclasses.replace(carry, state=state), out
 
     # ------------------------------------------------------------ the choice
     def _acceptance(self, info) -> Acceptance:
