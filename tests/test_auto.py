@@ -109,6 +109,7 @@ def test_the_drafter_cache_stays_exact_across_plain_rounds(setup, monkeypatch):
     sync = next(g for g in policy.geometries if g.label == "sync/4")
     order = itertools.chain([plain] * 9 + [sync] + [plain] * 21 + [sync], itertools.repeat(plain))
     monkeypatch.setattr(policy, "choose", lambda rows, b: Plan([(0, len(rows), next(order))], 0, 1))
+    ungate(dec, monkeypatch)
     for slot, i in enumerate((1, 3)):
         dec.insert(dec.prefill(Request(s["prompts"][i], 60, index=i)), slot)
     for steps in (10, 22):
@@ -442,6 +443,7 @@ def test_plain_rounds_keep_the_next_round_in_flight_near_a_request_end(setup, mo
     plain = next(g for g in dec.strategy.policy.geometries if g.width == 1)
     monkeypatch.setattr(dec.strategy.policy, "choose",
                         lambda rows, boundary: Plan([(0, len(rows), plain)], float(len(rows)), 1.0))
+    ungate(dec, monkeypatch)
     depth, dispatch = [], dec._dispatch
 
     def spy():
@@ -465,6 +467,7 @@ def test_a_round_right_after_row_ops_is_not_timed(setup, monkeypatch):
     plain = next(g for g in dec.strategy.policy.geometries if g.width == 1)
     monkeypatch.setattr(dec.strategy.policy, "choose",
                         lambda rows, boundary: Plan([(0, len(rows), plain)], float(len(rows)), 1.0))
+    ungate(dec, monkeypatch)
     seen, observe = [], dec.strategy.observe
 
     def spy(parts, host_outs, seconds, snapshot, wall=None):
@@ -578,6 +581,7 @@ def test_auto_reads_each_request_s_prompt_score_with_its_first_round(setup, monk
     dec = SpecDecoder(s["target"], s["drafter_model"], cfg)
     plain = dec.strategy.policy.plain
     monkeypatch.setattr(dec.strategy.policy, "choose", lambda rows, b: Plan([(0, len(rows), plain)], 0, 1))
+    ungate(dec, monkeypatch)
     md = ModelDrafter(s["drafter_model"], MASK)
     prompts = [s["prompts"][1], s["prompts"][3]]
     for slot, p in zip((1, 0), prompts):
