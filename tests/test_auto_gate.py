@@ -83,6 +83,19 @@ def test_a_probe_turns_speculation_back_on_when_it_got_better():
     assert len(kinds[flip:]) - sum(kinds[flip:]) <= 2 * G.PROBE
 
 
+def test_one_probe_judges_a_regime_afresh():
+    """Speculation looked bad (12 tokens a round against plain's 16), then the batch changed and
+    it makes 18: the first probe after the change turns it back on (its samples replace the old
+    ones; averaged with them, it would look like a tie and stay off)."""
+    gate = Gate()
+    dev = Device(gate, spec=12.0, plain=16.0)
+    dev.run(100)
+    dev.spec = 18.0
+    kinds = dev.run(2 * G.RECHECK[1])
+    flip = next(i for i in range(len(kinds) - 10) if all(kinds[i:i + 10]))
+    assert gate.buckets[16].speculate and sum(kinds[:flip]) == 0  # no probe before the one that flipped
+
+
 def test_speculation_that_leads_clearly_costs_few_plain_rounds():
     """One client: sync/16 makes 1.4x plain; after the first plain probe, plain is measured again
     only every RECHECK[1] rounds."""
@@ -110,7 +123,7 @@ def test_a_policy_that_alternates_kinds_is_judged_with_its_switches():
     gate = Gate()
     kinds = Device(gate, spec=24.0, plain=16.0, switch=3.0, pattern=(True, False)).run(400)
     assert not gate.buckets[16].speculate and sum(kinds[100:]) <= 3 * G.PROBE
-    assert gate.buckets[16].rates[True].per_second == pytest.approx(1000.0, rel=0.05)
+    assert gate.buckets[16].rates[True].per_second == pytest.approx(1000.0, rel=0.1)
 
 
 def test_a_lead_within_the_margin_keeps_what_runs():

@@ -22,7 +22,9 @@ change of load or of the requests' quality turns it back.
 * The first round after the gate changes the regime is not a sample: it carries the change's own
   cost (the drafter's catch-up on what the gate's plain rounds committed), which a steady run of
   either regime does not pay.
-* A probe lasts ``PROBE`` rounds.  The rounds between probes start at ``RECHECK[0]`` and double
+* A probe lasts ``PROBE`` rounds, and its samples replace the probed regime's older ones (those
+  were taken at another time, under another mix of requests: kept, a regime that had looked bad
+  once took two probes to look right again).  The rounds between probes start at ``RECHECK[0]`` and double
   each time a probe leaves the verdict as it was, up to ``RECHECK[1]``; where the leader is ahead
   by ``CLEAR_LEAD`` or more they are ``RECHECK[1]`` at once (a plain probe at one client, where
   sync/16 makes 1.4x plain, costs about 1 % of the tokens at most).
@@ -102,8 +104,9 @@ class Gate:
         else:
             b.since += 1
             due = b.since > (FIRST_PLAIN_PROBE if b.speculate and not b.rates[False].samples else b.every)
-            if due:
+            if due:  # the probed regime's old samples are of another time: the probe's replace them
                 b.probe, b.since, b.probing = PROBE - 1, 0, True
+                b.rates[not b.speculate] = Rate()
             ok = b.speculate != due
         self.gated += not ok
         return ok
