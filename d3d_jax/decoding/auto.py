@@ -275,11 +275,9 @@ class AutoStrategy(Strategy):
         fresh = any(p.fresh for p in parts)
         if seconds is not None and not fresh:  # a split: its own key
             self.policy.measured([(p.label, p.rows) for p in parts], seconds)
-        # a server's start-up requests (2 tokens each, at full load) are no sample of its load
-        warmup = any(info is not None and info.request.warmup for _, info in snapshot)
-        self.gate.observe(self.policy.bucket(sum(p.hi - p.lo for p in parts)), not parts[0].gated,
-                          sum(int(np.sum(o["count"])) for o in host_outs),
-                          None if fresh or warmup else wall)
+        self.gate.observe(self.policy.bucket(sum(p.hi - p.lo for p in parts)),
+                          any(self.geometry[p.label].width > 1 for p in parts),
+                          sum(int(np.sum(o["count"])) for o in host_outs), None if fresh else wall)
 
     def run_until_done(self, carry: Carry, params, lo: int, hi: int, *, step, **_):
         """Rounds chosen one at a time: the decoder's own :meth:`step` loop (``step()`` returns

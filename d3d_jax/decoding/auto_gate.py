@@ -8,28 +8,22 @@ clients, half of them random ids) its speculative rounds cost what it predicted,
 tokens per timed millisecond as plain rounds, yet auto made 0.84x plain mode end to end: the rest
 was outside the rounds.
 
-The gate measures, per live-row bucket, what two *regimes* delivered: rounds the policy chose
-(speculative ones, and the plain ones it chose among them) and rounds the gate ran all-plain,
-each as tokens committed over wall time from one read to the next (everything the host and the
-device did in between counts).  A regime, not each round's kind: a policy that alternates
-speculative and plain rounds pays the drafter's catch-up at every switch, and judged round by
-round those switches would never be counted.  At a bucket where the policy's rounds delivered
-less than all-plain ones, rounds run all-plain without asking the policy (and no request is moved
-between classes: set aside or not, it runs plain); it lets the policy choose again for a short
-probe after a while (and runs a short plain probe now and then while the policy leads), so a
-change of load or of the requests' quality turns it back.
+The gate measures, per live-row bucket, what two kinds of round *delivered*: rounds with
+speculation in them and all-plain rounds, each as tokens committed over wall time from one read
+to the next (everything the host and the device did in between counts).  At a bucket where
+speculative rounds delivered less than plain ones, rounds run all-plain without asking the policy
+(and no request is moved between classes: set aside or not, it runs plain); it lets the policy
+choose again for a short probe after a while (and runs a short plain probe now and then while
+speculation leads), so a change of load or of the requests' quality turns it back.
 
-* The first round after the gate changes the regime is not a sample: it carries the change's own
-  cost (the drafter's catch-up on what the gate's plain rounds committed), which a steady run of
-  either regime does not pay.
-* A probe lasts ``PROBE`` rounds, and its samples replace the probed regime's older ones (those
-  were taken at another time, under another mix of requests: kept, a regime that had looked bad
-  once took two probes to look right again).  The rounds between probes start at ``RECHECK[0]`` and double
+* The first round after a change of kind is not a sample: it carries the change's own cost (the
+  drafter's catch-up on what plain rounds committed), which a steady run does not pay.
+* A probe lasts ``PROBE`` rounds.  The rounds between probes start at ``RECHECK[0]`` and double
   each time a probe leaves the verdict as it was, up to ``RECHECK[1]``; where the leader is ahead
   by ``CLEAR_LEAD`` or more they are ``RECHECK[1]`` at once (a plain probe at one client, where
   sync/16 makes 1.4x plain, costs about 1 % of the tokens at most).
-* A verdict changes only when the other regime is ahead by ``MARGIN``: two regimes within noise
-  of each other keep what runs.
+* A verdict changes only when the other kind is ahead by ``MARGIN``: two kinds within noise of
+  each other keep what runs.
 """
 
 from __future__ import annotations
@@ -37,18 +31,18 @@ from __future__ import annotations
 import collections
 import dataclasses
 
-PROBE = 6  # rounds of the other regime per probe (the first is not a sample)
-MIN_SAMPLES = 4  # of each regime at a bucket before it judges
+PROBE = 6  # rounds of the other kind per probe (the first is not a sample)
+MIN_SAMPLES = 4  # of each kind at a bucket before it judges
 EMA = 0.2  # weight of one round (after the first few: 1/n)
 RECHECK = (32, 256)  # rounds between probes: first, at most
 CLEAR_LEAD = 1.15  # a lead this large rechecks at the longest interval
-MARGIN = 0.03  # the other regime must lead by this much to change the verdict
+MARGIN = 0.03  # the other kind must lead by this much to change the verdict
 FIRST_PLAIN_PROBE = 8  # speculative rounds at a new bucket before plain is first measured
 
 
 @dataclasses.dataclass
 class Rate:
-    """A running mean of one regime's rounds at one bucket: tokens and wall seconds per round."""
+    """A running mean of one kind's rounds at one bucket: tokens and wall seconds per round."""
 
     tokens: float = 0.0
     seconds: float = 0.0
@@ -69,19 +63,18 @@ class Rate:
 class Bucket:
     """The gate's state at one live-row bucket."""
 
-    # True: the policy's rounds, False: the gate's all-plain rounds
     rates: dict = dataclasses.field(default_factory=lambda: {True: Rate(), False: Rate()})
-    speculate: bool = True  # the verdict: the policy chooses the rounds
-    since: int = 0  # rounds of the verdict's regime since the other regime was last measured
+    speculate: bool = True  # the verdict: the policy's speculative choices run as chosen
+    since: int = 0  # rounds of the verdict's kind since the other kind was last measured
     every: int = RECHECK[0]  # rounds between probes
-    probe: int = 0  # rounds left in a probe of the other regime
+    probe: int = 0  # rounds left in a probe of the other kind
     probing: bool = False  # a probe ran whose verdict is not yet taken
 
     def judged(self) -> bool:
         return all(r.samples >= MIN_SAMPLES for r in self.rates.values())
 
     def lead(self) -> float:
-        """The verdict's regime's rate over the other's (inf while the other has none)."""
+        """The verdict's kind's rate over the other's (inf while the other has none)."""
         mine, other = self.rates[self.speculate].per_second, self.rates[not self.speculate].per_second
         return mine / other if other > 0 else float("inf")
 
@@ -91,7 +84,7 @@ class Gate:
 
     def __init__(self):
         self.buckets: dict[int, Bucket] = collections.defaultdict(Bucket)
-        self._last_regime: bool | None = None
+        self._last_kind: bool | None = None
         self.gated = 0  # rounds the gate ran all-plain
 
     def before(self, bucket: int) -> bool:
@@ -104,9 +97,8 @@ class Gate:
         else:
             b.since += 1
             due = b.since > (FIRST_PLAIN_PROBE if b.speculate and not b.rates[False].samples else b.every)
-            if due:  # the probed regime's old samples are of another time: the probe's replace them
+            if due:
                 b.probe, b.since, b.probing = PROBE - 1, 0, True
-                b.rates[not b.speculate] = Rate()
             ok = b.speculate != due
         self.gated += not ok
         return ok
@@ -117,25 +109,24 @@ class Gate:
         return b is None or b.speculate
 
     def observe(self, bucket: int, speculative: bool, tokens: float, seconds: float | None) -> None:
-        """A round read: its regime (``speculative``: the policy chose it, whatever it chose),
-        tokens committed, and wall seconds since the read before it (None: not a sample, e.g. it
-        compiled)."""
-        changed, self._last_regime = self._last_regime is not None and speculative != self._last_regime, speculative
+        """A round read: its kind, tokens committed, and wall seconds since the read before it
+        (None: not a sample, e.g. it compiled)."""
+        changed, self._last_kind = self._last_kind is not None and speculative != self._last_kind, speculative
         if seconds is None or seconds <= 0 or changed:
             return
         b = self.buckets[bucket]
         b.rates[speculative].add(tokens, seconds)
         probed = speculative != b.speculate
         if probed:
-            b.since = 0  # the other regime was just measured (a probe)
+            b.since = 0  # the other kind was just measured (a probe, or the policy's own choice)
         if b.probe == 0 and b.judged():
             self._judge(b, probed)
 
     @staticmethod
     def _judge(b: Bucket, probed: bool) -> None:
-        """After a sample: flip the verdict where the other regime leads by ``MARGIN`` (a sample of
-        the verdict's own regime can flip it too: speculation that got worse is seen at once); after
-        a sample of the other regime that left it, lengthen the interval to the next probe."""
+        """After a sample: flip the verdict where the other kind leads by ``MARGIN`` (a sample of
+        the verdict's own kind can flip it too: speculation that got worse is seen at once); after
+        a sample of the other kind that left it, lengthen the interval to the next probe."""
         lead = b.lead()
         if lead < 1.0 - MARGIN:
             b.speculate, b.every, b.since = not b.speculate, RECHECK[0], 0
@@ -145,7 +136,7 @@ class Gate:
             b.probing = False
 
     def state(self) -> dict:
-        """Per bucket: the verdict and both regimes' measured tokens per second (for /metrics)."""
+        """Per bucket: the verdict and both kinds' measured tokens per second (for /metrics)."""
         return {n: dict(speculate=b.speculate, spec_tps=b.rates[True].per_second,
                         plain_tps=b.rates[False].per_second)
                 for n, b in sorted(self.buckets.items())}
