@@ -136,7 +136,8 @@ class Gate:
             b.probing = False
 
     def state(self) -> dict:
-        """Per bucket: the verdict and both kinds' measured tokens per second (for /metrics)."""
+        """Per bucket: the verdict and both kinds' measured tokens per second (for inspection and
+        tests; /metrics counts the gated rounds from the decoder's tally)."""
         return {n: dict(speculate=b.speculate, spec_tps=b.rates[True].per_second,
                         plain_tps=b.rates[False].per_second)
                 for n, b in sorted(self.buckets.items())}

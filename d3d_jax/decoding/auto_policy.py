@@ -353,7 +353,7 @@ class Policy:
             self.costs.split_measured(label, rows, plain_rows, seconds)
 
     def all_plain(self, rows: list) -> Plan:
-        """Every row in a plain round (the gate's override of a speculative choice)."""
+        """Every row in a plain round (a round the gate runs without asking :meth:`choose`)."""
         return self._plan([(0, len(rows), rows, self.plain)])
 
     def choose(self, rows: list, boundary: int) -> Plan:

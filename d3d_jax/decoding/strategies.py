@@ -57,7 +57,7 @@ class Part:
     predicted: float | None = None  # auto: the tokens its choice expected of this part
     predicted_s: float | None = None  # auto: the seconds its choice expected of this part
     fresh: bool = False  # its program ran for the first time (its time includes the compile)
-    gated: bool = False  # auto: run plain by the gate where the policy chose to speculate
+    gated: bool = False  # auto: an all-plain round the gate ran without asking the policy
 
 
 @dataclasses.dataclass

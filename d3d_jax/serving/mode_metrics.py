@@ -27,8 +27,8 @@ def render(decisions: dict[str, dict]) -> list[str]:
             ("mode_predicted_round_seconds_total", "predicted_seconds",
              "seconds auto's choice expected of those timed rounds (0 for fixed modes)"),
             ("mode_gated_rounds_total", "gated_rounds",
-             "rounds auto's gate ran plain where its choice was to speculate (speculative rounds "
-             "had delivered fewer tokens per wall second than plain ones at that load)")):
+             "rounds auto's gate ran all-plain without asking its choice (speculative rounds had "
+             "delivered fewer tokens per wall second than plain ones at that load, or a plain probe)")):
         out += [f"# HELP d3d_{name} {help_}", f"# TYPE d3d_{name} counter"]
         out += [f"d3d_{name}{_labels(g)} {float(c.get(key, 0)):.6g}" for g, c in decisions.items()]
     return out
