@@ -120,55 +120,6 @@ def test_the_drafter_cache_stays_exact_across_plain_rounds(setup, monkeypatch):
     dec.free(dec.active_slots())
 
 
-def test_requests_that_join_while_the_gate_runs_plain_get_no_drafter_prefill(setup, monkeypatch):
-    """While the gate runs every round plain at the load a request joins, its admission skips the
-    drafter's prefill: the drafter caches nothing of it and it has no prompt score (NaN, read as
-    none).  When speculation resumes, the catch-up caches its whole prompt and what plain rounds
-    committed: the cache is then a fresh prefill's, position by position, and the outputs are the
-    solo plain ones.  Requests that join while speculation runs are prefilled."""
-    s, dec = setup, setup["auto"]
-    st = dec.strategy
-    gated = [True]
-    monkeypatch.setattr(st.gate, "before", lambda bucket: not gated[0])
-    monkeypatch.setattr(st.gate, "speculates", lambda bucket: not gated[0])
-    sync = next(g for g in st.policy.geometries if g.label == "sync/4")
-    monkeypatch.setattr(st.policy, "choose", lambda rows, b: Plan([(0, len(rows), sync)], 0, 1))
-    deferred = st.deferred_admissions
-    for slot, i in enumerate((1, 3)):
-        dec.insert(dec.prefill(Request(s["prompts"][i], 30, index=i)), slot)
-
-    step = dec.step
-    step()
-    dec._drain()
-    rows = [dec.placement.row_of[slot] for slot in (0, 1)]
-    carry = jax.device_get(dec.carry)
-    assert st.deferred_admissions == deferred + 2
-    assert [int(carry.state.drafter_state["cache"].lengths[r]) for r in rows] == [0, 0]
-    assert np.isnan(carry.prompt_score[rows]).all()
-    assert all(dec._slots[slot].stats["acceptance"].prompt is None for slot in (0, 1))
-    for _ in range(9):
-        step()
-    gated[0] = False
-    step()  # a sync round: the catch-up caches both prompts from their first token
-    dec._drain()
-    assert_cache_equals_prefill(dec, s["drafter_model"])
-    # a request joining while speculation runs is prefilled by the drafter
-    dec.insert(dec.prefill(Request(s["prompts"][2], 30, index=2)), 2)
-    step()
-    dec._drain()
-    row = dec.placement.row_of[2]
-    carry = jax.device_get(dec.carry)
-    assert st.deferred_admissions == deferred + 2  # (a replay drafter scores no prompt: NaN)
-    assert int(carry.state.drafter_state["cache"].lengths[row]) >= len(s["prompts"][2]) - 1
-    for _ in range(40):  # every round commits a token
-        step()
-    dec._drain()
-    results = dec.results([0, 1, 2])
-    for slot, i in enumerate((1, 3, 2)):
-        assert results[slot]["token_ids"] == s["solo"][i][:30], i
-    dec.free(dec.active_slots())
-
-
 def assert_cache_equals_prefill(dec, drafter_model):
     st = jax.device_get(dec.carry.state)
     cache = st.drafter_state["cache"]  # the costed replay drafter's real model cache

@@ -28,7 +28,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from d3d_jax.decoding import window as W
-from d3d_jax.decoding.admission import pad_caches
 from d3d_jax.decoding.async_core import V_HIT, V_MISS, AsyncCore, handoff
 from d3d_jax.decoding.async_strategy import windowed_side
 from d3d_jax.decoding.auto_gate import Gate
@@ -78,8 +77,6 @@ class AutoStrategy(Strategy):
         self.geometry = {g.label: g for g in geoms}
         self.policy = Policy(geoms, cfg.buckets)
         self.gate = Gate()
-        self._admit_bucket: int | None = None  # the live-row bucket the next admission joins
-        self.deferred_admissions = 0  # requests admitted without the drafter's prefill
         tau = DEFAULT_PRIOR_TAU if cfg.prior_tau is None else float(cfg.prior_tau)
         # every request's prior: the drafter's acceptance pooled over finished requests, starting
         # from the offline τ (as trained: of a 16-token block)
@@ -101,23 +98,13 @@ class AutoStrategy(Strategy):
         return Carry(super().init(num_slots).state, sides,
                      prompt_score=jnp.full((num_slots,), jnp.nan, jnp.float32))
 
-    def _admit_all_fn(self, t_leaves, d_leaves, carry: Carry, rows, index, count, deferred):
+    def _admit_all_fn(self, t_leaves, d_leaves, carry: Carry, rows, index, count):
         """Prefill and insert as every strategy does, keeping each row's prompt score (from the
-        drafter's prefill forward: :func:`~d3d_jax.decoding.drafting.prefill_scored`).
-        ``deferred`` (traced): the drafter caches nothing of the prompts and scores none (NaN);
-        the first speculative round a row takes part in catches its drafter up from the first
-        token, as after plain rounds (:meth:`Drafter.catch_up`)."""
-        tp, dp, drafter = self.ctx.tp(t_leaves), self.ctx.dp(d_leaves), self.ctx.drafter
-
-        def scored(r):
-            return prefill_scored(drafter, dp, r.drafter_data, r.prompt, r.prompt_len - 1)
-
-        def nothing(r):  # a one-token forward with nothing cached: the state's shape, no work
-            d = drafter.prefill(dp, r.drafter_data, r.prompt[:, :1], jnp.zeros_like(r.prompt_len))
-            return pad_caches(d, r.prompt.shape[1]), jnp.full(r.prompt_len.shape, jnp.nan, jnp.float32)
+        drafter's prefill forward: :func:`~d3d_jax.decoding.drafting.prefill_scored`)."""
+        tp, dp = self.ctx.tp(t_leaves), self.ctx.dp(d_leaves)
 
         def prefill(r):
-            d, score = jax.lax.cond(deferred, nothing, scored, r)
+            d, score = prefill_scored(self.ctx.drafter, dp, r.drafter_data, r.prompt, r.prompt_len - 1)
             return (self.home.prefill_target(tp, r), d), score
 
         def insert(t, parts, slot):
@@ -133,12 +120,7 @@ class AutoStrategy(Strategy):
         return Carry(state, {k: stale(v) for k, v in carry.side.items()}, prompt_score=scores)
 
     def admit(self, carry: Carry, params, rows, index, count) -> Carry:
-        """While the gate runs all-plain at the load these requests join (the bucket the last
-        :meth:`reclassify` saw, arrivals included), the drafter's prefill is deferred: no round
-        may need it, and it was about a quarter of an admission's time (see the README)."""
-        deferred = self._admit_bucket is not None and not self.gate.speculates(self._admit_bucket)
-        self.deferred_admissions += int(deferred) * int(count)
-        return self._admit_all(*params, carry, rows, index, count, np.bool_(deferred))
+        return self._admit_all(*params, carry, rows, index, count)
 
     def _ops_all_fn(self, carry: Carry, ops, count):
         mark = lambda c, row, flag: dataclasses.replace(c, state=mark_done(c.state, row, flag))  # noqa: E731
@@ -239,7 +221,6 @@ class AutoStrategy(Strategy):
         when speculation costs them more than it gives, back to speculate (and judged again on
         faded evidence) after ``REJUDGE_AFTER`` plain rounds, twice as many each time after."""
         n, out = len(infos), {}
-        self._admit_bucket = self.policy.bucket(n) if n else None  # arrivals join at this load
         if n and not self.gate.speculates(self.policy.bucket(n)):
             return out  # every round runs plain here: moving rows between classes only costs
         for slot, info in infos.items():
