@@ -15,6 +15,9 @@ TARGET, DRAFTER = REPO / "artifacts/demo/models/target", REPO / "artifacts/demo/
 
 def _eval(out: Path, *extra: str, pre: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    # the CLI sets its own device count; the session's other flags (conftest's -O0) stay
+    env["XLA_FLAGS"] = " ".join(f for f in os.environ.get("XLA_FLAGS", "").split()
+                                if not f.startswith("--xla_force_host_platform_device_count"))
     cmd = [sys.executable, "infer/bench.py", *pre, "eval", "--target", str(TARGET), "--drafter", str(DRAFTER),
            "--benchmarks", "shakespeare", "--template", "plain", "--samples", "2", "--max-new-tokens", "24",
            "--branch-positions", "4", "--dtype", "float32", "--out", str(out), *extra]

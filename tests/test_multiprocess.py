@@ -3,6 +3,7 @@ localhost coordinator; the tiny drafter trains with fsdp over all 8 devices, eac
 its own rows of every batch.  Reference: the same run in this (1-process, 8-device) pytest process.
 """
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -75,7 +76,9 @@ def test_launcher_environment_failure_and_timeout():
     lines = sorted(sink.getvalue().splitlines())
     assert [ln.split()[:3] for ln in lines] == [[f"[p{i}]", str(i), "3"] for i in range(3)]
     assert len({ln.split()[3] for ln in lines}) == 1 and lines[0].split()[3].startswith("127.0.0.1:")
-    assert all(ln.split()[4:] == ["--xla_force_host_platform_device_count=2"] for ln in lines)
+    # the caller's other XLA flags (conftest's -O0) are kept; its device count is replaced
+    kept = [f for f in os.environ["XLA_FLAGS"].split() if not f.startswith("--xla_force_host_platform_device_count")]
+    assert all(ln.split()[4:] == kept + ["--xla_force_host_platform_device_count=2"] for ln in lines)
     t0 = time.time()
     fail = "import os, sys, time; sys.exit(3) if os.environ['JAX_PROCESS_ID'] == '1' else time.sleep(120)"
     assert launch_local.launch(["-c", fail], 2, 1, sink=io.StringIO()) == 3
