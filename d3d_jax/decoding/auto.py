@@ -39,11 +39,7 @@ from d3d_jax.decoding.strategies import (Carry, Context, Part, Strategy, mark_do
 
 DEFAULT_PRIOR_TAU = 2.0  # a drafter of unknown quality: barely better than nothing
 CALIBRATION_ROUNDS = 5  # timing passes over the programs at start-up, interleaved (after the compiles)
-# rounds per program per pass, dispatched back to back: one round behind a host wait priced sync/16
-# at 1 row at 37 ms where served rounds (each queued behind the last) took 27-33 ms.  They follow
-# one untimed lead-in round of the same program: the first round after another program's priced
-# plain at 16 rows at 23-27 ms where a run of plain rounds took 15-18 ms, so on the mixed level
-# auto ran sync/4 where plain rounds cost as much per token
+# rounds per program per pass, back to back after one untimed lead-in (why: docs/design/auto.md, start-up timing)
 CALIBRATION_RUN = 2
 
 

@@ -28,26 +28,14 @@ SWITCH_MARGIN = 0.03  # another plan must be this much better to replace the cur
 PLAIN_MARGIN = 0.15  # a request runs plain once speculation pays this much less than plain
 MIN_ROUNDS_TO_SET_ASIDE = 3  # of the request's own speculative rounds
 EXPLORE_EVERY = 32  # plain rounds in a row after which one speculative round is tried
-# A request set aside for plain rounds is judged again after this many of them, then after twice
-# as many each time: a drafter's acceptance moves within a request (the demo's Shakespeare chat
-# prompts accept little in their first rounds and 4-10 drafts a round later), and one judged on
-# its start alone ran plain to its end.
+# plain rounds before a set-aside request is judged again, doubling each time (docs/design/auto.md, re-judging)
 REJUDGE_AFTER = 8
-# A round-time sample counts at most this many times the estimate: one host stall (a GC, the
-# server's burst of stream writes, another program's compile) priced a geometry out of the choice
-# for good — a geometry that looks too dear is never run again, so it is never re-measured.
+# a round-time sample counts at most this many times the estimate (docs/design/auto.md, round costs)
 OUTLIER = 2.0
 SPLIT_PLAIN = "plain"  # the label of a split round's plain part
 POOL_ROUNDS = 256  # the drafter's pooled acceptance halves its counts past this many rounds
-# A request's prompt score (the share of its prompt tokens the drafter predicts, measured at
-# admission) scales its prior: by score / (PROMPT_FULL x the pooled requests' mean score), at
-# most 1.  A prior scaled below PROMPT_JUDGED judges the request before any round of its own:
-# on the mixed level, random-id prompts (score 0) were speculated on for their first rounds, and
-# every round with an unjudged request in it speculated the whole batch.  Each re-judging takes
-# the scale's square root, so a prompt score that was wrong stops counting after a few.
-# A request is not speculated on to judge it (:attr:`Acceptance.explores`) while its score is on
-# its way (the first one or two rounds, read one round behind), nor when its prompt scored like
-# the pooled requests' (full prior, never re-judged): the pool already says what it is worth.
+# a prompt score scales the prior, min(1, score / (PROMPT_FULL x the pool's mean)); below PROMPT_JUDGED
+# the request is judged at once (docs/design/auto.md, prompt scores)
 PROMPT_FULL = 0.5
 PROMPT_JUDGED = 0.5
 
