@@ -137,7 +137,7 @@ def test_the_walker_sees_lazy_and_relative_imports(tmp_path):
 
 
 # --------------------------------------------------------------------------------------------
-# The README's layout tables name every module, and every name they hold exists
+# docs/architecture.md's module map names every module, and every name it holds exists
 # --------------------------------------------------------------------------------------------
 def _expand(token: str) -> list[str]:
     """``a/{b,c}.py`` -> ``a/b.py``, ``a/c.py``."""
@@ -149,12 +149,12 @@ def _expand(token: str) -> list[str]:
 
 
 def layout_paths(readme: str) -> set[str]:
-    """Paths the first column of the README's layout tables names.  In a cell, ``dir/`` followed
+    """Paths the first column of the module map's tables names (the first ``## `` section).  In a cell, ``dir/`` followed
     by bare names (``protocol``, ``cli.py``) names ``dir/protocol.py`` …; a path that does not
     start at the repository root is under ``d3d_jax/``."""
     import re
 
-    section = readme.split("## ", 2)[1]  # the Overview, which holds both tables
+    section = readme.split("\n## ", 2)[1]  # the first section, which holds both tables
     out = set()
     for line in section.splitlines():
         if not line.startswith("| `"):
@@ -173,17 +173,33 @@ def layout_paths(readme: str) -> set[str]:
     return out
 
 
-def test_readme_layout_matches_the_tree():
-    named = layout_paths((ROOT / "README.md").read_text(encoding="utf-8"))
+ARCHITECTURE = ROOT / "docs" / "architecture.md"
+
+
+def test_module_map_matches_the_tree():
+    named = layout_paths(ARCHITECTURE.read_text(encoding="utf-8"))
     missing = sorted(p for p in named if not (ROOT / p).exists())
-    assert not missing, f"the README's layout names paths that do not exist: {missing}"
+    assert not missing, f"docs/architecture.md's module map names paths that do not exist: {missing}"
     modules = {str(p.relative_to(ROOT)) for p in (ROOT / "d3d_jax").rglob("*.py") if p.name != "__init__.py"}
     unnamed = sorted(m for m in modules if m not in named)
-    assert not unnamed, f"modules the README's layout tables do not name: {unnamed}"
+    assert not unnamed, f"modules docs/architecture.md's module map does not name: {unnamed}"
+
+
+def test_concept_index_names_existing_paths():
+    """The paper concept -> module table points at files and folders that exist."""
+    import re
+
+    text = ARCHITECTURE.read_text(encoding="utf-8")
+    section = text.split("\n## Paper concept", 1)[1].split("\n## ", 1)[0]
+    paths = {t for line in section.splitlines() if line.startswith("| ")
+             for t in re.findall(r"`([\w./-]+/[\w./-]*)`", line)}
+    assert len(paths) >= 15, paths
+    missing = sorted(p for p in paths if not (ROOT / p).exists())
+    assert not missing, f"docs/architecture.md's concept index names paths that do not exist: {missing}"
 
 
 def test_layout_reader_expands_braces_and_directory_names():
-    text = ("## Overview\n\n| path | what |\n|---|---|\n"
+    text = ("# T\n\n## Overview\n\n| path | what |\n|---|---|\n"
             "| `d3d_jax/io/{hf,records}.py`, `configs/serve/` | x |\n"
             "| `d3d_jax/serving/` (`app`, `server.py`), `bench/x.py` | y \\| z |\n## Next\n")
     assert layout_paths(text) == {"d3d_jax/io/hf.py", "d3d_jax/io/records.py", "configs/serve/",
