@@ -19,7 +19,9 @@ import logging
 from typing import Any, Callable
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
@@ -146,9 +148,7 @@ async def _generate(svc: Service, http: Request, kind: str):
     """Parse, tokenize, validate and build every choice's request; then queue, stream or collect."""
     body = await read_json(http, svc.limits.max_body_bytes)
     if kind == "chat":
-        from d3d_jax.io.chat import content_text
-
-        parsed = P.parse_chat(body, svc.model_name, content_text, svc.limits)
+        parsed = P.parse_chat(body, svc.model_name, svc.limits)
     else:
         parsed = P.parse_completion(body, svc.model_name, svc.limits)
     p = parsed.params
@@ -179,21 +179,11 @@ async def _generate(svc: Service, http: Request, kind: str):
 
 
 def _tokenize_body(svc: Service, body: dict) -> list[int]:
-    unknown = sorted(set(body) - {"model", "prompt", "messages", "add_special_tokens"})
-    if unknown:
-        raise P.ApiError(f"'{unknown[0]}' is not a field of /tokenize", param=unknown[0])
-    if body.get("model") is not None:
-        P._model(body, svc.model_name)
-    if "messages" in body:
-        from d3d_jax.io.chat import content_text
-
-        return svc.encode_chat(P.parse_chat({"model": svc.model_name, "messages": body["messages"]},
-                                            svc.model_name, content_text, svc.limits).messages)
-    prompt = body.get("prompt")
-    if not isinstance(prompt, str):
-        raise P.ApiError("'prompt' must be a string (or send 'messages')", param="prompt")
-    special = P._flag(body, "add_special_tokens", False)
-    return list(svc.tokenizer.encode(prompt, add_special_tokens=special))
+    req = P.parse_tokenize(body, svc.model_name, svc.limits)
+    if req.messages is not None:
+        return svc.encode_chat([{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+                                for m in req.messages])
+    return list(svc.tokenizer.encode(req.prompt, add_special_tokens=bool(req.add_special_tokens)))
 
 
 def create_app(svc: Service) -> FastAPI:
@@ -222,6 +212,14 @@ def _add_error_handlers(app: FastAPI, metrics) -> None:
     async def api_error(_req, e: P.ApiError):
         metrics.record_http_error(e.status)
         return JSONResponse(e.body(), e.status)
+
+    @app.exception_handler(ValidationError)
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_req, e):  # a declared model refused the input: 400 naming the field, never 422
+        err = P.validation_error(e) if isinstance(e, ValidationError) else P.ApiError(
+            f"invalid request: {str(e.errors()[:1])[:200]}")
+        metrics.record_http_error(err.status)
+        return JSONResponse(err.body(), err.status)
 
     @app.exception_handler(ClientGone)
     async def client_gone(_req, _e):
@@ -286,22 +284,14 @@ def _add_token_routes(app: FastAPI, svc: Service) -> None:
     """vLLM's /tokenize and /detokenize."""
     @app.post("/tokenize")
     async def tokenize(http: Request):
-        ids = _tokenize_body(svc, await read_json(http, svc.limits.max_body_bytes))
+        body = await read_json(http, svc.limits.max_body_bytes)
+        ids = await run_in_threadpool(_tokenize_body, svc, body)  # a long text must not stall streams
         return {"count": len(ids), "max_model_len": svc.limits.context_len, "tokens": ids}
 
     @app.post("/detokenize")
     async def detokenize(http: Request):
-        body = await read_json(http, svc.limits.max_body_bytes)
-        unknown = sorted(set(body) - {"model", "tokens"})
-        if unknown:
-            raise P.ApiError(f"'{unknown[0]}' is not a field of /detokenize", param=unknown[0])
-        if body.get("model") is not None:
-            P._model(body, svc.model_name)
-        tokens = body.get("tokens")
-        vocab = svc.limits.vocab_size
-        if not isinstance(tokens, list) or not all(P._is_id(t, vocab) for t in tokens):
-            raise P.ApiError(f"'tokens' must be a list of token ids in [0, {vocab or P.INT32})",
-                             param="tokens")
+        tokens = P.parse_detokenize(await read_json(http, svc.limits.max_body_bytes), svc.model_name,
+                                    svc.limits)
         return {"prompt": svc.tokenizer.decode(tokens)}
 
 

@@ -1,30 +1,24 @@
-"""Request parsing and validation of the OpenAI-compatible API: every number bounded at the door.
+"""Request parsing of the OpenAI-compatible API: every body checked by its declared schema.
 
-Bodies are parsed by hand rather than by pydantic models: every problem becomes ONE
-:class:`ApiError` (HTTP 400 with OpenAI's error JSON, naming the field), never FastAPI's 422.
-Every field of OpenAI's completions and chat-completions request schemas is in :data:`FIELDS`:
-served, or refused with a 400 naming it unless it holds its no-op value (``"n": 1`` is served,
-``"audio": {...}`` is refused).  A field in no schema and not one of vLLM's extensions we serve
-is refused too: nothing a client sends is silently ignored.
-
-Extensions (as vLLM names them): ``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``,
-``stop_token_ids``, ``ignore_eos``, ``skip_special_tokens`` and ``return_token_ids`` (each choice
-then carries its token ids).
+The bodies are the pydantic models of :mod:`~d3d_jax.serving.schema` (each field's type, range
+and whether it is served, in one place).  Every problem becomes ONE :class:`ApiError` (HTTP 400
+with OpenAI's error JSON, naming the field): :func:`validation_error` turns pydantic's errors
+into it, so no failure ends as FastAPI's 422 or a 500.  The raw JSON is parsed here first, with
+its nesting bounded and lone surrogates refused, before any model sees it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import math
 
-MAX_STOP = 16  # stop strings plus stop ids per request (the decoder's stop-id table is bounded too)
-MAX_N = 16  # choices per prompt
+from pydantic import ValidationError
+
+from d3d_jax.serving import schema as S
+from d3d_jax.serving.schema import INT32, MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_N, MAX_STOP  # noqa: F401
+
 MAX_CHOICES = 64  # prompts x n per request
-MAX_LOGPROBS = 20  # completions' `logprobs`, chat's `top_logprobs` (the decoder's table)
-MAX_LOGIT_BIAS = 64  # entries of `logit_bias` (the decoder's per-row table)
 MAX_DEPTH = 32  # JSON nesting: the deepest valid body is 5 levels deep
-INT32 = 2 ** 31 - 1
 
 
 class ApiError(Exception):
@@ -142,184 +136,141 @@ def _bad_text(s: str) -> bool:
 
 
 # --------------------------------------------------------------------------------------------
-# Fields: served, or refused unless they hold their no-op value
+# The declared bodies
 # --------------------------------------------------------------------------------------------
 SERVED = "served"
-_COMMON = ("model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "seed", "stop",
-           "n", "presence_penalty", "frequency_penalty", "logit_bias", "logprobs", "user",
-           # vLLM's extensions
-           "top_k", "min_p", "repetition_penalty", "min_tokens", "stop_token_ids", "ignore_eos",
-           "skip_special_tokens", "return_token_ids")
-# field -> values that mean "the default behaviour" (accepted); anything else is refused
-_NOOP_COMPLETION = {"suffix": (None, ""), "best_of": (None, 1)}
-_NOOP_CHAT = {
-    "audio": (None,), "function_call": (None, "none"), "functions": (None, []), "tools": (None, []),
-    "tool_choice": (None, "none"), "parallel_tool_calls": (None, True, False),
-    "modalities": (None, ["text"]), "moderation": (None,), "prediction": (None,),
-    "reasoning_effort": (None,), "verbosity": (None,), "web_search_options": (None,),
-    "response_format": (None, {"type": "text"}), "store": (None, False), "metadata": (None, {}),
-    "service_tier": (None, "auto", "default"), "prompt_cache_retention": (None,),
-    "prompt_cache_options": (None,),
-}
-# identifiers and hints with no effect on the output: accepted as they are (strings or null)
-_IDENTIFIERS = ("user", "safety_identifier", "prompt_cache_key")
-FIELDS = {
-    "completion": dict.fromkeys(_COMMON + ("prompt", "echo"), SERVED) | _NOOP_COMPLETION,
-    "chat": dict.fromkeys(_COMMON + ("messages", "max_completion_tokens", "top_logprobs",
-                                     "safety_identifier", "prompt_cache_key"), SERVED) | _NOOP_CHAT,
-}
-# what the README's refusal of a field says in a word
-_WHY = {"best_of": "'best_of' other than 1 (send 'n' for several choices)", "suffix": "'suffix' (insertion)"}
+ROUTES = {"completion": "/v1/completions", "chat": "/v1/chat/completions", "tokenize": "/tokenize",
+          "detokenize": "/detokenize"}
+# route -> field -> SERVED, or the no-op values a refused field may hold (read from the models)
+FIELDS = {kind: {name: S.is_refused(model, name) or SERVED for name in model.model_fields}
+          for kind, model in S.BODIES.items()}
+_NAMES = frozenset(n for m in (*S.BODIES.values(), S.Message, S.StreamOptions, S.TextPart)
+                   for n in m.model_fields)
+_TYPE_WORDS = {"string_type": "a string", "int_type": "an integer", "float_type": "a number",
+               "bool_type": "a boolean", "dict_type": "an object", "model_type": "an object",
+               "model_attributes_type": "an object", "list_type": "a list", "none_required": "null",
+               "int_from_float": "an integer"}
+_BOUNDS = {"greater_than_equal": (">=", "ge"), "greater_than": (">", "gt"),
+           "less_than_equal": ("<=", "le"), "less_than": ("<", "lt")}
 
 
-def check_fields(body: dict, kind: str) -> None:
-    """Every field is known to this route, and a refused one holds its no-op value."""
-    table = FIELDS[kind]
-    for key, value in body.items():
-        rule = table.get(key)
-        if rule is None:
-            raise ApiError(f"'{key}' is not a field this server serves for "
-                           f"{'/v1/chat/completions' if kind == 'chat' else '/v1/completions'}",
-                           param=key)
-        if rule is SERVED:
-            if key in _IDENTIFIERS and value is not None and not isinstance(value, str):
-                raise ApiError(f"'{key}' must be a string", param=key)
-            continue
-        if not any(value == ok and type(value) is type(ok) for ok in rule):
-            what = _WHY.get(key, f"'{key}' = {json.dumps(value)[:80]}")
-            raise ApiError(f"{what} is not supported by this server", param=key)
+def validate(kind: str, body: dict, limits: "Limits"):
+    """The body as its route's declared model, or one :class:`ApiError` naming the field."""
+    try:
+        return S.BODIES[kind].model_validate(body, context={"vocab": limits.vocab_size})
+    except ValidationError as e:
+        raise validation_error(e, kind, body) from None
 
 
-# --------------------------------------------------------------------------------------------
-# Values
-# --------------------------------------------------------------------------------------------
-def _number(body: dict, key: str, default, *, integer: bool = False, lo=None, hi=None,
-            lo_open: bool = False):
-    v = body.get(key)
-    if v is None:
-        return default
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or (
-            integer and isinstance(v, float) and not v.is_integer()):
-        raise ApiError(f"'{key}' must be {'an integer' if integer else 'a number'}, got {v!r}"[:200],
-                       param=key)
-    if isinstance(v, float) and not math.isfinite(v):
-        raise ApiError(f"'{key}' must be finite, got {v!r}", param=key)
-    # compare as given (a huge int never becomes a float: no overflow)
-    if lo is not None and (v <= lo if lo_open else v < lo):
-        raise ApiError(f"'{key}' must be {'>' if lo_open else '>='} {lo}, got {_short(v)}", param=key)
-    if hi is not None and v > hi:
-        raise ApiError(f"'{key}' must be <= {hi}, got {_short(v)}", param=key)
-    return int(v) if integer else float(v)
+def validation_error(e: ValidationError, kind: str | None = None, body=None) -> "ApiError":
+    """pydantic's first failure as one 400: the field in ``param``, a bounded value in the text.
+    When no form of a union fits, one message lists the forms the field accepts."""
+    errors = e.errors(include_url=False)
+    first = errors[0]
+    err = (first.get("ctx") or {}).get("error")
+    if isinstance(err, S.FieldError) and err.field is not None:
+        return ApiError(err.message, param=err.field)
+    loc = _clean(first["loc"])
+    field = loc[0] if loc and isinstance(loc[0], str) else None
+    same = [x for x in errors if _clean(x["loc"])[:1] == loc[:1]]
+    best = next((x for x in same if x["type"] not in _TYPE_WORDS), None)
+    if best is None and len(same) > 1:  # a union: name the place all its failures share
+        where = _common([_clean(x["loc"]) for x in same])
+        value, found = body, True
+        for part in where:
+            try:
+                value = value[part]
+            except (KeyError, IndexError, TypeError):
+                found = False
+        forms = _description(kind, where) or " or ".join(dict.fromkeys(_TYPE_WORDS[x["type"]] for x in same))
+        return ApiError(f"'{_path(where)}' must be {forms}, got {_describe(value) if found else 'another type'}",
+                        param=field)
+    return ApiError(_message(best or first, kind), param=field)
+
+
+_MODEL_NAMES = frozenset(m.__name__ for m in (*S.BODIES.values(), S.Message, S.StreamOptions, S.TextPart))
+
+
+def _clean(loc) -> tuple:
+    """pydantic's location without its union-member tags (``'list[constrained-str]'``)."""
+    return loc[:1] + tuple(p for p in loc[1:] if isinstance(p, int) or p in _NAMES or not (
+        any(c in p for c in "[-(") or p in ("str", "int", "float", "bool") or p in _MODEL_NAMES))
+
+
+def _common(locs: list[tuple]) -> tuple:
+    out = []
+    for parts in zip(*locs):
+        if len(set(parts)) > 1:
+            break
+        out.append(parts[0])
+    return tuple(out)
+
+
+def _description(kind: str | None, where: tuple) -> str | None:
+    names = [p for p in where if isinstance(p, str)]
+    if not names or where[-1] != names[-1]:
+        return None
+    models = [S.BODIES[kind]] if kind in S.BODIES and len(names) == 1 else [S.Message, S.StreamOptions]
+    for m in models:
+        info = m.model_fields.get(names[-1])
+        if info is not None and info.description:
+            return info.description
+    return None
+
+
+def _path(loc) -> str:
+    """``messages[0].role`` from a cleaned location; user-chosen keys cut short."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            part = part if len(part) <= 40 else part[:40] + "..."
+            out += f".{part}" if out else part
+    return out or "body"
+
+
+def _message(x: dict, kind: str | None) -> str:
+    path, kind_of, ctx, value = _path(_clean(x["loc"])), x["type"], x.get("ctx") or {}, x.get("input")
+    where = f"'{path}'"
+    if kind_of == "extra_forbidden":  # the client's own key, whatever it looks like
+        path = _path(_clean(x["loc"][:-1]) + x["loc"][-1:])
+        if len(x["loc"]) == 1:
+            return f"'{path}' is not a field this server serves for {ROUTES.get(kind, 'this route')}"
+        return f"'{path}' is not supported by this server"
+    if kind_of == "refused":
+        return f"{ctx.get('why') or where + ' = ' + _short(value)} is not supported by this server"
+    if kind_of == "missing":
+        return f"{where} is required"
+    if kind_of in _BOUNDS:
+        op, key = _BOUNDS[kind_of]
+        return f"{where} must be {op} {ctx[key]}, got {_short(value)}"
+    if kind_of in ("too_short", "string_too_short"):
+        least = ctx.get("min_length", 1)
+        return f"{where} must be non-empty" if least == 1 else f"{where} must have at least {least} items"
+    if kind_of in ("too_long", "string_too_long"):
+        return f"{where} has {ctx.get('actual_length', 'too many')} items; at most {ctx.get('max_length')}"
+    if kind_of == "finite_number":
+        return f"{where} must be finite, got {_short(value)}"
+    if kind_of == "literal_error":
+        return f"{where} must be one of {ctx.get('expected')}, got {_short(value)}"
+    if kind_of in _TYPE_WORDS:
+        return f"{where} must be {_TYPE_WORDS[kind_of]}, got {_describe(value)}"
+    if kind_of == "value_error" and isinstance(ctx.get("error"), S.FieldError):
+        return f"{where} {ctx['error'].message}"
+    return f"{where}: {x['msg'][:200]}"
 
 
 def _short(v) -> str:
-    s = repr(v)
-    return s if len(s) <= 40 else s[:20] + f"...({len(s)} digits)"
+    s = json.dumps(v) if isinstance(v, (str, dict, list)) else repr(v)
+    return s if len(s) <= 40 else s[:20] + f"...({len(s)} characters)"
 
 
-def _flag(body: dict, key: str, default: bool = False) -> bool:
-    v = body.get(key, default)
-    if v is None:
-        return default
-    if not isinstance(v, bool):
-        raise ApiError(f"'{key}' must be a boolean, got {v!r}"[:200], param=key)
-    return v
-
-
-def _is_id(v, vocab: int | None = None) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and 0 <= v < (vocab or INT32)
-
-
-def _stops(body: dict, vocab) -> tuple[tuple[str, ...], tuple[int, ...]]:
-    """``stop``: a string or a list of strings and/or token ids; ``stop_token_ids``: ids."""
-    stop, extra = body.get("stop"), body.get("stop_token_ids")
-    items = [] if stop is None else stop if isinstance(stop, list) else [stop]
-    if extra is not None and not (isinstance(extra, list) and all(_is_id(i, vocab) for i in extra)):
-        raise ApiError(f"'stop_token_ids' must be a list of token ids in [0, {vocab or INT32})",
-                       param="stop_token_ids")
-    if not all((isinstance(s, str) and s) or _is_id(s, vocab) for s in items):
-        raise ApiError("'stop' must be a non-empty string or a list of non-empty strings / token ids "
-                       f"in [0, {vocab or INT32})", param="stop")
-    texts = tuple(s for s in items if isinstance(s, str))
-    ids = tuple(s for s in items if not isinstance(s, str)) + tuple(extra or ())
-    if len(texts) + len(ids) > MAX_STOP:
-        raise ApiError(f"at most {MAX_STOP} stop strings and ids, got {len(texts) + len(ids)}", param="stop")
-    return texts, ids
-
-
-def _logit_bias(body: dict, vocab) -> dict[int, float]:
-    """OpenAI's ``{"token id": bias}``, bias in [-100, 100]."""
-    bias = body.get("logit_bias")
-    if bias is None:
-        return {}
-    if not isinstance(bias, dict):
-        raise ApiError("'logit_bias' must be an object mapping token ids to biases", param="logit_bias")
-    if len(bias) > MAX_LOGIT_BIAS:
-        raise ApiError(f"'logit_bias' has {len(bias)} entries; at most {MAX_LOGIT_BIAS}", param="logit_bias")
-    out = {}
-    for k, v in bias.items():
-        if not (k.isascii() and k.isdigit() and len(k) < 11 and _is_id(int(k), vocab)):
-            raise ApiError(f"'logit_bias' key {k[:20]!r} is not a token id in [0, {vocab or INT32})",
-                           param="logit_bias")
-        out[int(k)] = _number({"logit_bias": v}, "logit_bias", 0.0, lo=-100.0, hi=100.0)
-    return out
-
-
-def _stream_options(body: dict) -> tuple[bool, bool]:
-    opts = body.get("stream_options")
-    if opts is None:
-        return False, False
-    if not isinstance(opts, dict):
-        raise ApiError("'stream_options' must be an object", param="stream_options")
-    if not _flag(body, "stream"):
-        raise ApiError("'stream_options' is only allowed with \"stream\": true", param="stream_options")
-    unknown = sorted(set(opts) - {"include_usage", "continuous_usage_stats"})
-    if unknown:
-        raise ApiError(f"'stream_options.{unknown[0]}' is not supported by this server",
-                       param="stream_options")
-    return _flag(opts, "include_usage"), _flag(opts, "continuous_usage_stats")
-
-
-def _logprobs(body: dict, kind: str) -> int | None:
-    if kind == "completion":
-        return _number(body, "logprobs", None, integer=True, lo=0, hi=MAX_LOGPROBS)
-    top = _number(body, "top_logprobs", None, integer=True, lo=0, hi=MAX_LOGPROBS)
-    if not _flag(body, "logprobs"):
-        if top is not None:
-            raise ApiError("'top_logprobs' needs \"logprobs\": true", param="top_logprobs")
-        return None
-    return top or 0
-
-
-def parse_params(body: dict, kind: str, limits: Limits) -> GenParams:
-    check_fields(body, kind)
-    vocab = limits.vocab_size
-    stop, stop_ids = _stops(body, vocab)
-    include_usage, continuous = _stream_options(body)
-    key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    echo = kind == "completion" and _flag(body, "echo")
-    max_tokens = _number(body, key, None, integer=True, lo=0 if echo else 1, hi=INT32)
-    n = _number(body, "n", 1, integer=True, lo=1, hi=MAX_N)
-    min_tokens = _number(body, "min_tokens", 0, integer=True, lo=0, hi=INT32)
-    if max_tokens is not None and min_tokens > max_tokens:
-        raise ApiError(f"'min_tokens' ({min_tokens}) must be <= '{key}' ({max_tokens})", param="min_tokens")
-    return GenParams(
-        max_tokens=max_tokens,
-        temperature=_number(body, "temperature", 1.0, lo=0.0, hi=100.0),
-        top_p=_number(body, "top_p", 1.0, lo=0.0, hi=1.0, lo_open=True),
-        top_k=max(0, _number(body, "top_k", 0, integer=True, lo=-1, hi=INT32)),  # vLLM: -1 = off
-        min_p=_number(body, "min_p", 0.0, lo=0.0, hi=1.0),
-        presence_penalty=_number(body, "presence_penalty", 0.0, lo=-2.0, hi=2.0),
-        frequency_penalty=_number(body, "frequency_penalty", 0.0, lo=-2.0, hi=2.0),
-        repetition_penalty=_number(body, "repetition_penalty", 1.0, lo=0.0, hi=2.0, lo_open=True),
-        min_tokens=min_tokens, logit_bias=_logit_bias(body, vocab),
-        stop=stop, stop_token_ids=stop_ids,
-        seed=_number(body, "seed", None, integer=True, lo=-(2 ** 63), hi=2 ** 64 - 1),
-        n=n, logprobs=_logprobs(body, kind), echo=echo,
-        ignore_eos=_flag(body, "ignore_eos"), stream=_flag(body, "stream"),
-        include_usage=include_usage, continuous_usage=continuous,
-        return_token_ids=_flag(body, "return_token_ids"),
-        skip_special_tokens=_flag(body, "skip_special_tokens", True))
+def _describe(v) -> str:
+    if isinstance(v, list):
+        kinds = sorted({type(x).__name__ for x in v[:1000]})
+        return f"a list of {'/'.join(kinds)}" if v else "an empty list"
+    return "null" if v is None else f"{type(v).__name__} {_short(v)}"
 
 
 class ModelNotFound(ApiError):
@@ -328,82 +279,72 @@ class ModelNotFound(ApiError):
                          status=404, param="model", code="model_not_found")
 
 
-def _model(body: dict, served: str) -> str:
-    model = body.get("model")
-    if model is None:
-        raise ApiError("'model' is required", param="model")
-    if not isinstance(model, str):
-        raise ApiError("'model' must be a string", param="model")
-    if model != served:
+def _model(model: str | None, served: str) -> str:
+    if model is not None and model != served:
         raise ModelNotFound(model, served)
-    return model
+    return served
 
 
-PROMPT_FORMS = "a string, a list of strings, a list of token ids or a list of token-id lists"
-
-
-def _prompts(prompt, vocab) -> list:
-    """Completions' ``prompt`` in every form OpenAI accepts, as a list of prompts."""
-    if isinstance(prompt, str):
-        prompts = [prompt]
-    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
-        prompts = list(prompt)
-    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool)
-                                                     for t in prompt):
-        prompts = [prompt]
-    elif isinstance(prompt, list) and prompt and all(isinstance(p, list) for p in prompt):
-        prompts = list(prompt)
-        for i, p in enumerate(prompts):
-            if not p or not all(isinstance(t, int) and not isinstance(t, bool) for t in p):
-                raise ApiError(f"'prompt[{i}]' must be a non-empty list of token ids", param="prompt")
+def _params(req: S._Generation, kind: str, echo_only: bool = False) -> GenParams:
+    """The decoder-facing settings of a validated body (defaults for what it left out)."""
+    so = req.stream_options or S.StreamOptions()
+    if kind == "completion":
+        logprobs = req.logprobs
     else:
-        raise ApiError(f"'prompt' must be {PROMPT_FORMS} (non-empty), got "
-                       f"{_describe(prompt)}", param="prompt")
-    for i, p in enumerate(prompts):
-        if isinstance(p, str) and not p:
-            raise ApiError("'prompt' must not be empty" if len(prompts) == 1 else
-                           f"'prompt[{i}]' must not be empty", param="prompt")
-        if isinstance(p, list) and not all(_is_id(t, vocab) for t in p):
-            bad = next(t for t in p if not _is_id(t, vocab))
-            raise ApiError(f"'prompt' has token id {_short(bad)} outside the vocabulary "
-                           f"[0, {vocab or INT32})", param="prompt")
-    return prompts
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    bias = {int(k): v for k, v in (req.logit_bias or {}).items()}
+    stop = () if req.stop is None else (req.stop,) if isinstance(req.stop, str) else tuple(req.stop)
+    return GenParams(
+        max_tokens=0 if echo_only else getattr(req, req.budget_field()),
+        temperature=_or(req.temperature, 1.0), top_p=_or(req.top_p, 1.0), top_k=max(0, req.top_k or 0),
+        min_p=_or(req.min_p, 0.0), presence_penalty=_or(req.presence_penalty, 0.0),
+        frequency_penalty=_or(req.frequency_penalty, 0.0), repetition_penalty=_or(req.repetition_penalty, 1.0),
+        min_tokens=req.min_tokens or 0, logit_bias=bias, stop=stop,
+        stop_token_ids=tuple(req.stop_token_ids or ()), seed=req.seed, n=_or(req.n, 1), logprobs=logprobs,
+        echo=bool(getattr(req, "echo", False)) and kind == "completion", ignore_eos=bool(req.ignore_eos),
+        stream=bool(req.stream), include_usage=bool(so.include_usage),
+        continuous_usage=bool(so.continuous_usage_stats), return_token_ids=bool(req.return_token_ids),
+        skip_special_tokens=_or(req.skip_special_tokens, True))
 
 
-def _describe(v) -> str:
-    if isinstance(v, list):
-        kinds = sorted({type(x).__name__ for x in v})
-        return f"a list of {'/'.join(kinds)}" if v else "an empty list"
-    return "null" if v is None else type(v).__name__
+def _or(v, default):
+    return default if v is None else v
 
 
 def parse_completion(body: dict, served_model: str, limits: Limits) -> ParsedRequest:
-    model = _model(body, served_model)
-    params = parse_params(body, "completion", limits)
-    prompts = _prompts(body.get("prompt"), limits.vocab_size)
+    # with echo, "max_tokens": 0 asks for the prompt's scores alone (the only budget below 1)
+    echo_only = body.get("echo") is True and body.get("max_tokens") == 0 and type(body["max_tokens"]) is int
+    req = validate("completion", {k: v for k, v in body.items() if k != "max_tokens"} if echo_only else body,
+                   limits)
+    model = _model(req.model, served_model)
+    params = _params(req, "completion", echo_only)
+    if echo_only and params.min_tokens:
+        raise ApiError(f"'min_tokens' ({params.min_tokens}) must be <= 'max_tokens' (0)", param="min_tokens")
+    prompts = req.prompts()
     if len(prompts) * params.n > MAX_CHOICES:
         raise ApiError(f"{len(prompts)} prompts x n = {params.n} is {len(prompts) * params.n} choices; "
                        f"at most {MAX_CHOICES} per request", param="prompt" if params.n == 1 else "n")
     return ParsedRequest("completion", model, params, prompts=prompts)
 
 
-def parse_chat(body: dict, served_model: str, content_text, limits: Limits) -> ParsedRequest:
-    """``content_text(content, where)`` turns a message's content (string or text parts) into text."""
-    model = _model(body, served_model)
-    params = parse_params(body, "chat", limits)
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise ApiError("'messages' must be a non-empty list", param="messages")
-    out = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or m.get("role") not in ("system", "developer", "user", "assistant"):
-            raise ApiError(f"messages[{i}] must have a role of system, user or assistant", param="messages")
-        try:
-            text = content_text(m.get("content"), f"messages[{i}]")
-        except ValueError as e:
-            raise ApiError(str(e), param="messages") from None
-        out.append({"role": "system" if m["role"] == "developer" else m["role"], "content": text})
-    return ParsedRequest("chat", model, params, messages=out)
+def parse_chat(body: dict, served_model: str, limits: Limits) -> ParsedRequest:
+    req = validate("chat", body, limits)
+    model = _model(req.model, served_model)
+    messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+                for m in req.messages]
+    return ParsedRequest("chat", model, _params(req, "chat"), messages=messages)
+
+
+def parse_tokenize(body: dict, served_model: str, limits: Limits) -> S.TokenizeRequest:
+    req = validate("tokenize", body, limits)
+    _model(req.model, served_model)
+    return req
+
+
+def parse_detokenize(body: dict, served_model: str, limits: Limits) -> list[int]:
+    req = validate("detokenize", body, limits)
+    _model(req.model, served_model)
+    return list(req.tokens)
 
 
 def resolve_max_tokens(n_prompt: int, params: GenParams, limits: Limits) -> int:

@@ -1,0 +1,266 @@
+"""The request bodies of the OpenAI-compatible API, declared: every field's type, range and
+whether it is served.
+
+Each route's body is a pydantic model with ``extra="forbid"``: a field in no schema and not one
+of vLLM's extensions we serve is refused, so nothing a client sends is silently ignored.  A field
+of OpenAI's schemas this server does not serve is declared with :func:`Refused` and its no-op
+values (``"n": 1`` is served, ``"audio": {...}`` is refused unless null).  Models are strict: a
+JSON string is never a number, a number never a boolean.  Checks that need the server's limits
+(the vocabulary) read the validation context ``{"vocab": size}``; checks across fields are the
+models' ``after`` validators.  :func:`d3d_jax.serving.protocol.validation_error` turns any
+failure into one 400 naming the field.
+
+Extensions (as vLLM names them): ``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``,
+``stop_token_ids``, ``ignore_eos``, ``skip_special_tokens`` and ``return_token_ids`` (each choice
+then carries its token ids).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo
+from pydantic import model_validator
+from pydantic_core import PydanticCustomError
+
+MAX_STOP = 16  # stop strings plus stop ids per request (the decoder's stop-id table is bounded too)
+MAX_N = 16  # choices per prompt
+MAX_LOGPROBS = 20  # completions' `logprobs`, chat's `top_logprobs` (the decoder's table)
+MAX_LOGIT_BIAS = 64  # entries of `logit_bias` (the decoder's per-row table)
+INT32 = 2 ** 31 - 1
+
+
+class FieldError(ValueError):
+    """A failed check that pydantic cannot place by itself: ``field`` is the one it blames
+    (None: the field being validated), ``message`` follows the field's name."""
+
+    def __init__(self, message: str, field: str | None = None):
+        super().__init__(message)
+        self.message, self.field = message, field
+
+
+# ---- value types --------------------------------------------------------------------------
+def _integral(v):
+    """A JSON number with no fraction (``3.0``) is the integer it spells, as in OpenAI's API."""
+    return int(v) if isinstance(v, float) and math.isfinite(v) and v.is_integer() else v
+
+
+def _int_as_float(v):
+    """An integer too large for a float is out of every range, not of the wrong type."""
+    if isinstance(v, int) and not isinstance(v, bool):
+        try:
+            return float(v)
+        except OverflowError:
+            raise FieldError("is out of range (a number with more than 300 digits)") from None
+    return v
+
+
+def _in_vocab(t: int, info: ValidationInfo) -> int:
+    vocab = (info.context or {}).get("vocab")
+    if vocab is not None and t >= vocab:
+        raise FieldError(f"has token id {t} outside the vocabulary [0, {vocab})")
+    return t
+
+
+Integer = Annotated[int, BeforeValidator(_integral)]
+Number = Annotated[float, BeforeValidator(_int_as_float), Field(allow_inf_nan=False)]
+TokenId = Annotated[int, Field(ge=0, le=INT32 - 1), AfterValidator(_in_vocab)]
+Text = Annotated[str, Field(min_length=1)]
+Flag = Union[bool, None]
+
+
+def Refused(*noop, why: str | None = None) -> Any:  # noqa: N802 - a type, spelled as one
+    """A field of OpenAI's schema this server does not serve: accepted only holding one of its
+    ``noop`` values (same value and JSON type), refused by name otherwise."""
+    def check(v):
+        if any(v == ok and type(v) is type(ok) for ok in noop):
+            return v
+        raise PydanticCustomError("refused", "is not supported by this server", {"why": why or ""})
+    return Annotated[Any, Field(json_schema_extra={"refused": list(noop)}), AfterValidator(check)]
+
+
+def is_refused(model: type[BaseModel], name: str) -> tuple | None:
+    """The no-op values of a refused field, None for a served one."""
+    extra = model.model_fields[name].json_schema_extra or {}
+    return tuple(extra["refused"]) if "refused" in extra else None
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid", frozen=True)
+
+
+# ---- parts of a body ------------------------------------------------------------------------
+class StreamOptions(_Strict):
+    include_usage: Flag = None
+    continuous_usage_stats: Flag = None
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class Message(_Strict):
+    """A chat message; ``developer`` is read as ``system``.  The chat template has no place for
+    a speaker's ``name``, tools or audio, so they are refused rather than dropped."""
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Union[str, list[TextPart]] = Field(description="a string or a list of text parts")
+    name: Refused(None) = None
+    refusal: Refused(None) = None
+    tool_calls: Refused(None, []) = None
+    function_call: Refused(None) = None
+    audio: Refused(None) = None
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+# ---- the bodies ---------------------------------------------------------------------------
+PROMPT_FORMS = "a string, a list of strings, a list of token ids or a list of token-id lists"
+Penalty = Annotated[Number, Field(ge=-2.0, le=2.0)]
+Budget = Annotated[Integer, Field(ge=1, le=INT32)]
+
+
+class _Generation(_Strict):
+    """Fields both generation routes serve (OpenAI's and vLLM's extensions)."""
+
+    model: str
+    stream: Flag = None
+    stream_options: Union[StreamOptions, None] = None
+    max_tokens: Union[Budget, None] = None  # None: the server's default, cut to the room left
+    temperature: Union[Annotated[Number, Field(ge=0.0, le=100.0)], None] = None
+    top_p: Union[Annotated[Number, Field(gt=0.0, le=1.0)], None] = None
+    seed: Union[Annotated[Integer, Field(ge=-(2 ** 63), le=2 ** 64 - 1)], None] = None
+    stop: Union[Text, Annotated[list[Text], Field(max_length=MAX_STOP)], None] = Field(
+        None, description="a non-empty string or a list of non-empty strings")
+    n: Union[Annotated[Integer, Field(ge=1, le=MAX_N)], None] = None
+    presence_penalty: Union[Penalty, None] = None
+    frequency_penalty: Union[Penalty, None] = None
+    logit_bias: Union[Annotated[dict[str, Annotated[Number, Field(ge=-100.0, le=100.0)]],
+                                Field(max_length=MAX_LOGIT_BIAS)], None] = None
+    user: Union[str, None] = None
+    # vLLM's extensions
+    top_k: Union[Annotated[Integer, Field(ge=-1, le=INT32)], None] = None  # -1 or 0: off
+    min_p: Union[Annotated[Number, Field(ge=0.0, le=1.0)], None] = None
+    repetition_penalty: Union[Annotated[Number, Field(gt=0.0, le=2.0)], None] = None
+    min_tokens: Union[Annotated[Integer, Field(ge=0, le=INT32)], None] = None
+    stop_token_ids: Union[Annotated[list[TokenId], Field(max_length=MAX_STOP)], None] = None
+    ignore_eos: Flag = None
+    skip_special_tokens: Flag = None
+    return_token_ids: Flag = None
+
+    def budget_field(self) -> str:
+        return "max_tokens"
+
+    @model_validator(mode="after")
+    def _across_fields(self, info: ValidationInfo):
+        if self.stream_options is not None and not self.stream:
+            raise FieldError("'stream_options' is only allowed with \"stream\": true", "stream_options")
+        for key in self.logit_bias or {}:
+            if not (key.isascii() and key.isdigit() and len(key) < 11 and int(key) <= INT32 - 1):
+                raise FieldError(f"'logit_bias' key {key[:20]!r} is not a token id in [0, {INT32})",
+                                 "logit_bias")
+            _in_vocab_field(int(key), info, "logit_bias")
+        stops = (1 if isinstance(self.stop, str) else len(self.stop or ())) + len(self.stop_token_ids or ())
+        if stops > MAX_STOP:
+            raise FieldError(f"at most {MAX_STOP} stop strings and ids, got {stops}", "stop")
+        key = self.budget_field()
+        budget = getattr(self, key)
+        if budget is not None and (self.min_tokens or 0) > budget:
+            raise FieldError(f"'min_tokens' ({self.min_tokens}) must be <= '{key}' ({budget})", "min_tokens")
+        return self
+
+
+def _in_vocab_field(t: int, info: ValidationInfo, field: str) -> None:
+    try:
+        _in_vocab(t, info)
+    except FieldError as e:
+        raise FieldError(f"'{field}' {e.message}", field) from None
+
+
+class CompletionRequest(_Generation):
+    """``POST /v1/completions``."""
+
+    prompt: Union[Text, Annotated[list[Text], Field(min_length=1)],
+                  Annotated[list[TokenId], Field(min_length=1)],
+                  Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)]] = Field(
+        description=PROMPT_FORMS + " (non-empty)")
+    echo: Flag = None  # with echo, "max_tokens": 0 scores the prompt alone (protocol.parse_completion)
+    logprobs: Union[Annotated[Integer, Field(ge=0, le=MAX_LOGPROBS)], None] = None
+    suffix: Refused(None, "", why="'suffix' (insertion)") = None
+    best_of: Refused(None, 1, why="'best_of' other than 1 (send 'n' for several choices)") = None
+
+    def prompts(self) -> list:
+        """The prompts, each a string or a list of ids."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        return [p] if isinstance(p[0], int) else list(p)
+
+
+class ChatRequest(_Generation):
+    """``POST /v1/chat/completions``."""
+
+    messages: Annotated[list[Message], Field(min_length=1)]
+    max_completion_tokens: Union[Budget, None] = None
+    logprobs: Flag = None
+    top_logprobs: Union[Annotated[Integer, Field(ge=0, le=MAX_LOGPROBS)], None] = None
+    # identifiers and hints with no effect on the output: accepted as they are
+    safety_identifier: Union[str, None] = None
+    prompt_cache_key: Union[str, None] = None
+    # OpenAI's fields for tools, audio, structured output and the platform: no-op values only
+    audio: Refused(None) = None
+    function_call: Refused(None, "none") = None
+    functions: Refused(None, []) = None
+    tools: Refused(None, []) = None
+    tool_choice: Refused(None, "none") = None
+    parallel_tool_calls: Refused(None, True, False) = None
+    modalities: Refused(None, ["text"]) = None
+    moderation: Refused(None) = None
+    prediction: Refused(None) = None
+    reasoning_effort: Refused(None) = None
+    verbosity: Refused(None) = None
+    web_search_options: Refused(None) = None
+    response_format: Refused(None, {"type": "text"}) = None
+    store: Refused(None, False) = None
+    metadata: Refused(None, {}) = None
+    service_tier: Refused(None, "auto", "default") = None
+    prompt_cache_retention: Refused(None) = None
+    prompt_cache_options: Refused(None) = None
+
+    def budget_field(self) -> str:
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+
+    @model_validator(mode="after")
+    def _top_needs_logprobs(self):
+        if self.top_logprobs is not None and not self.logprobs:
+            raise FieldError("'top_logprobs' needs \"logprobs\": true", "top_logprobs")
+        return self
+
+
+class TokenizeRequest(_Strict):
+    """vLLM's ``POST /tokenize``: a prompt, or chat messages through the template."""
+
+    model: Union[str, None] = None
+    prompt: Union[str, None] = None
+    messages: Union[Annotated[list[Message], Field(min_length=1)], None] = None
+    add_special_tokens: Flag = None
+
+    @model_validator(mode="after")
+    def _one_input(self):
+        if self.messages is None and self.prompt is None:
+            raise FieldError("'prompt' must be a string (or send 'messages')", "prompt")
+        return self
+
+
+class DetokenizeRequest(_Strict):
+    """vLLM's ``POST /detokenize``."""
+
+    model: Union[str, None] = None
+    tokens: Annotated[list[TokenId], Field(description="a list of token ids")]
+
+
+BODIES = {"completion": CompletionRequest, "chat": ChatRequest, "tokenize": TokenizeRequest,
+          "detokenize": DetokenizeRequest}
