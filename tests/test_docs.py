@@ -1,0 +1,442 @@
+"""The README and docs/ stay true to the code, without running the commands (``test_readme.py``
+runs the marked ones).
+
+Every command block of the README and of ``docs/`` (``docs/results/`` excepted: those pages are
+history) is checked: each flag a command passes to one of this repository's programs exists in
+that program's argparse parser, taken from the program itself; each backticked ``--flag`` in the
+text exists in some program's parser; each Python block compiles and its imports resolve. A flag
+table marked ``<!-- flags: PROGRAM -->`` gives each flag's default as the code has it, and the
+modes the docs name are the code's.  ``docs/configuration.md`` is what its generator writes, every
+relative link and anchor resolves, and no page outside ``docs/results/`` carries a commit hash,
+an issue number or a date.
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import functools
+import importlib
+import importlib.util
+import os
+import re
+import shlex
+import sys
+from pathlib import Path
+
+import pytest
+
+from test_readme import bash_commands, code_blocks
+
+REPO = Path(__file__).resolve().parents[1]
+DOCS = REPO / "docs"
+RESULTS = DOCS / "results"
+README_MAX_LINES = 300
+
+# programs whose flags the docs name; `infer/bench.py` also by subcommand
+PROGRAMS = ("infer/generate.py", "infer/serve.py", "infer/bench.py", "train/train_drafter.py",
+            "train/prune_drafter.py", "train/regenerate_data.py", "train/pipeline.py",
+            "train/launch_local.py", "train/synthetic_data.py")
+SCRIPT = re.compile(r"(?:\./)?((?:infer|train)/\w+\.py)")
+# flags of other tools that the prose names in backticks
+FOREIGN_FLAGS = {"--dist", "--worker", "--zone", "--command"}
+# the config class each program with config flags reads (a flag whose dest is a dotted key sets a field)
+CONFIGS = {"infer/generate.py": "GenerateConfig", "infer/serve.py": "ServeConfig", "infer/bench.py eval": "EvalConfig"}
+
+
+def pages(results: bool = False) -> list[Path]:
+    """The README and the docs pages, ``docs/results/`` only when asked."""
+    out = [REPO / "README.md"] + sorted(DOCS.rglob("*.md"))
+    return [p for p in out if results or RESULTS not in p.parents]
+
+
+def rel(path: Path) -> str:
+    return str(path.relative_to(REPO))
+
+
+# --------------------------------------------------------------------------------------------
+# the programs' own parsers
+# --------------------------------------------------------------------------------------------
+class _Captured(Exception):
+    pass
+
+
+def _load_script(script: str):
+    spec = importlib.util.spec_from_file_location(f"_docs_{Path(script).stem}", REPO / script)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+@functools.cache
+def program_parser(script: str) -> argparse.ArgumentParser:
+    """The parser ``script``'s ``main`` builds: ``main([])`` runs until it parses, and the parse
+    call hands its parser back instead (``parse_known_args`` is left alone: ``infer/bench.py``
+    pre-parses with it)."""
+    methods = ("parse_args", "parse_intermixed_args", "parse_known_intermixed_args")
+    saved = {m: getattr(argparse.ArgumentParser, m) for m in methods}
+    env = dict(os.environ)
+
+    def grab(self, *args, **kwargs):
+        raise _Captured(self)
+
+    try:
+        for m in methods:
+            setattr(argparse.ArgumentParser, m, grab)
+        module = _load_script(script)
+        try:
+            module.main([])
+        except _Captured as captured:
+            return captured.args[0]
+    finally:
+        for m, f in saved.items():
+            setattr(argparse.ArgumentParser, m, f)
+        os.environ.clear()
+        os.environ.update(env)  # some programs set XLA_FLAGS on import
+    raise AssertionError(f"{script}: main([]) never parsed its arguments")
+
+
+@functools.cache
+def bench_commands() -> dict[str, str]:
+    return {name: module for name, (module, _) in _load_script("infer/bench.py").COMMANDS.items()}
+
+
+@functools.cache
+def bench_parser(command: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser()
+    importlib.import_module(bench_commands()[command]).add_arguments(p)
+    return p
+
+
+def options(parser: argparse.ArgumentParser) -> set[str]:
+    return set(parser._option_string_actions) | {"--debug"}  # run_cli takes --debug everywhere
+
+
+@functools.cache
+def every_flag() -> frozenset[str]:
+    out = set()
+    for script in PROGRAMS:
+        out |= options(program_parser(script))
+    for command in bench_commands():
+        out |= options(bench_parser(command))
+    return frozenset(out)
+
+
+# --------------------------------------------------------------------------------------------
+# commands in the docs
+# --------------------------------------------------------------------------------------------
+def _tokens(cmd: str) -> list[str]:
+    try:
+        toks = shlex.split(cmd, comments=True)
+    except ValueError:
+        toks = cmd.split()
+    out = []
+    for t in toks:  # a quoted command line (ssh --command "...") is walked too
+        out += _tokens(t) if " " in t and SCRIPT.search(t) else [t]
+    return out
+
+
+def _flag_name(token: str) -> str | None:
+    m = re.fullmatch(r"\[?(--[a-z][a-z0-9-]*)(=.*)?\]?", token)
+    return m.group(1) if m else None
+
+
+def invocations(cmd: str) -> list[tuple[str, str | None, list[str], list[str]]]:
+    """``(program, bench subcommand, flags for the program, flags for the subcommand)`` of every
+    run of one of this repository's programs in a shell command."""
+    toks, out = _tokens(cmd), []
+    for i, tok in enumerate(toks):
+        m = SCRIPT.fullmatch(tok)
+        if not m:
+            continue
+        args = []
+        for t in toks[i + 1:]:
+            if t in ("&&", "||", ";", "|", "--") or SCRIPT.fullmatch(t):
+                break
+            args.append(t)
+        sub, split = None, len(args)
+        if m.group(1) == "infer/bench.py":
+            split = next((k for k, a in enumerate(args) if a in bench_commands()), len(args))
+            sub = args[split] if split < len(args) else None
+        flags = [f for f in map(_flag_name, args[:split]) if f]
+        sub_flags = [f for f in map(_flag_name, args[split + 1:]) if f]
+        out.append((m.group(1), sub, flags, sub_flags))
+    return out
+
+
+def doc_commands() -> list[tuple[str, int, str]]:
+    """``(page, line, command)`` of every shell command in the README and docs (results excepted)."""
+    out = []
+    for page in pages():
+        for lang, body, line in code_blocks(page.read_text(encoding="utf-8")):
+            if lang in ("bash", "sh", "shell", "console"):
+                out += [(rel(page), line, c) for c in bash_commands(body)]
+    return out
+
+
+def test_the_walker_finds_programs_and_their_flags():
+    cmd = ('gcloud x --command "cd d && D3D_DISTRIBUTED=1 .venv/bin/python train/train_drafter.py --config a.yaml '
+           'k=v" && python infer/bench.py --cpu-threads 1 serve --concurrency 1,4 [--mixed 4] && '
+           'python train/launch_local.py -n 2 -- train/train_drafter.py --print-config')
+    assert invocations(cmd) == [("train/train_drafter.py", None, ["--config"], []),
+                                ("infer/bench.py", "serve", ["--cpu-threads"], ["--concurrency", "--mixed"]),
+                                ("train/launch_local.py", None, [], []),
+                                ("train/train_drafter.py", None, ["--print-config"], [])]
+    assert "--num-slots" in options(program_parser("infer/serve.py"))
+    assert "--print-config" in options(program_parser("train/train_drafter.py"))
+    assert "--small" in options(bench_parser("compile"))
+
+
+def test_every_flag_a_documented_command_passes_exists():
+    commands = doc_commands()
+    assert len(commands) >= 30
+    bad, seen = [], 0
+    for page, line, cmd in commands:
+        for program, sub, flags, sub_flags in invocations(cmd):
+            seen += 1
+            known = options(program_parser(program))
+            bad += [f"{page}:{line}: {program} has no {f}" for f in flags if f not in known]
+            if program == "infer/bench.py":
+                if sub is None:
+                    bad.append(f"{page}:{line}: infer/bench.py without a subcommand: {cmd[:80]}")
+                    continue
+                known = options(bench_parser(sub))
+                bad += [f"{page}:{line}: infer/bench.py {sub} has no {f}" for f in sub_flags if f not in known]
+    assert seen >= 25
+    assert not bad, "\n".join(bad)
+
+
+def _prose(text: str) -> str:
+    """The page without its fenced blocks."""
+    return re.sub(r"^```.*?^```", "", text, flags=re.S | re.M)
+
+
+def test_every_flag_named_in_the_text_exists():
+    bad = []
+    for page in pages():
+        for span in re.findall(r"`([^`\n]+)`", _prose(page.read_text(encoding="utf-8"))):
+            if not span.startswith("--"):
+                continue
+            for part in span.split()[0].split("/"):
+                name = _flag_name(part)
+                if name and name not in every_flag() and name not in FOREIGN_FLAGS:
+                    bad.append(f"{rel(page)}: `{span}`: no program has {name}")
+    assert not bad, "\n".join(sorted(set(bad)))
+
+
+def test_python_blocks_compile_and_their_imports_resolve():
+    bad, seen = [], 0
+    for page in pages():
+        for lang, body, line in code_blocks(page.read_text(encoding="utf-8")):
+            if lang != "python":
+                continue
+            seen += 1
+            tree = ast.parse(body)  # a syntax error fails here, naming the line
+            for node in ast.walk(tree):
+                if isinstance(node, ast.ImportFrom) and node.module:
+                    module = importlib.import_module(node.module)
+                    bad += [f"{rel(page)}:{line}: {node.module} has no {a.name}" for a in node.names
+                            if not hasattr(module, a.name)]
+                elif isinstance(node, ast.Import):
+                    for a in node.names:
+                        importlib.import_module(a.name)
+    assert seen >= 4
+    assert not bad, "\n".join(bad)
+
+
+# --------------------------------------------------------------------------------------------
+# flag tables: defaults as the code has them; modes
+# --------------------------------------------------------------------------------------------
+def flag_tables() -> list[tuple[str, int, str, bool, list[list[str]]]]:
+    """``(page, line, program, complete, rows)`` of every table marked ``<!-- flags: PROGRAM -->``
+    (``complete``: the table names every flag of the program)."""
+    out = []
+    for page in pages():
+        lines = page.read_text(encoding="utf-8").splitlines()
+        for n, text in enumerate(lines):
+            m = re.fullmatch(r"<!-- flags: (.+?)( complete)? -->", text.strip())
+            if not m:
+                continue
+            rows = []
+            for row in lines[n + 3:]:  # after the header and its rule
+                if not row.startswith("|"):
+                    break
+                rows.append([c.strip() for c in re.split(r"(?<!\\)\|", row)[1:-1]])
+            out.append((rel(page), n + 1, m.group(1), bool(m.group(2)), rows))
+    return out
+
+
+def _parser_for(program: str) -> argparse.ArgumentParser:
+    if program.startswith("infer/bench.py "):
+        return bench_parser(program.split()[1])
+    return program_parser(program)
+
+
+def code_default(program: str, flag: str):
+    """``(value, derived)``: the flag's default, from the config dataclass when the flag sets a
+    field; ``derived`` when the code computes it (None, or a default factory)."""
+    action = _parser_for(program)._option_string_actions[flag]
+    if action.default is not argparse.SUPPRESS or "." not in action.dest:
+        return action.default, action.default is None
+    import d3d_jax.config as config
+
+    cls = getattr(config, CONFIGS[program])
+    *sections, name = action.dest.split(".")
+    for section in sections:
+        cls = next(f for f in dataclasses.fields(cls) if f.name == section).default_factory
+    field = next(f for f in dataclasses.fields(cls) if f.name == name)
+    if field.default is dataclasses.MISSING:
+        return None, True  # a default factory: computed
+    return field.default, field.default is None
+
+
+def _same(doc: str, value) -> bool:
+    try:
+        literal = ast.literal_eval(doc)
+    except (ValueError, SyntaxError):
+        return doc == str(value)
+    return literal == value and type(literal) in (type(value), int) if value is not None else literal is None
+
+
+def test_flag_tables_give_the_codes_defaults():
+    tables = flag_tables()
+    assert {t[2] for t in tables} >= {"infer/serve.py", "infer/generate.py"}
+    bad = []
+    for page, line, program, complete, rows in tables:
+        known = options(_parser_for(program))
+        named = set()
+        for cells in rows:
+            flags = re.findall(r"`(--[a-z][a-z0-9-]*)`", cells[0])
+            assert flags, f"{page}:{line}: a row without a flag: {cells}"
+            named.update(flags)
+            missing = [f for f in flags if f not in known]
+            if missing:
+                bad.append(f"{page}:{line}: {program} has no {missing}")
+                continue
+            parts = [p.strip() for p in cells[1].split(" / ")]
+            parts = parts if len(parts) == len(flags) else [cells[1].strip()] * len(flags)
+            for flag, doc in zip(flags, parts):
+                value, derived = code_default(program, flag)
+                literal = re.fullmatch(r"`([^`]*)`", doc)
+                if doc in ("off", "on"):
+                    ok = value is (doc == "on")
+                elif literal:
+                    ok = _same(literal.group(1), value)
+                else:  # words: the code derives the default
+                    ok = derived
+                if not ok:
+                    bad.append(f"{page}: {program} {flag}: the docs say {doc!r}, the code's default is {value!r}")
+        if complete:
+            every = {f for f in known if f.startswith("--")} - {"--help", "--config", "--debug"}
+            bad += [f"{page}:{line}: {program}'s {f} is not in the table" for f in sorted(every - named)]
+    assert not bad, "\n".join(bad)
+
+
+def test_the_docs_modes_are_the_codes():
+    from d3d_jax.config.decoding import MODES, DecoderSettings
+
+    # the behaviour the docs describe: auto with a drafter, plain without
+    assert DecoderSettings().resolved(has_drafter=True).mode == "auto"
+    assert DecoderSettings().resolved(has_drafter=False).mode == "plain"
+    for program in ("infer/generate.py", "infer/serve.py"):
+        assert tuple(program_parser(program)._option_string_actions["--mode"].choices) == MODES
+    rows = [(page, cells) for page, _, _, _, rows in flag_tables() for cells in rows if "`--mode`" in cells[0]]
+    assert len(rows) >= 2
+    for page, cells in rows:
+        assert re.findall(r"`(\w+)`", cells[2]) == list(MODES), (page, cells)
+        assert "`auto`" in cells[1] and "`plain`" in cells[1] and "--drafter" in cells[1], (page, cells)
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    para = next(p for p in readme.split("\n\n") if p.startswith("`--mode` is"))
+    assert re.findall(r"`(\w+)`", para.split(";")[0]) == list(MODES), para
+    assert "the default is `auto` when `--drafter` is given" in " ".join(para.split()), para
+    # no page lists fewer modes next to --mode
+    stale = re.compile(r"plain, sync(,)? or async(?!, auto| or auto)|plain\|sync\|async(?!\|auto)")
+    bad = [f"{rel(p)}: {line.strip()}" for p in pages() for line in p.read_text(encoding="utf-8").splitlines()
+           if "--mode" in line and stale.search(line)]
+    assert not bad, "\n".join(bad)
+
+
+# --------------------------------------------------------------------------------------------
+# the generated configuration page, links, and what stays out of the non-results pages
+# --------------------------------------------------------------------------------------------
+def test_configuration_page_is_generated_from_the_code():
+    generator = _load_script("docs/generate_configuration.py")
+    expected = generator.render()
+    current = (DOCS / "configuration.md").read_text(encoding="utf-8")
+    assert current == expected, "docs/configuration.md is stale: run python docs/generate_configuration.py"
+    import d3d_jax.config as config
+
+    for cls in (config.ServerSettings, config.DecoderSettings, config.TrainConfig):
+        for field in dataclasses.fields(cls):
+            assert f"| `{field.name}` |" in current, (cls.__name__, field.name)
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor of a heading."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def anchors(text: str) -> set[str]:
+    out, seen = set(), {}
+    for line in _prose(text).splitlines():
+        m = re.match(r"#{1,6} (.+)", line)
+        if m:
+            s = slug(m.group(1))
+            out.add(s if s not in seen else f"{s}-{seen[s]}")
+            seen[s] = seen.get(s, 0) + 1
+    return out
+
+
+def test_every_relative_link_and_anchor_resolves():
+    bad = []
+    for page in pages(results=True):
+        text = page.read_text(encoding="utf-8")
+        for target in re.findall(r"\]\(([^)\s]+)\)", _prose(text)):
+            if re.match(r"[a-z]+:", target):
+                continue
+            path, _, frag = target.partition("#")
+            dest = (page.parent / path).resolve() if path else page
+            if not dest.exists():
+                bad.append(f"{rel(page)}: {target}: no such file")
+            elif frag and dest.suffix == ".md" and frag not in anchors(dest.read_text(encoding="utf-8")):
+                bad.append(f"{rel(page)}: {target}: no such heading in {dest.name}")
+    assert not bad, "\n".join(bad)
+
+
+HISTORY = [(re.compile(r"\bissues? #?\d+", re.I), "an issue number"),
+           (re.compile(r"\b20\d\d-\d\d-\d\d\b"), "a date"),
+           (re.compile(r"`(?=[0-9a-f]*\d)(?=[0-9a-f]*[a-f])[0-9a-f]{7,40}`"), "a commit hash")]
+
+
+def test_history_stays_in_docs_results():
+    bad = []
+    for page in pages():
+        for n, line in enumerate(page.read_text(encoding="utf-8").splitlines(), 1):
+            bad += [f"{rel(page)}:{n}: {what}: {line.strip()[:100]}" for rx, what in HISTORY if rx.search(line)]
+    assert not bad, "history belongs in docs/results/:\n" + "\n".join(bad)
+    assert HISTORY[2][0].search("on `9d28424`") and not HISTORY[2][0].search("`1048576`")
+
+
+def test_results_pages_are_dated():
+    for page in sorted(RESULTS.glob("*.md")):
+        assert HISTORY[1][0].search(page.read_text(encoding="utf-8")), f"{rel(page)} carries no date"
+
+
+def test_readme_is_short_and_indexes_every_page():
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    assert len(readme.splitlines()) <= README_MAX_LINES
+    linked = {(REPO / t.partition("#")[0]).resolve() for t in re.findall(r"\]\(([^)#\s]+)", readme)}
+    unlisted = [rel(p) for p in sorted(DOCS.rglob("*.md")) if p.resolve() not in linked]
+    assert not unlisted, f"pages the README's index does not link: {unlisted}"
+    # a vLLM user finds, from the README alone, a real Qwen3 decoded and served with a drafter on a
+    # GPU, and a drafter trained on a TPU pod slice
+    cmds = [c for lang, body, _ in code_blocks(readme) if lang == "bash" for c in bash_commands(body)]
+    assert any("infer/generate.py" in c and "/models/Qwen3" in c and "--drafter" in c for c in cmds)
+    assert any("infer/serve.py" in c and "/models/Qwen3" in c and "--drafter" in c for c in cmds)
+    assert any("tpu-vm" in c and "D3D_DISTRIBUTED=1" in c and "train/train_drafter.py" in c for c in cmds)
+    assert any("'.[gpu]'" in c for c in cmds)
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))
