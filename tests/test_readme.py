@@ -1,11 +1,13 @@
-"""The README's commands run as written (issue 15).
+"""The commands of the README and of docs/ that are marked to run, run as written.
 
-Every command of the README's ``bash`` and ``python`` blocks that needs nothing from outside this
-repository runs from its root, in the README's order, on the shipped artifacts (what a fresh clone
-has after ``make demo``), and the checkout's ``git status`` is the same afterwards.  A command is
-left out only for a reason named in :func:`skip_reason` (a model or dataset path outside the
-repository, a cluster, elided arguments, set-up that ``make`` itself runs); the test also checks
-that those reasons leave most commands in.
+A fenced ``bash`` or ``python`` block whose previous line is ``<!-- run -->`` is run: every
+command of it, from the repository root, in order (the README first, then the docs pages), on the
+shipped artifacts (what a fresh clone has after ``make demo``); a ``python infer/serve.py`` command
+starts the server in the background for the ``curl`` and ``openai`` commands after it. The
+checkout's ``git status`` is the same afterwards. Every other block is checked without running it
+(``tests/test_docs.py``: its flags exist in the programs' parsers, its imports resolve); results
+pages (``docs/results/``) are history and neither run nor checked. A marked block may not need
+anything from outside the repository (:func:`skip_reason`).
 """
 from __future__ import annotations
 
@@ -22,24 +24,29 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
+DOCS = REPO / "docs"
+RUN_MARK = "<!-- run -->"
 TIMEOUT_S = 900
 
 EXTERNAL = re.compile(r"""(^|[\s="'(])/(models|data)/|perfectblend|(^|\s)regenerated\.jsonl|runs/d3d-8b"""
                       r"|gcloud |srun ")
 
 
-def code_blocks(text: str) -> list[tuple[str, str, int]]:
-    """``(language, body, first line number)`` of every fenced block."""
-    out, lang, body, start = [], None, [], 0
+def code_blocks(text: str, marked: bool = False) -> list[tuple]:
+    """``(language, body, first line number)`` of every fenced block, with ``marked`` also whether
+    the line before its fence (blank lines skipped) is ``<!-- run -->``."""
+    out, lang, body, start, last = [], None, [], 0, ""
     for n, line in enumerate(text.splitlines(), 1):
         if line.startswith("```"):
             if lang is None:
-                lang, body, start = line[3:].strip() or "text", [], n + 1
+                lang, body, start, run = line[3:].strip() or "text", [], n + 1, last == RUN_MARK
             else:
-                out.append((lang, "\n".join(body), start))
-                lang = None
+                out.append((lang, "\n".join(body), start) + ((run,) if marked else ()))
+                lang, last = None, ""
         elif lang is not None:
             body.append(line)
+        elif line.strip():
+            last = line.strip()
     return out
 
 
@@ -76,13 +83,25 @@ def skip_reason(lang: str, cmd: str) -> str | None:
     return None
 
 
-def readme_commands() -> list[tuple[str, str, int, str | None]]:
+def doc_pages() -> list[Path]:
+    """The README, then every docs page but the results (history, not run)."""
+    return [README] + [p for p in sorted(DOCS.rglob("*.md")) if DOCS / "results" not in p.parents]
+
+
+def readme_commands(pages: list[Path] | None = None) -> list[tuple[str, str, str, int, str | None]]:
+    """``(page, language, command, line, skip reason)`` of every command of the marked blocks."""
     out = []
-    for lang, body, line in code_blocks(README.read_text()):
-        if lang == "bash":
-            out += [("bash", c, line, skip_reason("bash", c)) for c in bash_commands(body)]
-        elif lang == "python":
-            out.append(("python", body, line, skip_reason("python", body)))
+    for page in doc_pages() if pages is None else pages:
+        name = str(page.relative_to(REPO))
+        for lang, body, line, run in code_blocks(page.read_text(encoding="utf-8"), marked=True):
+            if not run:
+                continue
+            if lang == "bash":
+                out += [(name, "bash", c, line, skip_reason("bash", c)) for c in bash_commands(body)]
+            elif lang == "python":
+                out.append((name, "python", body, line, skip_reason("python", body)))
+            else:
+                raise AssertionError(f"{name}:{line}: a marked block must be bash or python, not {lang}")
     return out
 
 
@@ -102,18 +121,28 @@ def _git_status() -> str | None:
     return subprocess.run(["git", "status", "--porcelain"], cwd=REPO, capture_output=True, text=True).stdout
 
 
-def test_readme_parsing_keeps_most_commands():
+def test_marked_blocks_run_the_tour():
     cmds = readme_commands()
-    runnable = [c for c in cmds if c[3] is None]
-    assert len(runnable) >= 12 and len(runnable) >= len(cmds) // 2, [c[1][:60] for c in runnable]
-    joined = "\n".join(c[1] for c in runnable)
-    for needed in ("infer/generate.py", "infer/serve.py", "curl ", "OpenAI(", "SpecDecoder(",
-                   "train/launch_local.py", "infer/bench.py"):
+    unrunnable = [f"{page}:{line} ({reason}): {cmd[:60]}" for page, _, cmd, line, reason in cmds if reason]
+    assert not unrunnable, "marked blocks that cannot run here:\n" + "\n".join(unrunnable)
+    readme = [c for c in cmds if c[0] == "README.md"]
+    assert len(readme) >= 8, [c[2][:60] for c in readme]
+    joined = "\n".join(c[2] for c in readme)
+    for needed in ("load_model(", "generate(", "infer/generate.py", "infer/serve.py", "curl ", "OpenAI(",
+                   "train/train_drafter.py", "train/prune_drafter.py", "infer/bench.py compile"):
         assert needed in joined, needed
+    assert any(c[0].startswith("docs/") for c in cmds)
     # the rules skip what they name, and only that
     assert skip_reason("bash", "python infer/bench.py eval --target /models/Qwen3-8B") is not None
     assert skip_reason("bash", "python infer/generate.py --target artifacts/demo/models/target") is None
     assert bash_commands("a \\\n  b\n# c\nd  # e\ne '{\n}'") == ["a    b", "d  # e", "e '{\n}'"]
+
+
+def test_only_marked_blocks_run(tmp_path):
+    page = tmp_path / "p.md"
+    page.write_text("x\n\n```bash\necho no\n```\n\n<!-- run -->\n\n```bash\necho yes\n```\n```python\nprint(1)\n```\n")
+    blocks = code_blocks(page.read_text(), marked=True)
+    assert [(b[1], b[3]) for b in blocks] == [("echo no", False), ("echo yes", True), ("print(1)", False)]
 
 
 @pytest.mark.slow
@@ -121,14 +150,15 @@ def test_readme_commands_run_as_written():
     before = _git_status()
     env, server, log = _env(), None, []
     try:
-        for lang, cmd, line, reason in readme_commands():
+        for page, lang, cmd, line, reason in readme_commands():
+            where = f"{page}:{line}"
             if reason is not None:
-                log.append(f"README.md:{line} skipped ({reason}): {cmd[:70]}")
+                log.append(f"{where} skipped ({reason}): {cmd[:70]}")
                 continue
             if lang == "bash" and cmd.startswith("python infer/serve.py"):
                 t0 = time.time()
-                server = _start_server(cmd, env, line)
-                log.append(f"README.md:{line} READY in {time.time() - t0:.0f}s: {cmd[:70]}")
+                server = _start_server(cmd, env, where)
+                log.append(f"{where} READY in {time.time() - t0:.0f}s: {cmd[:70]}")
                 continue
             if server is not None and not _talks_to_server(cmd):
                 # the server's background warm-up would compile on beside the later commands
@@ -138,15 +168,15 @@ def test_readme_commands_run_as_written():
             t0 = time.time()
             r = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
             tail = (r.stdout + r.stderr)[-3000:]
-            assert r.returncode == 0, f"README.md:{line}: exit {r.returncode}: {cmd}\n{tail}"
+            assert r.returncode == 0, f"{where}: exit {r.returncode}: {cmd}\n{tail}"
             if _talks_to_server(cmd):
-                assert r.stdout.strip(), f"README.md:{line}: no output from the server: {cmd}"
-            log.append(f"README.md:{line} ok in {time.time() - t0:.0f}s: {cmd[:70]}")
+                assert r.stdout.strip(), f"{where}: no output from the server: {cmd}"
+            log.append(f"{where} ok in {time.time() - t0:.0f}s: {cmd[:70]}")
     finally:
         if server is not None:
             _stop(server)
         print("\n".join(log))
-    assert _git_status() == before, "a README command changed the checkout"
+    assert _git_status() == before, "a documented command changed the checkout"
 
 
 def _talks_to_server(cmd: str) -> bool:
@@ -158,8 +188,8 @@ def _stop(server: subprocess.Popen) -> None:
     server.wait(timeout=60)
 
 
-def _start_server(cmd: str, env: dict, line: int) -> subprocess.Popen:
-    """The README's server command, in the background until it prints READY."""
+def _start_server(cmd: str, env: dict, where: str) -> subprocess.Popen:
+    """The documented server command, in the background until it prints READY."""
     proc = subprocess.Popen(["bash", "-c", f"exec {cmd}"], cwd=REPO, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     deadline, seen = time.time() + 600, []
@@ -171,4 +201,4 @@ def _start_server(cmd: str, env: dict, line: int) -> subprocess.Popen:
         if out.startswith("READY"):
             return proc
     proc.kill()
-    raise AssertionError(f"README.md:{line}: the server never printed READY:\n{''.join(seen)[-3000:]}")
+    raise AssertionError(f"{where}: the server never printed READY:\n{''.join(seen)[-3000:]}")
