@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import types
 import typing
@@ -19,7 +20,14 @@ DTYPES = ("float32", "bfloat16", "float16")
 
 
 class ConfigError(UsageError):
-    """A configuration value or combination is invalid; the message names the key."""
+    """A configuration value or combination is invalid; the message names the key (and is cut
+    short: a value quoted in it may be megabytes long)."""
+
+    def __init__(self, message: str = ""):
+        message = str(message)
+        if len(message) > 400:
+            message = f"{message[:300]}... ({len(message)} characters)"
+        super().__init__(message)
 
 
 _MISSING = object()
@@ -32,6 +40,145 @@ def _require(cond: bool, key: str, msg: str) -> None:
     if not cond:
         raise ConfigError(f"{key}: {msg}")
 
+
+
+# --------------------------------------------------------------------------------------
+# Declared ranges: each config dataclass's BOUNDS, read by one checker for every loader
+# --------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Bound:
+    """The values a field may hold (each element, for a tuple field); ``None`` passes when the
+    field's type allows it.  Numbers: finite, in ``[lo, hi]`` (``lo_open``: ``(lo, hi]``).
+    ``choices``: one of them.  ``text``: a string of at most ``max_len`` characters.
+    ``checked``: a structured value whose ``validate()`` checks it (``why`` says where)."""
+
+    lo: float | None = None
+    hi: float | None = None
+    lo_open: bool = False
+    choices: tuple = ()
+    text: bool = False
+    max_len: int = 4096
+    checked: str = ""
+
+
+def between(lo: float, hi: float) -> Bound:
+    return Bound(lo=lo, hi=hi)
+
+
+def above(lo: float, hi: float) -> Bound:
+    """``(lo, hi]``: a scale, rate or length that must be positive."""
+    return Bound(lo=lo, hi=hi, lo_open=True)
+
+
+def one_of(*choices: Any) -> Bound:
+    return Bound(choices=tuple(choices))
+
+
+TEXT = Bound(text=True)  # a path, name or free text
+
+
+def checked(where: str) -> Bound:
+    return Bound(checked=where)
+
+
+def _short(value: Any) -> str:
+    """A value for an error message, cut short (a YAML alias can expand to gigabytes)."""
+    if isinstance(value, (str, bytes)):
+        text = repr(value[:60])
+        return text if len(value) <= 60 else f"{text[:-1]}...' ({len(value)} characters)"
+    if isinstance(value, (list, tuple, dict, set)):
+        return f"a {type(value).__name__} of {len(value)} items"
+    text = repr(value)
+    return text if len(text) <= 60 else text[:40] + f"... ({len(text)} characters)"
+
+
+def _num(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() and abs(x) < 1e15 else f"{x:g}"
+
+
+def _check_bound(value: Any, bound: Bound, key: str) -> None:
+    if bound.checked:
+        return
+    if bound.text:
+        if not isinstance(value, str):
+            raise ConfigError(f"{key}: expected a string, got {_short(value)}")
+        if len(value) > bound.max_len:
+            raise ConfigError(f"{key}: at most {bound.max_len} characters, got {len(value)}")
+        return
+    if bound.choices:
+        if value not in bound.choices:
+            raise ConfigError(f"{key}: must be one of {'|'.join(map(str, bound.choices))}, got {_short(value)}")
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"{key}: expected a number, got {_short(value)}")
+    if isinstance(value, float) and value != value or value in (float("inf"), float("-inf")):
+        raise ConfigError(f"{key}: must be finite, got {value}")
+    if bound.lo is not None and (value <= bound.lo if bound.lo_open else value < bound.lo):
+        raise ConfigError(f"{key}: must be {'>' if bound.lo_open else '>='} {_num(bound.lo)}, got {_short(value)}")
+    if bound.hi is not None and value > bound.hi:
+        raise ConfigError(f"{key}: must be <= {_num(bound.hi)}, got {_short(value)}")
+
+
+def _elements(value: Any):
+    if isinstance(value, (tuple, list)):
+        for v in value:
+            yield from _elements(v)
+    else:
+        yield value
+
+
+def undeclared_fields(cls: type) -> list[str]:
+    """Fields of ``cls`` with no declared bound: every field but booleans and sections needs one."""
+    hints = _hints(cls)
+    bounds = getattr(cls, "BOUNDS", {})
+    return [f.name for f in dataclasses.fields(cls)
+            if f.name not in bounds and not _is_flag(hints[f.name]) and not _is_section(hints[f.name])]
+
+
+@functools.lru_cache(maxsize=None)
+def _hints(cls: type) -> dict:
+    return typing.get_type_hints(cls)
+
+
+def _is_flag(tp: Any) -> bool:
+    """``bool`` or ``bool | None``: the type is the whole declaration."""
+    return tp is bool or set(typing.get_args(tp)) == {bool, type(None)}
+
+
+def _is_section(tp: Any) -> bool:
+    args = [a for a in typing.get_args(tp) if a is not Ellipsis and a is not type(None)]
+    return dataclasses.is_dataclass(tp) or bool(args) and all(dataclasses.is_dataclass(a) for a in args)
+
+
+def check_fields(obj: Any, prefix: str = "") -> None:
+    """Every field of config ``obj`` (and of its sections) against its declared :class:`Bound`;
+    booleans against their type.  One :class:`ConfigError` naming the first key out of range."""
+    bounds = getattr(type(obj), "BOUNDS", {})
+    for f in dataclasses.fields(obj):
+        value, key = getattr(obj, f.name), f"{prefix}.{f.name}" if prefix else f.name
+        if dataclasses.is_dataclass(value):
+            check_fields(value, key)
+            continue
+        if isinstance(value, (tuple, list)) and value and all(dataclasses.is_dataclass(v) for v in value):
+            for i, v in enumerate(value):
+                check_fields(v, f"{key}[{i}]")
+            continue
+        if f.name not in bounds:
+            if _is_flag(_hints(type(obj))[f.name]) and not (isinstance(value, bool) or value is None):
+                raise ConfigError(f"{key}: expected a boolean, got {_short(value)}")
+            continue
+        for v in _elements(value):
+            if v is not None:
+                _check_bound(v, bounds[f.name], key)
+
+
+def default_prefix(cls: type) -> str:
+    """The key prefix ``cls.validate`` names its fields with (``model`` for ModelConfig)."""
+    import inspect
+
+    validate = getattr(cls, "validate", None)
+    param = inspect.signature(validate).parameters.get("prefix") if validate is not None else None
+    return param.default if param is not None and isinstance(param.default, str) else ""
 
 
 # --------------------------------------------------------------------------------------
@@ -250,6 +397,7 @@ def load_config(cls: type, paths: Sequence[str | os.PathLike] = (), overrides: S
     for layer in [read_yaml(p) for p in paths] + [flag_tree, parse_overrides(overrides)]:
         tree = _merge_layer(tree, layer, hints)
     cfg = build_dataclass(cls, tree)
+    check_fields(cfg, default_prefix(cls))  # each field's declared range, then the combinations
     if hasattr(cfg, "validate"):
         cfg.validate()
     return cfg
@@ -283,6 +431,7 @@ def replace(cfg: Any, **changes: Any) -> Any:
     new = dataclasses.replace(cfg, **changes)
     if hasattr(new, "validate"):
         new.validate()
+    check_fields(new, default_prefix(type(new)))
     return new
 
 

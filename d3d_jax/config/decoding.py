@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from d3d_jax.config.base import DTYPES, _require
+from d3d_jax.config.base import DTYPES, TEXT, _require, between, one_of
 from d3d_jax.config.limits import MAX_BLOCK_SIZE, MAX_CACHE_LEN, MAX_SLOTS
 
 MODES = ("plain", "sync", "async", "auto")
@@ -29,6 +29,9 @@ class ModelPaths:
     drafter: str | None = None  # drafter checkpoint (every mode but plain)
     tokenizer: str | None = None  # tokenizer directory; None: the target's, else the drafter's
     dtype: str | None = None  # parameter/compute dtype of both models; None: each checkpoint's
+
+    # each field's valid values, checked by config.base.check_fields for every loader
+    BOUNDS = dict(target=TEXT, drafter=TEXT, tokenizer=TEXT, dtype=one_of(*DTYPES))
 
     def validate(self, prefix: str = "models") -> None:
         _require(self.target is not None, f"{prefix}.target", "is required (--target PATH)")
@@ -64,6 +67,14 @@ class DecoderSettings:
     # auto: the drafter's offline τ, the prior of every request's acceptance; None: read from
     # the drafter's result.json
     prior_tau: float | None = None
+
+    # each field's valid values, checked by config.base.check_fields for every loader
+    BOUNDS = dict(mode=one_of(*MODES), block_size=between(2, MAX_BLOCK_SIZE), num_slots=between(1, MAX_SLOTS),
+                  max_cache_len=between(2, MAX_CACHE_LEN), branch_positions=between(1, MAX_BLOCK_SIZE),
+                  branch_fanout=between(1, MAX_BRANCH_FANOUT), target_devices=between(1, 1 << 16),
+                  drafter_devices=between(1, 1 << 16), row_buckets=between(1, MAX_SLOTS),
+                  auto_sync_blocks=between(1, MAX_BLOCK_SIZE), auto_async=between(1, MAX_BLOCK_SIZE),
+                  prior_tau=between(1, MAX_BLOCK_SIZE))
 
     def validate(self, prefix: str = "decoder") -> None:
         _require(self.mode is None or self.mode in MODES, f"{prefix}.mode",

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from d3d_jax.config.base import _require
+from d3d_jax.config.base import TEXT, _require, between, checked, one_of
+from d3d_jax.config.limits import INT32_MAX, MAX_BLOCK_SIZE, MAX_CACHE_LEN, MAX_SLOTS
 from d3d_jax.config.decoding import DEFAULT_BLOCK_SIZE, MODES, DecoderSettings, ModelPaths
 
 TEMPLATES = ("standard", "plain")
@@ -31,6 +32,12 @@ class EvalSettings:
     concurrency: int = 1  # > 1: requests in flight in one long-lived decoder per mode
     async_timeline: bool = True  # time async rounds' parts (overlap fraction, drafter share)
     drafter_share_samples: int = 1  # sync: samples re-run with the host loop to split draft/verify
+
+    # each field's valid values, checked by config.base.check_fields for every loader
+    BOUNDS = dict(max_new_tokens=between(1, MAX_CACHE_LEN), block_size=between(2, MAX_BLOCK_SIZE),
+                  max_cache_len=between(2, MAX_CACHE_LEN), modes=one_of(*MODES),
+                  async_options=checked("validate: ASYNC_OPTIONS"), auto_options=checked("validate: AUTO_OPTIONS"),
+                  concurrency=between(1, MAX_SLOTS), drafter_share_samples=between(0, INT32_MAX))
 
     def validate(self, prefix: str = "eval") -> None:
         for key in ("max_new_tokens", "block_size", "max_cache_len", "concurrency"):
@@ -58,6 +65,11 @@ class EvalRunSettings:
     hf_peer: bool = False  # also transformers assisted generation
     concurrency: int = 1  # requests in flight in one long-lived decoder per mode (1: batch 1)
     out: str = "runs/eval"
+
+    # each field's valid values, checked by config.base.check_fields for every loader
+    BOUNDS = dict(benchmarks=TEXT, samples=between(1, INT32_MAX), max_new_tokens=between(1, MAX_CACHE_LEN),
+                  modes=one_of(*MODES), template=one_of(*TEMPLATES), async_sweep=between(1, MAX_BLOCK_SIZE),
+                  concurrency=between(1, MAX_SLOTS), out=TEXT)
 
     def validate(self, prefix: str = "eval") -> None:
         _require(bool(self.benchmarks), f"{prefix}.benchmarks", "needs at least one benchmark")

@@ -10,9 +10,11 @@ then the flags given, then ``key=value`` overrides; then it validates.
 from __future__ import annotations
 
 import argparse
+import typing
 from typing import Any
 
-from d3d_jax.config.base import load_config
+
+from d3d_jax.config.base import ConfigError, _check_bound, load_config
 from d3d_jax.config.decoding import MODES
 
 
@@ -76,3 +78,25 @@ def parse_geometries(text: str) -> tuple[tuple[int, int], ...]:
     if not out or any(len(g) != 2 for g in out):
         raise argparse.ArgumentTypeError(f"expected CxF,CxF (e.g. 4x2,12x2), got {text!r}")
     return out
+
+
+def declared(cls: type, key: str, convert=int):
+    """An argparse type for the flag of field ``key`` (``server.max_queue``) of config ``cls``: the
+    value is refused at the flag by the field's declared bound, the one the YAML and overrides meet."""
+    owner = cls
+    *sections, name = key.split(".")
+    for section in sections:
+        owner = typing.get_type_hints(owner)[section]
+    bound = owner.BOUNDS[name]
+
+    def parse(text: str):
+        try:
+            value = convert(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text[:40]!r} is not {'an integer' if convert is int else 'a number'}") from None
+        try:
+            _check_bound(value, bound, key)
+        except ConfigError as e:
+            raise argparse.ArgumentTypeError(str(e).removeprefix(f"{key}: ")) from None
+        return value
+    return parse

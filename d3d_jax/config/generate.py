@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from d3d_jax.config.base import _require
+from d3d_jax.config.base import _require, above, between, one_of
+from d3d_jax.config.limits import INT32_MAX, MAX_CACHE_LEN
 from d3d_jax.config.decoding import DecoderSettings, ModelPaths
 
 LOOPS = ("device", "host")
@@ -34,6 +35,11 @@ class GenerateSettings:
     loop: str = "device"  # device: the fused on-device loop; host: a per-round loop that times draft/verify
     json: bool = False  # one JSON object per prompt
     show_special_tokens: bool = False  # keep EOS, <|im_end|>... in the printed text
+
+    # each field's valid values, checked by config.base.check_fields for every loader
+    BOUNDS = dict(max_new_tokens=between(1, MAX_CACHE_LEN), temperature=between(0, 1e6), top_p=above(0, 1),
+                  top_k=between(0, INT32_MAX), seed=between(0, INT32_MAX), mask_token_id=between(0, INT32_MAX),
+                  eos_ids=between(0, INT32_MAX), stop_ids=between(0, INT32_MAX), loop=one_of(*LOOPS))
 
     def validate(self, prefix: str = "generate") -> None:
         _require(self.max_new_tokens >= 1, f"{prefix}.max_new_tokens", f"must be >= 1, got {self.max_new_tokens}")

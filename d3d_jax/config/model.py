@@ -11,6 +11,8 @@ from typing import Any, Mapping, Sequence
 from d3d_jax.config.base import (CONFIG_DIR, DTYPES, ConfigError, _HF_KEY_NAMES, _MISSING,  # noqa: F401
                                  _convert, _deep_merge, _require, build_dataclass, load_config,
                                  parse_overrides)
+from d3d_jax.config.base import above, between, check_fields, checked, one_of
+from d3d_jax.config.limits import INT32_MAX, MAX_BLOCK_SIZE
 from d3d_jax.config.rope import RopeScaling, rope_to_hf
 
 
@@ -79,6 +81,16 @@ class ModelConfig:
     attention_backend: str = "xla"
     remat_policy: str = "none"
 
+    # each field's valid values, checked by config.base.check_fields for every loader
+    BOUNDS = dict(vocab_size=between(1, 1 << 24), hidden_size=between(1, 1 << 17),
+                  intermediate_size=between(1, 1 << 20), num_layers=between(1, 1024), num_heads=between(1, 4096),
+                  num_kv_heads=between(1, 4096), head_dim=between(2, 4096), rope_theta=above(0, 1e12),
+                  rms_norm_eps=above(0, 1), max_position_embeddings=between(1, 1 << 24),
+                  param_dtype=one_of(*DTYPES), dtype=one_of(*DTYPES), mask_token_id=between(0, INT32_MAX),
+                  block_size=between(2, MAX_BLOCK_SIZE), bos_token_id=between(0, INT32_MAX),
+                  eos_token_id=between(0, INT32_MAX), pad_token_id=between(0, INT32_MAX),
+                  attention_backend=one_of(*ATTENTION_BACKENDS), remat_policy=one_of(*REMAT_POLICIES))
+
     # How a run computes, not what the weights are: a saved checkpoint stores their defaults, so
     # one exported from a GPU run (attention_backend=pallas) loads on a CPU host.
     RUNTIME_ONLY = ("attention_backend", "remat_policy", "gradient_checkpointing")
@@ -109,6 +121,7 @@ class ModelConfig:
         _require(self.remat_policy in REMAT_POLICIES, f"{prefix}.remat_policy",
                  f"must be one of {', '.join(REMAT_POLICIES)}, got {self.remat_policy!r}")
         self._validate_attention(prefix)
+        check_fields(self, prefix)  # the declared BOUNDS, after the named checks above
 
     def _validate_token_ids(self, prefix: str) -> None:
         """Every id the config names lies in the vocabulary: an EOS id outside it would never end
@@ -220,6 +233,11 @@ class MeshConfig:
     drafter_devices: int = 0
     # logical axis -> mesh axes; None means the defaults in d3d_jax.parallel.sharding
     rules: tuple[tuple[str, Any], ...] | None = None
+
+    # each field's valid values, checked by config.base.check_fields for every loader
+    BOUNDS = dict(data=between(-1, 1 << 16), fsdp=between(-1, 1 << 16), tensor=between(-1, 1 << 16),
+                  target_devices=between(0, 1 << 16), drafter_devices=between(0, 1 << 16),
+                  rules=checked("parallel.sharding: logical axis -> mesh axes"))
 
     def validate(self, prefix: str = "mesh") -> None:
         for name in ("data", "fsdp", "tensor"):

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from d3d_jax.config.base import _require
+from d3d_jax.config.base import TEXT, _require, above, between, one_of
+from d3d_jax.config.limits import INT32_MAX, MAX_BLOCK_SIZE, MAX_CACHE_LEN, MAX_SLOTS
 from d3d_jax.config.model import ModelConfig
 
 
@@ -22,6 +23,10 @@ class PretrainStageConfig:
     learning_rate: float = 3e-3
     warmup_steps: int = 20
     seed: int = 0
+
+    # each field's valid values, checked by config.base.check_fields for every loader
+    BOUNDS = dict(steps=between(1, INT32_MAX), batch_size=between(1, MAX_SLOTS), seq_len=between(2, MAX_CACHE_LEN),
+                  learning_rate=above(0, 10), warmup_steps=between(0, INT32_MAX), seed=between(0, INT32_MAX))
 
     def validate(self, prefix: str = "pretrain") -> None:
         self.model.validate(f"{prefix}.model")
@@ -42,6 +47,10 @@ class DrafterVariantConfig:
     steps: int | None = None  # None: the stage's steps
     decay_steps: int | None = None  # the cosine ends here, then the LR holds (None: at its steps)
     seed: int | None = None  # of the init, the data order and the anchors (None: the pipeline's)
+
+    # each field's valid values, checked by config.base.check_fields for every loader
+    BOUNDS = dict(name=TEXT, init=one_of("small", "target", "random"), ar_weight=between(0, 1e6),
+                  steps=between(1, INT32_MAX), decay_steps=between(1, INT32_MAX), seed=between(0, INT32_MAX))
 
     def validate(self, prefix: str = "drafter") -> None:
         _require(self.init in ("small", "target", "random"), f"{prefix}.init",
@@ -104,6 +113,22 @@ class PipelineConfig:
     async_fanout: int = 2
     async_sweep: tuple[tuple[int, int], ...] = ()
     hf_peer: bool = True
+
+    # each field's valid values, checked by config.base.check_fields for every loader
+    BOUNDS = dict(out_dir=TEXT, seed=between(0, INT32_MAX), vocab_size=between(1, 1 << 24),
+                  tokenizer_chars=between(1, 1 << 40), passage_chars=between(1, 1 << 30),
+                  pretrain_chars=between(1, 1 << 40), regen_prompts=between(0, INT32_MAX),
+                  regen_max_new_tokens=between(1, MAX_CACHE_LEN), regen_batch_size=between(1, MAX_SLOTS),
+                  regen_docstring_prompts=between(0, INT32_MAX), block_size=between(2, MAX_BLOCK_SIZE),
+                  drafter_steps=between(1, INT32_MAX), drafter_batch_size=between(1, MAX_SLOTS),
+                  drafter_packed_length=between(2, MAX_CACHE_LEN), drafter_num_anchors=between(1, MAX_CACHE_LEN),
+                  drafter_learning_rate=above(0, 10), drafter_gamma=above(0, 1e6), prune_drafter=TEXT,
+                  prune_to_layers=between(1, 1024), prune_recover_steps=between(0, INT32_MAX),
+                  prune_eval_every=between(0, INT32_MAX), prune_margin=between(0, 1e6), eval_benchmarks=TEXT,
+                  eval_samples=between(1, INT32_MAX), eval_max_new_tokens=between(1, MAX_CACHE_LEN),
+                  eval_drafters=TEXT, eval_block_size=between(2, MAX_BLOCK_SIZE),
+                  eval_compare_blocks=between(2, MAX_BLOCK_SIZE), async_positions=between(1, MAX_BLOCK_SIZE),
+                  async_fanout=between(1, 64), async_sweep=between(1, MAX_BLOCK_SIZE))
 
     @property
     def eval_block(self) -> int:

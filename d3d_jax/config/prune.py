@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from d3d_jax.config.base import _require
+from d3d_jax.config.base import TEXT, _require, between, one_of
+from d3d_jax.config.limits import INT32_MAX, MAX_CACHE_LEN
 from d3d_jax.config.model import MeshConfig, ModelConfig
 from d3d_jax.config.training import DataConfig, ObjectiveConfig, OptimConfig, TrainConfig, TrainRunConfig
 
@@ -32,6 +33,11 @@ class PruneConfig:
     online_max_new_tokens: int = 128
     export_rounds: bool = True  # Orbax params + HF export of every round's recovered drafter
     progress_bar: bool = True
+
+    # each field's valid values, checked by config.base.check_fields for every loader
+    BOUNDS = dict(drafter=TEXT, out_dir=TEXT, target_layers=between(1, 1024), retention_floor=between(0, 1),
+                  criterion=one_of(*PRUNE_CRITERIA), margin=between(0, 1e6), tau_measure=one_of("offline", "online"),
+                  target=TEXT, online_prompts=between(1, INT32_MAX), online_max_new_tokens=between(1, MAX_CACHE_LEN))
 
     def check_depth(self, num_layers: int, prefix: str = "prune") -> None:
         """Against the drafter's depth, once its config is read (before any work)."""
@@ -68,6 +74,9 @@ class PruneRunConfig:
     optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
     num_devices: int = 0
+
+    # each field's valid values, checked by config.base.check_fields for every loader
+    BOUNDS = dict(num_devices=between(0, 1 << 16))
 
     def validate(self, prefix: str = "") -> None:
         p = f"{prefix}." if prefix else ""

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from d3d_jax.config.base import DTYPES, _require
-from d3d_jax.config.limits import MAX_CACHE_LEN, MAX_SLOTS, check_sampling, require_int
+from d3d_jax.config.base import DTYPES, _require, above, between, one_of
+from d3d_jax.config.limits import INT32_MAX, MAX_CACHE_LEN, MAX_SLOTS, check_sampling, require_int
 from d3d_jax.config.model import MeshConfig
 
 
@@ -36,6 +36,14 @@ class RegenerateConfig:
     # split across processes); num_devices 0 = all of this process's devices.
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
     num_devices: int = 0
+
+    # each field's valid values, checked by config.base.check_fields for every loader
+    BOUNDS = dict(temperature=between(0, 1e6), top_p=above(0, 1), top_k=between(0, INT32_MAX),
+                  max_new_tokens=between(1, MAX_CACHE_LEN), seed=between(0, INT32_MAX), batch_size=between(1, MAX_SLOTS),
+                  max_records=between(1, INT32_MAX), max_prompt_tokens=between(1, MAX_CACHE_LEN),
+                  cache_multiple=between(1, MAX_CACHE_LEN), max_skipped_fraction=between(0, 1),
+                  process_index=between(0, 1 << 16), process_count=between(1, 1 << 16), dtype=one_of(*DTYPES),
+                  num_devices=between(0, 1 << 16))
 
     def validate(self, prefix: str = "regenerate") -> None:
         self.mesh.validate(f"{prefix}.mesh")

@@ -15,7 +15,7 @@ import dataclasses
 import math
 from typing import Any, Mapping
 
-from d3d_jax.config.base import ConfigError, _require
+from d3d_jax.config.base import ConfigError, _require, above, between, one_of
 
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3")
 # Keys each form reads (beside rope_type/type and rope_theta), as transformers 5 validates them.
@@ -62,6 +62,13 @@ class RopeScaling:
     high_freq_factor: float | None = None
     short_factor: tuple[float, ...] | None = None
     long_factor: tuple[float, ...] | None = None
+
+    # each field's valid values, checked by config.base.check_fields for every loader
+    BOUNDS = dict(rope_type=one_of(*ROPE_TYPES), factor=above(0, 1e6),
+                  original_max_position_embeddings=between(1, 1 << 24), attention_factor=above(0, 1e3),
+                  beta_fast=above(0, 1e6), beta_slow=above(0, 1e6), mscale=above(0, 1e3),
+                  mscale_all_dim=between(0, 1e3), low_freq_factor=above(0, 1e6), high_freq_factor=above(0, 1e6),
+                  short_factor=above(0, 1e6), long_factor=above(0, 1e6))
 
     def validate(self, prefix: str, head_dim: int, max_position_embeddings: int, theta: float) -> None:
         t = self.rope_type

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from d3d_jax.config.base import _require
+from d3d_jax.config.base import TEXT, _require, between
 from d3d_jax.config.decoding import DecoderSettings, ModelPaths
 
 NUM_SLOTS = 8  # the server's decoder.num_slots when none is given: concurrent requests decoded together
@@ -49,9 +49,15 @@ class ServerSettings:
     vllm_metrics: bool = False  # /metrics also under vLLM's vllm: names
     log_level: str = "warning"
 
+    # each field's valid values, checked by config.base.check_fields for every loader
+    BOUNDS = dict(host=TEXT, port=between(0, 65535), api_key=TEXT, served_model_name=TEXT,
+                  max_body_bytes=between(1, 1 << 30), max_prompt_tokens=between(1, INT32),
+                  default_max_tokens=between(1, INT32), max_queue=between(1, 1 << 20),
+                  warmup_max_prompt=between(0, INT32), compile_cache=TEXT, log_level=TEXT)
+
     def validate(self, prefix: str = "server") -> None:
         for key, lo, hi in (("port", 0, 65535), ("max_body_bytes", 1, 1 << 30), ("max_prompt_tokens", 1, INT32),
-                            ("default_max_tokens", 1, INT32), ("max_queue", 0, 1 << 20),
+                            ("default_max_tokens", 1, INT32), ("max_queue", 1, 1 << 20),
                             ("warmup_max_prompt", 0, INT32)):
             value = getattr(self, key)
             _require(value is None or lo <= value <= hi, f"{prefix}.{key}", f"must be in [{lo}, {hi}], got {value}")

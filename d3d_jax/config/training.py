@@ -5,8 +5,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from d3d_jax.config.base import DTYPES, _require
-from d3d_jax.config.limits import INT32_MAX, require_int
+from d3d_jax.config.base import DTYPES, TEXT, _require, above, between, one_of
+from d3d_jax.config.limits import INT32_MAX, MAX_BLOCK_SIZE, MAX_CACHE_LEN, require_int
 from d3d_jax.config.model import REMAT_POLICIES, MeshConfig, ModelConfig
 
 
@@ -42,6 +42,13 @@ class DataConfig:
     # unchanged overall τ (README, "First-block anchors"; infer/bench.py first-block).
     first_block_anchor: bool = True
 
+    # each field's valid values, checked by config.base.check_fields for every loader
+    BOUNDS = dict(mode=one_of("d3d", "lm"), train_path=TEXT, dev_path=TEXT, tokenizer=TEXT,
+                  packed_length=between(2, MAX_CACHE_LEN), num_anchors=between(1, MAX_CACHE_LEN),
+                  block_size=between(2, MAX_BLOCK_SIZE), batch_size=between(1, 1 << 20), seed=between(0, INT32_MAX),
+                  dev_batches=between(0, INT32_MAX), mask_token_id=between(0, INT32_MAX),
+                  pad_token_id=between(0, INT32_MAX), max_skipped_fraction=between(0, 1))
+
     def validate(self, prefix: str = "data") -> None:
         _require(self.mode in ("d3d", "lm"), f"{prefix}.mode", f"must be 'd3d' or 'lm', got {self.mode!r}")
         _require(self.block_size >= 2, f"{prefix}.block_size", "must be >= 2")
@@ -74,6 +81,9 @@ class ObjectiveConfig:
     gamma: float = 7.0  # slot weights w_k = exp(-(k-1)/γ)
     ar_weight: float = 1.0  # λ
 
+    # each field's valid values, checked by config.base.check_fields for every loader
+    BOUNDS = dict(kind=one_of("d3d", "lm"), gamma=above(0, 1e6), ar_weight=between(0, 1e6))
+
     def validate(self, prefix: str = "objective") -> None:
         _require(self.kind in ("d3d", "lm"), f"{prefix}.kind", f"must be 'd3d' or 'lm', got {self.kind!r}")
         _require(self.gamma > 0, f"{prefix}.gamma", f"must be > 0, got {self.gamma}")
@@ -96,6 +106,12 @@ class OptimConfig:
     clip_norm: float = 1.0  # 0 disables clipping
     grad_accum_steps: int = 1
     quant_block_size: int = 256  # 8-bit moments: one float32 scale per this many entries
+
+    # each field's valid values, checked by config.base.check_fields for every loader
+    BOUNDS = dict(name=one_of("adamw", "adamw8bit"), learning_rate=above(0, 10), final_learning_rate=between(0, 10),
+                  warmup_steps=between(0, INT32_MAX), decay_steps=between(0, INT32_MAX), b1=between(0, 1),
+                  b2=between(0, 1), eps=above(0, 1), weight_decay=between(0, 1e3), clip_norm=between(0, 1e9),
+                  grad_accum_steps=between(1, 1 << 20), quant_block_size=between(1, 1 << 24))
 
     def warmup_for(self, total_steps: int) -> int:
         """The warm-up a run of ``total_steps`` gets: ``warmup_steps``, at most every step but one."""
@@ -139,6 +155,13 @@ class TrainConfig:
     gradient_checkpointing: bool | None = None  # deprecated: remat_policy "full" / "none"
     remat_policy: str = ""  # "" keeps model.remat_policy; else one of REMAT_POLICIES
 
+    # each field's valid values, checked by config.base.check_fields for every loader
+    BOUNDS = dict(steps=between(1, INT32_MAX), init_from=TEXT, seed=between(0, INT32_MAX), out_dir=TEXT,
+                  log_every=between(1, INT32_MAX), eval_every=between(0, INT32_MAX),
+                  checkpoint_every=between(0, INT32_MAX), keep_checkpoints=between(1, 1 << 20),
+                  param_dtype=one_of("", *DTYPES), compute_dtype=one_of("", *DTYPES),
+                  remat_policy=one_of("", *REMAT_POLICIES))
+
     def validate(self, prefix: str = "train") -> None:
         _require(self.steps >= 1, f"{prefix}.steps", "must be >= 1")
         require_int(self.seed, f"{prefix}.seed", 0, INT32_MAX)
@@ -163,6 +186,9 @@ class TrainRunConfig:
     optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
     num_devices: int = 0
+
+    # each field's valid values, checked by config.base.check_fields for every loader
+    BOUNDS = dict(num_devices=between(0, 1 << 16))
 
     def effective_model(self) -> ModelConfig:
         """The model config with the train section's precision / remat knobs applied."""

@@ -26,10 +26,9 @@ from pathlib import Path
 from typing import Any
 
 from d3d_jax.config import ConfigError
-from d3d_jax.config.decoding import MAX_BLOCK_SIZE, MAX_BRANCH_FANOUT, MAX_SLOTS
-from d3d_jax.config.flags import (add_auto_flags, add_config_arguments, add_model_flags, config_flag,
+from d3d_jax.config.flags import (add_auto_flags, add_config_arguments, add_model_flags, config_flag, declared,
                                   load_command_config)
-from d3d_jax.config.serve import INT32, MAX_CACHE_LEN, NUM_SLOTS, ServeConfig
+from d3d_jax.config.serve import MAX_CACHE_LEN, NUM_SLOTS, ServeConfig
 from d3d_jax.serving import protocol as P
 
 log = logging.getLogger("d3d_jax.serving")
@@ -37,19 +36,10 @@ log = logging.getLogger("d3d_jax.serving")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
-def _int_in(lo: int, hi: int | None = None, none_ok: bool = False):
-    """An argparse type: an integer in [lo, hi] (bad server numbers are refused at start)."""
-    def parse(text: str):
-        if none_ok and text.lower() == "none":
-            return None
-        try:
-            v = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-        if v < lo or (hi is not None and v > hi):
-            raise argparse.ArgumentTypeError(f"{v} is outside [{lo}, {'inf' if hi is None else hi}]")
-        return v
-    return parse
+def _declared(key: str):
+    """The flag's argparse type: the field's declared bound on ServeConfig (a bad number is one
+    line at start, in the words a YAML value would get)."""
+    return declared(ServeConfig, key)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -59,30 +49,30 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     add_model_flags(p)
     add_auto_flags(p)
     flag("--host", key="server.host", help="bind address (default: localhost only)")
-    flag("--port", key="server.port", type=_int_in(0, 65535), help="default 8000; 0: a free port")
+    flag("--port", key="server.port", type=_declared("server.port"), help="default 8000; 0: a free port")
     flag("--api-key", key="server.api_key",
          help="require 'Authorization: Bearer KEY' (default: $D3D_API_KEY; unset = open)")
     flag("--served-model-name", key="server.served_model_name", help="model id in the API (default: target dir name)")
-    flag("--num-slots", key="decoder.num_slots", type=_int_in(1, MAX_SLOTS),
+    flag("--num-slots", key="decoder.num_slots", type=_declared("decoder.num_slots"),
          help=f"concurrent requests decoded together (default {NUM_SLOTS})")
-    flag("--max-model-len", key="decoder.max_cache_len", type=_int_in(2, INT32),
+    flag("--max-model-len", key="decoder.max_cache_len", type=_declared("decoder.max_cache_len"),
          help=f"KV cache length per slot (default: min({MAX_CACHE_LEN}, max_position_embeddings))")
-    flag("--block-size", key="decoder.block_size", type=_int_in(2, MAX_BLOCK_SIZE),
+    flag("--block-size", key="decoder.block_size", type=_declared("decoder.block_size"),
          help="default: the drafter's config, else 16")
-    flag("--branch-positions", key="decoder.branch_positions", type=_int_in(1, MAX_BLOCK_SIZE),
+    flag("--branch-positions", key="decoder.branch_positions", type=_declared("decoder.branch_positions"),
          help="async C (default min(12, B))")
-    flag("--branch-fanout", key="decoder.branch_fanout", type=_int_in(1, MAX_BRANCH_FANOUT), help="async F (default 2)")
-    flag("--target-devices", key="decoder.target_devices", type=_int_in(1, MAX_SLOTS), help="async: devices for the target")
-    flag("--drafter-devices", key="decoder.drafter_devices", type=_int_in(1, MAX_SLOTS),
+    flag("--branch-fanout", key="decoder.branch_fanout", type=_declared("decoder.branch_fanout"), help="async F (default 2)")
+    flag("--target-devices", key="decoder.target_devices", type=_declared("decoder.target_devices"), help="async: devices for the target")
+    flag("--drafter-devices", key="decoder.drafter_devices", type=_declared("decoder.drafter_devices"),
          help="async: devices for the drafter")
-    flag("--max-body-bytes", key="server.max_body_bytes", type=_int_in(1, 1 << 30), help="larger bodies get 413")
-    flag("--max-prompt-tokens", key="server.max_prompt_tokens", type=_int_in(1, INT32),
+    flag("--max-body-bytes", key="server.max_body_bytes", type=_declared("server.max_body_bytes"), help="larger bodies get 413")
+    flag("--max-prompt-tokens", key="server.max_prompt_tokens", type=_declared("server.max_prompt_tokens"),
          help="default: the context length - 1")
-    flag("--default-max-tokens", key="server.default_max_tokens", type=_int_in(1, INT32),
+    flag("--default-max-tokens", key="server.default_max_tokens", type=_declared("server.default_max_tokens"),
          help="when a request gives none (default 256)")
-    flag("--max-queue", key="server.max_queue", type=_int_in(0, 1 << 20),
+    flag("--max-queue", key="server.max_queue", type=_declared("server.max_queue"),
          help="waiting requests beyond this get 503 (default 4096)")
-    flag("--warmup-max-prompt", key="server.warmup_max_prompt", type=_int_in(0, INT32),
+    flag("--warmup-max-prompt", key="server.warmup_max_prompt", type=_declared("server.warmup_max_prompt"),
          help="compile every prefill bucket up to this prompt length (0: no warm-up; default 256); "
               "the first bucket before serving, the others in the background")
     flag("--warmup-wait", key="server.warmup_wait", action="store_true",
