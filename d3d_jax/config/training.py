@@ -38,8 +38,7 @@ class DataConfig:
     max_skipped_fraction: float = 0.01
     # Also draw anchors at response_start - 1 (the last prompt token), where decoding anchors every
     # generation's first block; the block's slots are then the first B-1 response tokens.  On by
-    # default: on the demo it lifts first-block offline τ 1.35/1.21 -> 2.29/2.35 (two seeds) at
-    # unchanged overall τ (README, "First-block anchors"; infer/bench.py first-block).
+    # default: it lengthens first blocks at unchanged overall τ (docs/results/demo.md, first-block anchors).
     first_block_anchor: bool = True
 
     # each field's valid values, checked by config.base.check_fields for every loader
