@@ -130,10 +130,14 @@ class ProgramStore:
         if self.enabled:
             try:
                 self._prune(Path(directory))
-            except OSError as e:  # a read-only or full disk: this start compiles, as without a store
-                log.warning("program store: %s is not usable (%s); programs are kept in memory only",
-                            directory, e)
-                self.enabled = False
+            except OSError as e:  # a read-only store (a pre-warmed image) is read, never written
+                if os.access(self.dir, os.R_OK | os.X_OK) and self.dir.is_dir():
+                    log.warning("program store: %s is read-only (%s); programs are read from it, new "
+                                "ones kept in memory only", self.dir, e.strerror or e)
+                else:  # none there to read: this start compiles, as without a store
+                    log.warning("program store: %s is not usable (%s); programs are kept in memory only",
+                                directory, e)
+                    self.enabled = False
 
     def _prune(self, root: Path) -> None:
         """Mark this salt used and remove all but the ``KEEP_SALTS`` most recently used salt
@@ -179,19 +183,29 @@ class ProgramStore:
             data = path.read_bytes()
         except FileNotFoundError:
             return None
+        except OSError as e:  # a directory, a symlink loop, a bad sector: damage like any other
+            self._discard(path, f"unreadable ({type(e).__name__}: {e.strerror or e})")
+            return None
         try:
             entry = _Entry(**pickle.loads(zlib.decompress(data)))
+            if not (isinstance(entry.name, str) and isinstance(entry.key_text, str)
+                    and isinstance(entry.blob, bytes) and isinstance(entry.device_ids, list)):
+                raise TypeError("fields of the wrong types")
         except Exception as e:  # noqa: BLE001 - any damage: compile it again
-            self._discard(path, f"unreadable ({type(e).__name__}: {e})")
+            self._discard(path, f"unreadable ({type(e).__name__}: {str(e)[:200]})")
             return None
         return entry
 
     def _discard(self, path: Path, why: str) -> None:
+        import shutil
+
         self.counts["damaged"] += 1
         log.warning("program store: %s is %s; removed, compiling it again", path.name, why)
         try:
-            path.unlink()
-        except OSError:
+            path.unlink()  # a file or a symlink (never followed)
+        except IsADirectoryError:
+            shutil.rmtree(path, ignore_errors=True)
+        except OSError:  # a read-only store: the entry stays, this process compiles it
             pass
 
     def _load(self, path: Path, entry: _Entry):
