@@ -6,9 +6,10 @@
 ``main(argv)`` runs with ``--debug`` taken out of ``argv``.  The project's own errors
 (:mod:`d3d_jax.errors`, ``ConfigError`` included), every ``OSError`` (a missing, unreadable or
 read-only path, a symlink loop, a file where a directory belongs, a full disk, a port in use) and
-the accelerator running out of memory print ``error: <message>`` naming the path where there is
-one, and return the error's ``exit_code``: 2 for what the user asked for (flags, paths), 1 for
-what ran out or went wrong while running (a full disk, memory, file contents).  Anything else is
+the accelerator or the host running out (of memory; of stack, ``RecursionError``) print
+``error: <message>`` naming the path where there is one, and return the error's ``exit_code``: 2
+for what the user asked for (flags, paths), 1 for what ran out or went wrong while running (a
+full disk, memory, file contents).  Anything else is
 a bug and keeps its traceback; ``--debug`` keeps the traceback for every error.
 """
 
@@ -24,6 +25,11 @@ DEBUG_FLAG = "--debug"
 
 def _out_of_device_memory(error: BaseException) -> bool:
     return type(error).__name__ in ("XlaRuntimeError", "JaxRuntimeError") and "RESOURCE_EXHAUSTED" in str(error)
+
+
+def _exhausted(error: BaseException) -> bool:
+    """The host ran out: memory, or the interpreter's stack (an input nested past any sense)."""
+    return isinstance(error, (MemoryError, RecursionError))
 
 
 def exit_code(error: BaseException) -> int:
@@ -42,6 +48,11 @@ def one_line(error: BaseException) -> str:
         text = f"{error.filename}{also}: {error.strerror or error}"
     elif _out_of_device_memory(error):
         text = "out of accelerator memory (" + str(error).strip().splitlines()[0][:300] + ")"
+    elif isinstance(error, MemoryError):
+        text = "out of host memory" + (f" ({str(error)[:200]})" if str(error) else "") + \
+            "; an input may be far larger than it should be (--debug shows where)"
+    elif isinstance(error, RecursionError):
+        text = "an input is nested too deeply to process (--debug shows where)"
     else:
         text = str(error) or type(error).__name__
     return "; ".join(part.strip() for part in text.splitlines() if part.strip())
@@ -55,7 +66,7 @@ def run_cli(main: Callable[[list[str]], int | None], argv: Sequence[str] | None 
     try:
         status = main(argv)
     except Exception as e:
-        if debug or not (isinstance(e, (D3DError, OSError)) or _out_of_device_memory(e)):
+        if debug or not (isinstance(e, (D3DError, OSError)) or _out_of_device_memory(e) or _exhausted(e)):
             raise
         print(f"error: {one_line(e)}", file=sys.stderr, flush=True)
         return exit_code(e)

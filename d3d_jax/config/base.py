@@ -195,7 +195,7 @@ def _convert(value: Any, tp: Any, key: str) -> Any:
         if isinstance(value, tp):
             return value
         if not isinstance(value, Mapping):
-            raise ConfigError(f"{key}: expected a mapping for section {tp.__name__}, got {value!r}")
+            raise ConfigError(f"{key}: expected a mapping for section {tp.__name__}, got {_short(value)}")
         return build_dataclass(tp, value, key)
     if origin in (tuple, list, Sequence) or tp in (tuple, list):
         return _convert_sequence(value, tp, key)
@@ -218,7 +218,7 @@ def _convert_union(value: Any, tp: Any, key: str) -> Any:
             return _convert(value, a, key)
         except ConfigError:
             pass
-    raise ConfigError(f"{key}: cannot interpret {value!r} as {tp}")
+    raise ConfigError(f"{key}: cannot interpret {_short(value)} as {tp}")
 
 
 def _convert_sequence(value: Any, tp: Any, key: str) -> Any:
@@ -227,7 +227,7 @@ def _convert_sequence(value: Any, tp: Any, key: str) -> Any:
     if isinstance(value, str):
         value = [v for v in value.split(",") if v != ""]
     if not isinstance(value, (list, tuple)):
-        raise ConfigError(f"{key}: expected a list, got {value!r}")
+        raise ConfigError(f"{key}: expected a list, got {_short(value)}")
     if args and not (len(args) == 2 and args[1] is Ellipsis) and origin is tuple:
         if len(args) != len(value):
             raise ConfigError(f"{key}: expected {len(args)} items, got {len(value)}")
@@ -246,12 +246,12 @@ def _to_bool(value: Any, key: str) -> bool:
         return False
     if isinstance(value, int) and value in (0, 1):
         return bool(value)
-    raise ConfigError(f"{key}: expected a boolean, got {value!r}")
+    raise ConfigError(f"{key}: expected a boolean, got {_short(value)}")
 
 
 def _to_int(value: Any, key: str) -> int:
     if isinstance(value, bool):
-        raise ConfigError(f"{key}: expected an integer, got {value!r}")
+        raise ConfigError(f"{key}: expected an integer, got {_short(value)}")
     if isinstance(value, int):
         return value
     if isinstance(value, float) and value.is_integer():
@@ -261,22 +261,22 @@ def _to_int(value: Any, key: str) -> int:
             return int(value)
         except ValueError:
             pass
-    raise ConfigError(f"{key}: expected an integer, got {value!r}")
+    raise ConfigError(f"{key}: expected an integer, got {_short(value)}")
 
 
 def _to_float(value: Any, key: str) -> float:
     if isinstance(value, bool):
-        raise ConfigError(f"{key}: expected a number, got {value!r}")
+        raise ConfigError(f"{key}: expected a number, got {_short(value)}")
     try:
         return float(value)
     except (TypeError, ValueError):
-        raise ConfigError(f"{key}: expected a number, got {value!r}") from None
+        raise ConfigError(f"{key}: expected a number, got {_short(value)}") from None
 
 
 def _to_str(value: Any, key: str) -> str:
     if isinstance(value, (str, int, float)) and not isinstance(value, bool):
         return str(value)
-    raise ConfigError(f"{key}: expected a string, got {value!r}")
+    raise ConfigError(f"{key}: expected a string, got {_short(value)}")
 
 
 _SCALARS = {bool: _to_bool, int: _to_int, float: _to_float, str: _to_str}
@@ -327,22 +327,89 @@ def _deep_merge(base: dict, extra: Mapping) -> dict:
     return out
 
 
-def read_yaml(path: str | os.PathLike) -> dict:
+MAX_YAML_VALUES = 1_000_000  # scalars + containers of a config once its aliases are expanded
+MAX_INCLUDE_DEPTH = 16
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing a key given twice in one mapping (a section written twice
+    kept only its last copy, silently)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # '<<: *base' merges, by design
+                continue
+            key = self.construct_object(key_node, deep=deep)
+            try:
+                first = seen.setdefault(key, key_node.start_mark.line + 1)
+            except TypeError:  # an unhashable key: PyYAML's own error says so
+                break
+            if first != key_node.start_mark.line + 1:
+                raise ConfigError(f"{_short(key)} is given twice (lines {first} and {key_node.start_mark.line + 1}); "
+                                  "keep one")
+        return super().construct_mapping(node, deep=deep)
+
+
+def _expanded_size(data: Any, limit: int) -> int:
+    """How many values ``data`` holds with every shared (aliased) part counted each time it
+    appears, stopping past ``limit``: a few lines of YAML aliases can stand for billions."""
+    sizes: dict[int, int] = {}
+
+    def size(x: Any) -> int:
+        if not isinstance(x, (dict, list)):
+            return 1
+        if id(x) in sizes:
+            return sizes[id(x)]
+        sizes[id(x)] = limit + 1  # a cycle (a recursive alias) is refused too
+        children = x.values() if isinstance(x, dict) else x
+        total = 1
+        for c in children:
+            total += size(c)
+            if total > limit:
+                break
+        sizes[id(x)] = min(total, limit + 1)
+        return sizes[id(x)]
+    return size(data)
+
+
+def _check_size(data: Any, where: str) -> None:
+    try:
+        too_big = _expanded_size(data, MAX_YAML_VALUES) > MAX_YAML_VALUES
+    except RecursionError:
+        raise ConfigError(f"{where}: nested too deeply") from None
+    if too_big:
+        raise ConfigError(f"{where}: expands to more than {MAX_YAML_VALUES:,} values (YAML aliases "
+                          "repeated inside each other?); a config is far smaller")
+
+
+def read_yaml(path: str | os.PathLike, _chain: tuple = ()) -> dict:
     """Read a YAML config, resolving ``include:`` (paths relative to the file or configs/)."""
     path = Path(path)
     if not path.exists() and (CONFIG_DIR / path).exists():
         path = CONFIG_DIR / path
     if not path.exists():
         raise ConfigError(f"config file not found: {path}")
+    real = path.resolve()
+    if real in _chain:
+        names = " -> ".join(str(p) for p in _chain[_chain.index(real):] + (real,))
+        raise ConfigError(f"{path}: include: makes a cycle ({names})")
+    if len(_chain) >= MAX_INCLUDE_DEPTH:
+        raise ConfigError(f"{path}: includes nest deeper than {MAX_INCLUDE_DEPTH} files")
     try:
         with open(path, encoding="utf-8") as f:
-            data = yaml.safe_load(f) or {}
+            data = yaml.load(f, Loader=_UniqueKeyLoader) or {}
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}") from None
+    except RecursionError:
+        raise ConfigError(f"{path}: nested too deeply") from None
     except (yaml.YAMLError, UnicodeDecodeError) as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark is not None else ""
         raise ConfigError(f"{path}: not valid YAML{where} ({getattr(e, 'problem', None) or e})") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: top level must be a mapping")
+    _check_size(data, str(path))
     includes = data.pop("include", []) or []
     if isinstance(includes, str):
         includes = [includes]
@@ -351,7 +418,7 @@ def read_yaml(path: str | os.PathLike) -> dict:
         inc_path = path.parent / inc
         if not inc_path.exists():
             inc_path = CONFIG_DIR / inc
-        merged = _deep_merge(merged, read_yaml(inc_path))
+        merged = _deep_merge(merged, read_yaml(inc_path, _chain + (real,)))
     return _deep_merge(merged, data)
 
 
@@ -361,7 +428,9 @@ def parse_overrides(overrides: Sequence[str]) -> dict:
         if "=" not in item:
             raise ConfigError(f"{item}: overrides must look like key=value")
         k, v = item.split("=", 1)
-        _set_dotted(tree, k.strip(), _parse_scalar(v))
+        value = _parse_scalar(v)
+        _check_size(value, k.strip()[:100])
+        _set_dotted(tree, k.strip(), value)
     return tree
 
 

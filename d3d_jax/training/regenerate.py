@@ -367,13 +367,29 @@ def _write_batches(target, tokenizer, out: Path, usable, token_ids, batches, don
     summary.cpu_seconds = time.process_time() - cpu_start
 
 
+def _max_token_chars(tokenizer) -> int:
+    """The most characters one token of ``tokenizer`` stands for (a byte-level BPE entry's length
+    is its byte count, which bounds its characters): a text longer than ``n`` times this has more
+    than ``n`` tokens, known without tokenizing it."""
+    try:
+        return max(1, max(len(t) for t in tokenizer.get_vocab()))
+    except (AttributeError, TypeError, ValueError):  # no vocabulary to read: 1 KB per token is safe
+        return 1024
+
+
 def _render_all(prompts: Sequence[Prompt], tokenizer, max_prompt_tokens: int, vocab_size: int,
                 summary: RegenerationSummary) -> tuple[list[Prompt], list[np.ndarray], int]:
     """Prompt ids of every prompt that renders, fits the vocabulary and ``max_prompt_tokens``; the
     others go into ``summary.skipped`` with the reason.  Also returns how many were rejected as bad
     (template or vocabulary; a prompt over the length limit is the limit working, not a bad one)."""
     usable, token_ids, rejected = [], [], 0
+    max_chars = max_prompt_tokens * _max_token_chars(tokenizer)
     for p in prompts:
+        chars = sum(len(m["content"]) for m in p.messages)
+        if chars > max_chars:  # cannot fit: not tokenized (50 MB of text took 12 GB and minutes)
+            summary.skipped.append((p.line, f"id {p.id!r}: prompt has {chars} characters, more than "
+                                            f"{max_prompt_tokens} tokens can hold"))
+            continue
         try:
             ids = rec_lib.token_ids(render_prompt(tokenizer, p.messages), "rendered prompt", vocab_size)
         except Exception as e:  # a template may reject a turn order (e.g. system not first)
