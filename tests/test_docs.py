@@ -40,8 +40,12 @@ PROGRAMS = ("infer/generate.py", "infer/serve.py", "infer/bench.py", "train/trai
 SCRIPT = re.compile(r"(?:\./)?((?:infer|train)/\w+\.py)")
 # flags of other tools that the prose names in backticks
 FOREIGN_FLAGS = {"--dist", "--worker", "--zone", "--command"}
-# the config class each program with config flags reads (a flag whose dest is a dotted key sets a field)
-CONFIGS = {"infer/generate.py": "GenerateConfig", "infer/serve.py": "ServeConfig", "infer/bench.py eval": "EvalConfig"}
+# the config class each program reads (a flag whose dest is a dotted key sets a field; so does key=value)
+CONFIGS = {"infer/generate.py": "GenerateConfig", "infer/serve.py": "ServeConfig", "infer/bench.py eval": "EvalConfig",
+           "train/train_drafter.py": "TrainRunConfig", "train/prune_drafter.py": "PruneRunConfig",
+           "train/regenerate_data.py": "RegenerateConfig", "train/pipeline.py": "PipelineConfig"}
+FILE_NAME = re.compile(r"\.(py|json|jsonl|yaml|safetensors|md|png|txt)$")
+OVERRIDE = re.compile(r"([a-z_]+(?:\.[a-z_0-9]+)+)=")
 
 
 def pages(results: bool = False) -> list[Path]:
@@ -142,9 +146,9 @@ def _flag_name(token: str) -> str | None:
     return m.group(1) if m else None
 
 
-def invocations(cmd: str) -> list[tuple[str, str | None, list[str], list[str]]]:
+def invocations(cmd: str, with_args: bool = False) -> list[tuple]:
     """``(program, bench subcommand, flags for the program, flags for the subcommand)`` of every
-    run of one of this repository's programs in a shell command."""
+    run of one of this repository's programs in a shell command (``with_args``: and its words)."""
     toks, out = _tokens(cmd), []
     for i, tok in enumerate(toks):
         m = SCRIPT.fullmatch(tok)
@@ -161,7 +165,7 @@ def invocations(cmd: str) -> list[tuple[str, str | None, list[str], list[str]]]:
             sub = args[split] if split < len(args) else None
         flags = [f for f in map(_flag_name, args[:split]) if f]
         sub_flags = [f for f in map(_flag_name, args[split + 1:]) if f]
-        out.append((m.group(1), sub, flags, sub_flags))
+        out.append((m.group(1), sub, flags, sub_flags) + ((args,) if with_args else ()))
     return out
 
 
@@ -179,6 +183,10 @@ def test_the_walker_finds_programs_and_their_flags():
     cmd = ('gcloud x --command "cd d && D3D_DISTRIBUTED=1 .venv/bin/python train/train_drafter.py --config a.yaml '
            'k=v" && python infer/bench.py --cpu-threads 1 serve --concurrency 1,4 [--mixed 4] && '
            'python train/launch_local.py -n 2 -- train/train_drafter.py --print-config')
+    assert invocations(cmd)[0] == ("train/train_drafter.py", None, ["--config"], [])
+    assert invocations(cmd, with_args=True)[0][4] == ["--config", "a.yaml", "k=v"]
+    assert has_key(config_class("infer/serve.py"), "decoder.num_slots")
+    assert not has_key(config_class("infer/serve.py"), "decoder.num_slot")
     assert invocations(cmd) == [("train/train_drafter.py", None, ["--config"], []),
                                 ("infer/bench.py", "serve", ["--cpu-threads"], ["--concurrency", "--mixed"]),
                                 ("train/launch_local.py", None, [], []),
@@ -205,6 +213,68 @@ def test_every_flag_a_documented_command_passes_exists():
                 bad += [f"{page}:{line}: infer/bench.py {sub} has no {f}" for f in sub_flags if f not in known]
     assert seen >= 25
     assert not bad, "\n".join(bad)
+
+
+def config_class(program: str):
+    import d3d_jax.config as config
+
+    return getattr(config, CONFIGS[program]) if program in CONFIGS else None
+
+
+def has_key(cls, key: str) -> bool:
+    """Whether the dotted ``key`` names a field of config class ``cls`` (through its sections)."""
+    for part in key.split("."):
+        if not dataclasses.is_dataclass(cls):
+            return False
+        field = next((f for f in dataclasses.fields(cls) if f.name == part), None)
+        if field is None:
+            return False
+        cls = field.default_factory if field.default is dataclasses.MISSING else None
+        if cls is not None and not dataclasses.is_dataclass(cls):
+            cls = None
+    return True
+
+
+def test_every_config_key_a_documented_command_sets_exists():
+    bad, seen = [], 0
+    for page, line, cmd in doc_commands():
+        for program, sub, _, _, args in invocations(cmd, with_args=True):
+            cls = config_class(f"{program} {sub}" if sub else program)
+            for arg in args:
+                m = OVERRIDE.match(arg)
+                if m and cls is not None:
+                    seen += 1
+                    if not has_key(cls, m.group(1)):
+                        bad.append(f"{page}:{line}: {program} {cls.__name__} has no {m.group(1)}")
+    assert seen >= 10
+    assert not bad, "\n".join(bad)
+
+
+@functools.cache
+def section_fields() -> dict[str, set]:
+    """``{section name: its field names}`` over every command's config."""
+    out: dict[str, set] = {}
+    for program in CONFIGS:
+        for f in dataclasses.fields(config_class(program)):
+            if f.default is dataclasses.MISSING and dataclasses.is_dataclass(f.default_factory):
+                out.setdefault(f.name, set()).update(g.name for g in dataclasses.fields(f.default_factory))
+    return out
+
+
+def test_every_config_key_named_in_the_text_exists():
+    """A backticked ``section.field`` (``train.remat_policy``, ``decoder.num_slots=4``) in the text
+    names a field of that section."""
+    bad, seen = [], 0
+    for page in pages():
+        for span in re.findall(r"`([a-z_]+\.[a-z_0-9.]+)(?:=[^`]*)?`", _prose(page.read_text(encoding="utf-8"))):
+            section, _, rest = span.partition(".")
+            if section not in section_fields() or FILE_NAME.search(span):  # model.safetensors is a file
+                continue
+            seen += 1
+            if rest.split(".")[0] not in section_fields()[section]:
+                bad.append(f"{rel(page)}: `{span}`: no config section {section} has {rest}")
+    assert seen >= 20
+    assert not bad, "\n".join(sorted(set(bad)))
 
 
 def _prose(text: str) -> str:
