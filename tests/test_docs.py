@@ -169,14 +169,25 @@ def invocations(cmd: str, with_args: bool = False) -> list[tuple]:
     return out
 
 
+SHELL = ("bash", "sh", "shell", "console")
+
+
 def doc_commands() -> list[tuple[str, int, str]]:
     """``(page, line, command)`` of every shell command in the README and docs (results excepted)."""
     out = []
     for page in pages():
         for lang, body, line in code_blocks(page.read_text(encoding="utf-8")):
-            if lang in ("bash", "sh", "shell", "console"):
+            if lang in SHELL:
                 out += [(rel(page), line, c) for c in bash_commands(body)]
     return out
+
+
+def test_commands_sit_in_blocks_that_are_checked():
+    """A command in a ``text`` block would be neither run nor checked."""
+    bad = [f"{rel(page)}:{line}: a {lang} block runs {SCRIPT.search(body).group(1)}: make it bash"
+           for page in pages() for lang, body, line in code_blocks(page.read_text(encoding="utf-8"))
+           if lang not in SHELL + ("python",) and SCRIPT.search(body)]
+    assert not bad, "\n".join(bad)
 
 
 def test_the_walker_finds_programs_and_their_flags():
