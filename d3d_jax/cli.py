@@ -65,6 +65,11 @@ def run_cli(main: Callable[[list[str]], int | None], argv: Sequence[str] | None 
     argv = [a for a in argv if a != DEBUG_FLAG]
     try:
         status = main(argv)
+    except KeyboardInterrupt:  # Ctrl-C (a server re-raises its SIGINT after a graceful shutdown)
+        if debug:
+            raise
+        print("interrupted", file=sys.stderr, flush=True)
+        return 130  # 128 + SIGINT, as a shell reports it
     except Exception as e:
         if debug or not (isinstance(e, (D3DError, OSError)) or _out_of_device_memory(e) or _exhausted(e)):
             raise

@@ -13,6 +13,7 @@ cancels its requests; the scheduler frees the slots at its next round.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import hmac
 import logging
@@ -34,6 +35,7 @@ from d3d_jax.serving.scheduler import QueueFull, Scheduler
 log = logging.getLogger("d3d_jax.serving")
 
 VERSION = "0.1.0"
+BODY_TIMEOUT_S = 60.0  # the whole request body must arrive in this (server.HEADER_TIMEOUT_S: the head)
 
 
 @dataclasses.dataclass
@@ -129,12 +131,15 @@ async def read_json(request: Request, limit: int) -> dict:
         raise P.ApiError(f"request body of {length[:40]} bytes exceeds the limit of {limit}", status=413)
     buf = bytearray()
     try:
-        async for chunk in request.stream():
-            buf += chunk
-            if len(buf) > limit:
-                raise P.ApiError(f"request body exceeds the limit of {limit} bytes", status=413)
+        async with asyncio.timeout(BODY_TIMEOUT_S):  # a client that stops sending holds no connection
+            async for chunk in request.stream():
+                buf += chunk
+                if len(buf) > limit:
+                    raise P.ApiError(f"request body exceeds the limit of {limit} bytes", status=413)
     except ClientDisconnect:
         raise ClientGone() from None
+    except TimeoutError:
+        raise P.ApiError(f"the request body did not arrive within {BODY_TIMEOUT_S:g} s", status=408) from None
     return P.parse_json(bytes(buf))
 
 

@@ -26,8 +26,11 @@ def _lp(x) -> float:
 
 
 def finish_reason(reason: str | None) -> str | None:
-    """The decoder's eos/stop/length (and a matched stop string) in OpenAI's vocabulary."""
-    return None if reason is None else ("length" if reason == "length" else "stop")
+    """The decoder's eos/stop/length (and a matched stop string) in OpenAI's vocabulary; a request
+    the server ended as it shut down says "abort" (vLLM's word), never a natural stop."""
+    if reason is None:
+        return None
+    return reason if reason in ("length", "abort") else "stop"
 
 
 def completion_logprobs(entries: list[Entry], token_text: Callable[[int], str], offset: int) -> dict:

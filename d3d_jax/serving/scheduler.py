@@ -36,7 +36,7 @@ class Event:
 
     token_ids: list[int]
     finished: bool = False
-    finish_reason: str | None = None  # eos | stop | length | error
+    finish_reason: str | None = None  # eos | stop | length | error | abort (the server shut down)
     metrics: dict | None = None  # on finish: tau, hit_rate, rounds, accepted, ttft_s, ...
     error: str | None = None
     logprobs: list | None = None  # per token (log-prob, alternatives) when the request asked
@@ -97,11 +97,14 @@ class Scheduler:
         self._ids = itertools.count()
         self._thread: threading.Thread | None = None
         self._stop = False
+        self._draining = False  # shutting down: every request ends now, new ones are refused
         self.error: BaseException | None = None  # what killed the thread, if anything
 
     # ---- any thread --------------------------------------------------------------------------
     def submit(self, request: Any, sink: Callable[[Event], None], warmup: bool = False) -> Handle:
         with self._cv:
+            if self._draining:
+                raise QueueFull("the server is shutting down")
             if len(self._queue) >= self.max_queue:
                 raise QueueFull(f"{len(self._queue)} requests are already waiting (max_queue)")
             h = Handle(next(self._ids), request, sink, self._wake, warmup)
@@ -130,6 +133,15 @@ class Scheduler:
         self._thread = threading.Thread(target=self._loop, name="d3d-scheduler", daemon=True)
         self._thread.start()
         return self
+
+    def drain(self) -> None:
+        """Shutting down (SIGTERM, SIGINT): at the next round every running request finishes with
+        ``finish_reason`` "abort" and the tokens it has, every queued one with none, so streams
+        end with a final chunk and ``[DONE]`` and waiting clients get their response; new
+        requests are refused (503)."""
+        with self._cv:
+            self._draining = True
+            self._cv.notify()
 
     def stop(self, timeout: float = 30.0) -> None:
         with self._cv:
@@ -162,6 +174,9 @@ class Scheduler:
     def run_round(self) -> bool:
         """One scheduling round; False when there was nothing to decode."""
         self._reap_cancelled()
+        if self._draining:
+            self._abort_all()
+            return False
         self._admit()
         if not self._active:
             return False
@@ -268,6 +283,17 @@ class Scheduler:
         except Exception:  # noqa: BLE001 - a broken consumer must not stop the batch
             log.exception("sink of request %d failed; cancelling it", h.id)
             h.cancelled = True
+
+    def _abort_all(self) -> None:
+        with self._cv:
+            queued, self._queue = list(self._queue), collections.deque()
+        for h in queued:
+            h.done = True
+            if not h.warmup:
+                self.metrics.record_request("abort")
+            self._send(h, Event([], True, "abort"))
+        for slot in list(self._active):
+            self._finish(slot, "abort")
 
     def _fail_all(self, message: str) -> None:
         with self._cv:

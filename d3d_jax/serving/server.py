@@ -34,6 +34,8 @@ from d3d_jax.serving import protocol as P
 log = logging.getLogger("d3d_jax.serving")
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+HEADER_TIMEOUT_S = 30.0  # a connection whose request line and headers are not in by then is closed
+SHUTDOWN_GRACE_S = 5.0  # after SIGTERM/SIGINT: the aborted requests' last chunks go out in this
 
 
 def _declared(key: str):
@@ -298,6 +300,34 @@ def _http_protocol():
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
     class JsonErrors(H11Protocol):
+        """Also closes a connection that has not sent a whole request head within
+        ``HEADER_TIMEOUT_S`` (uvicorn has no such timeout: half-sent requests stayed open)."""
+
+        _head_timer = None
+
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            self._arm_head_timer()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            self._arm_head_timer()  # the next request's head, on a kept-alive connection
+
+        def connection_lost(self, exc) -> None:
+            if self._head_timer is not None:
+                self._head_timer.cancel()
+            super().connection_lost(exc)
+
+        def _arm_head_timer(self) -> None:
+            if self._head_timer is not None:
+                self._head_timer.cancel()
+            self._head_timer = self.loop.call_later(HEADER_TIMEOUT_S, self._head_timeout)
+
+        def _head_timeout(self) -> None:
+            waiting = self.cycle is None or self.cycle.response_complete  # no request running
+            if waiting and not self.transport.is_closing():
+                self.transport.close()
+
         def send_400_response(self, msg: str) -> None:
             body = json.dumps(P.error_body(f"malformed HTTP request: {msg}")).encode()
             headers = [(b"content-type", b"application/json"), (b"connection", b"close"),
@@ -317,17 +347,46 @@ def uvicorn_config(app, log_level: str, grace_s: float):
                           http=_http_protocol())
 
 
+def uvicorn_server(app, log_level: str, grace_s: float = SHUTDOWN_GRACE_S):
+    """uvicorn's server, whose SIGTERM/SIGINT first drains the scheduler (every request ends now
+    with finish_reason "abort": streams get their last chunk and ``[DONE]``, waiting clients their
+    response) and then shuts down gracefully, rather than cutting streams at the grace's end."""
+    import uvicorn
+
+    class Draining(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            svc = getattr(app.state, "service", None)
+            if svc is not None:
+                svc.scheduler.drain()
+            super().handle_exit(sig, frame)
+
+    return Draining(uvicorn_config(app, log_level, grace_s))
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """The listening socket, bound before the models load: a busy port is one line at once,
+    not after minutes of loading and compiling.  The caller listens once it is about to serve."""
+    from d3d_jax.errors import UsageError
+
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError as e:
+        raise UsageError(f"--host {host} --port {port}: cannot listen there ({e.strerror or e})") from None
+    return sock
+
+
 class ServerThread:
     """uvicorn serving ``app`` on ``host`` (a free port by default) in a background thread."""
 
     def __init__(self, app, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"):
-        import uvicorn
-
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind((host, port))
         self.host, self.port = self.sock.getsockname()[:2]
-        self.server = uvicorn.Server(uvicorn_config(app, log_level, 2))
+        self.server = uvicorn_server(app, log_level, 2)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
                                        name="d3d-uvicorn", daemon=True)
 
@@ -353,12 +412,11 @@ class ServerThread:
 def main(args) -> None:
     cfg = load_command_config(ServeConfig, args)  # a ConfigError ends in one line (run_cli)
     srv = cfg.server
-    import uvicorn
-
     from d3d_jax.serving.app import create_app
 
     logging.basicConfig(level=srv.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     t_start = time.perf_counter()
+    sock = bind(srv.host, srv.port)  # --port 0: a free port, printed below
     enable_compile_cache(srv.compile_cache)  # before anything compiles
     api_key = srv.api_key or os.environ.get("D3D_API_KEY") or None
     decoder, tokenizer, eos_ids, target = load(cfg)
@@ -381,13 +439,13 @@ def main(args) -> None:
     svc.scheduler.start()
     if later or deferred:
         warmup_in_background(svc, later, preload=deferred)
-    sock = socket.create_server((srv.host, srv.port))  # --port 0: a free port, printed below
+    sock.listen(2048)  # from here a client's connection waits for uvicorn instead of being refused
     host, port = sock.getsockname()[:2]
     # one machine-readable line: tests and infer/bench.py serve wait for it
     print(f"READY http://{host}:{port} model={svc.model_name} mode={decoder.config.mode} "
           f"slots={svc.scheduler.num_slots} auth={'on' if api_key else 'off'} "
           f"start_s={time.perf_counter() - t_start:.1f}", flush=True)
-    server = uvicorn.Server(uvicorn_config(create_app(svc), srv.log_level, 5))
+    server = uvicorn_server(create_app(svc), srv.log_level)
     try:
         server.run(sockets=[sock])
     finally:
