@@ -183,3 +183,30 @@ def test_tokenize_runs_off_the_event_loop(server, monkeypatch):
     assert server.raw("GET", "/health")[0] == 200
     assert time.perf_counter() - t0 < 1.0
     t.join()
+
+
+def test_min_tokens_past_the_room_left_names_min_tokens():
+    """Was: the decoder's own check, blaming 'prompt' and an internal block size."""
+    params = parse("completion", dict(BASE["completion"], max_tokens=None, min_tokens=250)).params
+    with pytest.raises(P.ApiError) as e:
+        P.resolve_max_tokens(10, params, LIMITS)
+    assert e.value.param == "min_tokens" and "246 tokens left" in str(e.value) and "block" not in str(e.value)
+
+
+def test_a_broken_chat_template_is_the_servers_error_a_refusing_one_the_requests(server, monkeypatch):
+    import jinja2
+
+    chat = dict(BASE["chat"])
+
+    def refuses(tok, messages):
+        raise jinja2.exceptions.TemplateError("Conversation roles must alternate")
+
+    def broken(tok, messages):
+        raise jinja2.exceptions.UndefinedError("'bos_token' is undefined")
+
+    monkeypatch.setattr(server.svc, "chat_encode", refuses)
+    status, out = server.raw("POST", "/v1/chat/completions", chat)
+    assert status == 400 and out["error"]["param"] == "messages" and "alternate" in out["error"]["message"]
+    monkeypatch.setattr(server.svc, "chat_encode", broken)
+    status, out = server.raw("POST", "/v1/chat/completions", chat)  # was: a 400 blaming 'messages'
+    assert status == 500 and out["error"]["type"] == "server_error" and out["error"]["param"] is None, out

@@ -1,7 +1,7 @@
-"""Signals, connections and start-up order of the server (d3d_jax/serving/server.py, the
-scheduler's drain): on SIGTERM/SIGINT every stream ends with a final chunk carrying a
+"""Signals, connections, health and start-up order of the server (d3d_jax/serving/server.py,
+the scheduler's drain): on SIGTERM/SIGINT every stream ends with a final chunk carrying a
 ``finish_reason`` and ``[DONE]`` and a waiting client gets its response; half-sent requests are
-closed; a busy port is found before the models load.  Over ``serve_fake.FakeDecoder`` (nothing
+closed; /health fails while the decoder cannot step; a busy port is found before the models load.  Over ``serve_fake.FakeDecoder`` (nothing
 compiles); the signal cases run a real server process."""
 
 from __future__ import annotations
@@ -177,3 +177,20 @@ def test_a_busy_port_is_refused_before_the_models_load():
             ["--target", "/nonexistent/model", "--port", str(port), "--compile-cache", "none"])
         with pytest.raises(UsageError, match=rf"--port {port}: cannot listen there"):  # was: the target's error,
             main(args)  # after loading; with a real target, after minutes of compiling
+
+
+def test_health_fails_while_every_step_fails_and_recovers(tokenizer, monkeypatch):
+    """Was: /health 200 while every batch got a 500 (a damaged program of that width)."""
+    s = FakeServer(tokenizer, mode="sync")
+    try:
+        real = s.dec.step
+        monkeypatch.setattr(s.dec, "step", lambda: (_ for _ in ()).throw(IsADirectoryError("programs/x")))
+        status, _ = s.raw("POST", "/v1/completions", dict(LONG, max_tokens=4))
+        assert status == 500
+        status, body = s.raw("GET", "/health")
+        assert status == 503 and "decoder step failed" in body["status"] and "programs/x" not in body["status"]
+        monkeypatch.setattr(s.dec, "step", real)
+        assert s.raw("POST", "/v1/completions", dict(LONG, max_tokens=4))[0] == 200
+        assert s.raw("GET", "/health")[0] == 200
+    finally:
+        s.close()

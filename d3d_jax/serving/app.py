@@ -62,8 +62,16 @@ class Service:
             self.chat_encode = chat_prompt_ids
         try:
             return list(self.chat_encode(self.tokenizer, messages))
-        except Exception as e:  # noqa: BLE001 - a template error is the request's problem
-            raise P.ApiError(f"cannot apply the chat template: {e}", param="messages") from None
+        except Exception as e:  # noqa: BLE001 - see below
+            # raise_exception() in a template (roles out of order ...) raises TemplateError itself:
+            # the request's problem.  Anything else (a syntax error, an undefined name) is a broken
+            # template: the server's, and not the client's to fix.
+            if type(e).__name__ == "TemplateError":
+                raise P.ApiError(f"the chat template refuses these messages: {str(e)[:300]}",
+                                 param="messages") from None
+            log.error("the chat template failed: %s: %s", type(e).__name__, e)
+            raise P.ApiError(f"the server's chat template failed ({type(e).__name__}); this is not a "
+                             f"problem of the request", status=500, type="server_error") from None
 
     def encode_prompt(self, prompt) -> list[int]:
         if isinstance(prompt, list):
@@ -256,8 +264,10 @@ def _add_info_routes(app: FastAPI, svc: Service) -> None:
 
     @app.api_route("/health", methods=["GET", "HEAD"])
     async def health():
-        ok = svc.scheduler.alive
-        return JSONResponse({"status": "ok" if ok else "scheduler stopped"}, 200 if ok else 503)
+        s = svc.scheduler
+        ok = s.healthy
+        status = "ok" if ok else (s.step_error or "scheduler stopped") if s.alive else "scheduler stopped"
+        return JSONResponse({"status": status}, 200 if ok else 503)
 
     @app.api_route("/ping", methods=["GET", "POST"])
     async def ping():

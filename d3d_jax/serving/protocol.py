@@ -356,6 +356,10 @@ def resolve_max_tokens(n_prompt: int, params: GenParams, limits: Limits) -> int:
                        f"{limits.prompt_cap} (maximum context length {limits.context_len})",
                        param="prompt", code="context_length_exceeded")
     room = limits.context_len - n_prompt
+    if params.min_tokens > room:
+        raise ApiError(f"'min_tokens' ({params.min_tokens}) is more than the {room} tokens left after the "
+                       f"{n_prompt}-token prompt (maximum context length {limits.context_len})",
+                       param="min_tokens", code="context_length_exceeded")
     if params.max_tokens is None:
         return max(min(limits.default_max_tokens, room), params.min_tokens)
     if params.max_tokens > room:

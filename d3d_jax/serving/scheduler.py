@@ -98,6 +98,7 @@ class Scheduler:
         self._thread: threading.Thread | None = None
         self._stop = False
         self._draining = False  # shutting down: every request ends now, new ones are refused
+        self.step_error: str | None = None  # the last round's failure; None once a round succeeds
         self.error: BaseException | None = None  # what killed the thread, if anything
 
     # ---- any thread --------------------------------------------------------------------------
@@ -127,6 +128,12 @@ class Scheduler:
     @property
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def healthy(self) -> bool:
+        """Running, and its last round (if any failed since) stepped: /health says 503 while
+        every batch fails (a damaged program, a lost device), 200 again once one succeeds."""
+        return self.alive and self.step_error is None
 
     def start(self) -> "Scheduler":
         self._stop = False
@@ -185,9 +192,11 @@ class Scheduler:
             outs = self.decoder.step()
         except Exception as e:  # noqa: BLE001 - reported to every request in the batch
             log.exception("decoder step failed")
+            self.step_error = f"decoder step failed: {type(e).__name__}"
             for slot in list(self._active):
                 self._finish(slot, "error", error=f"decoder step failed: {type(e).__name__}: {e}")
             return True
+        self.step_error = None
         self._deliver(outs, time.perf_counter() - t0)
         if hasattr(self.decoder, "decisions"):  # a fresh copy each round: /metrics reads it
             self.metrics.decisions = self.decoder.decisions()
