@@ -1,7 +1,8 @@
 """The program store (``decoding/programs.py``) against damaged and read-only directories: an
 entry that is a directory, a symlink loop or wrong content is logged, removed and compiled again,
 whether a call (a round, an admission) or the background preload meets it; a read-only store is
-read.  References: numpy for the values, the store's own counts for what it did."""
+read; two starts at once share one store.  References: numpy (or the closed form) for the values,
+the store's own counts for what it did."""
 
 from __future__ import annotations
 
@@ -98,3 +99,40 @@ def test_a_read_only_store_is_read_not_thrown_away(tmp_path, monkeypatch, caplog
     out = store.jit(lambda x: x - 2, name="g")(jnp.arange(3.0))  # a new program: compiled, not stored
     np.testing.assert_array_equal(np.asarray(out), np.arange(3.0) - 2)
     assert store.counts["compiled"] == 1 and store.counts["stored"] == 0
+
+
+CONCURRENT = r"""
+import json, sys
+import jax.numpy as jnp
+from d3d_jax.decoding.programs import ProgramStore
+store = ProgramStore(sys.argv[1], {"test": "concurrent"})
+outs = []
+for k in range(4):
+    prog = store.jit(lambda x, k=k: x * (k + 2), name=f"p{k}")
+    outs.append(prog(jnp.arange(3.0)).tolist())
+print(json.dumps(dict(outs=outs, counts=store.counts)))
+"""
+
+
+def test_two_starts_at_the_same_moment_share_one_store(tmp_path):
+    """Two servers started together on one cache directory: both start, and a third reads every
+    program they wrote (atomic writes, no torn entry)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    env = dict(os.environ, PYTHONPATH=str(root), JAX_PLATFORMS="cpu")
+    run = lambda: subprocess.Popen([sys.executable, "-c", CONCURRENT, str(tmp_path)],  # noqa: E731
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    expect = [[float(v) * (k + 2) for v in range(3)] for k in range(4)]
+    procs = [run(), run()]
+    for p in procs:
+        out, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err[-3000:]
+        assert json.loads(out.strip().splitlines()[-1])["outs"] == expect
+    third = run()
+    out, err = third.communicate(timeout=300)
+    result = json.loads(out.strip().splitlines()[-1])
+    assert result["outs"] == expect and result["counts"]["compiled"] == 0 and result["counts"]["damaged"] == 0, result
