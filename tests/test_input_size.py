@@ -124,3 +124,23 @@ def test_a_huge_regeneration_prompt_is_skipped_before_it_is_tokenized(monkeypatc
     assert max(rendered) < 1000, "the 10 MB prompt was tokenized"
     (line, why), = summary.skipped
     assert line == 1 and "characters" in why and "100 tokens" in why
+
+
+def test_a_config_file_past_its_size_is_refused_unread(tmp_path, monkeypatch):
+    from d3d_jax.config import base
+
+    monkeypatch.setattr(base, "MAX_YAML_BYTES", 1000)
+    path = tmp_path / "big.yaml"
+    path.write_text("train:\n  out_dir: " + "x" * 2000 + "\n")
+    with pytest.raises(ConfigError, match="a config file is at most 1,000"):
+        read_yaml(path)
+
+
+@pytest.mark.parametrize("text, words", [("[1, 2]", "top level must be an object"), ("{bad", "not valid JSON"),
+                                         ("[" * 100_000 + "]" * 100_000, "not valid JSON")])
+def test_a_malformed_config_json_is_one_clear_error(tmp_path, text, words):
+    from d3d_jax.config.model import load_model_config
+
+    (tmp_path / "config.json").write_text(text)
+    with pytest.raises(ConfigError, match=words):  # was: AttributeError / JSONDecodeError tracebacks
+        load_model_config(tmp_path)

@@ -184,11 +184,13 @@ def test_health_fails_while_every_step_fails_and_recovers(tokenizer, monkeypatch
     s = FakeServer(tokenizer, mode="sync")
     try:
         real = s.dec.step
-        monkeypatch.setattr(s.dec, "step", lambda: (_ for _ in ()).throw(IsADirectoryError("programs/x")))
-        status, _ = s.raw("POST", "/v1/completions", dict(LONG, max_tokens=4))
-        assert status == 500
+        damaged = IsADirectoryError(21, "Is a directory", "/srv/cache/programs/x")
+        monkeypatch.setattr(s.dec, "step", lambda: (_ for _ in ()).throw(damaged))
+        status, out = s.raw("POST", "/v1/completions", dict(LONG, max_tokens=4))
+        assert status == 500 and "Is a directory" in out["error"]["message"]
+        assert "/srv/cache" not in out["error"]["message"], out  # the server's paths stay its own
         status, body = s.raw("GET", "/health")
-        assert status == 503 and "decoder step failed" in body["status"] and "programs/x" not in body["status"]
+        assert status == 503 and "decoder step failed" in body["status"] and "/srv" not in body["status"]
         monkeypatch.setattr(s.dec, "step", real)
         assert s.raw("POST", "/v1/completions", dict(LONG, max_tokens=4))[0] == 200
         assert s.raw("GET", "/health")[0] == 200

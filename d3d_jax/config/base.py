@@ -328,6 +328,7 @@ def _deep_merge(base: dict, extra: Mapping) -> dict:
 
 
 MAX_YAML_VALUES = 1_000_000  # scalars + containers of a config once its aliases are expanded
+MAX_YAML_BYTES = 16 << 20  # a config file; the repository's largest is a few KB
 MAX_INCLUDE_DEPTH = 16
 
 
@@ -396,6 +397,8 @@ def read_yaml(path: str | os.PathLike, _chain: tuple = ()) -> dict:
         raise ConfigError(f"{path}: include: makes a cycle ({names})")
     if len(_chain) >= MAX_INCLUDE_DEPTH:
         raise ConfigError(f"{path}: includes nest deeper than {MAX_INCLUDE_DEPTH} files")
+    if path.is_file() and path.stat().st_size > MAX_YAML_BYTES:
+        raise ConfigError(f"{path}: {path.stat().st_size:,} bytes; a config file is at most {MAX_YAML_BYTES:,}")
     try:
         with open(path, encoding="utf-8") as f:
             data = yaml.load(f, Loader=_UniqueKeyLoader) or {}

@@ -273,8 +273,14 @@ def load_model_config(path_or_name: str | os.PathLike, overrides: Sequence[str] 
         if not p.exists():
             raise ConfigError(f"{path_or_name}: no config.json in this directory")
     if p.suffix == ".json":
-        with open(p) as f:
-            cfg = ModelConfig.from_hf_dict(json.load(f))
+        try:
+            with open(p, "rb") as f:
+                hf = json.loads(f.read().decode("utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+            raise ConfigError(f"{p}: not valid JSON ({str(e)[:200]})") from None
+        if not isinstance(hf, dict):  # was: AttributeError on a list
+            raise ConfigError(f"{p}: top level must be an object")
+        cfg = ModelConfig.from_hf_dict(hf)
         if overrides:  # key=value on top of an HF config, converted and checked like YAML ones
             cfg = build_dataclass(ModelConfig, _deep_merge(dataclasses.asdict(cfg), parse_overrides(overrides)))
             cfg.validate()

@@ -193,8 +193,10 @@ class Scheduler:
         except Exception as e:  # noqa: BLE001 - reported to every request in the batch
             log.exception("decoder step failed")
             self.step_error = f"decoder step failed: {type(e).__name__}"
+            # an OSError's text, not its path: the server's files are not the client's business
+            detail = e.strerror if isinstance(e, OSError) and e.strerror else str(e)[:300]
             for slot in list(self._active):
-                self._finish(slot, "error", error=f"decoder step failed: {type(e).__name__}: {e}")
+                self._finish(slot, "error", error=f"decoder step failed: {type(e).__name__}: {detail}")
             return True
         self.step_error = None
         self._deliver(outs, time.perf_counter() - t0)
