@@ -265,13 +265,13 @@ def _majority_models():
     for m in (target, drafter):
         m.embed_tokens.embedding[...] = eye
         m.lm_head.kernel[...] = eye
-        m.layers[0].mlp.down_proj.kernel[...] = 0.0
-    target.layers[0].self_attn.o_proj.kernel[...] = 0.0
-    attn = drafter.layers[0].self_attn
+        m.layers.mlp.down_proj.kernel[...] = 0.0
+    target.layers.self_attn.o_proj.kernel[...] = 0.0
+    attn = drafter.layers.self_attn  # stacked: [1, ...] (one layer)
     attn.q_proj.kernel[...] = 0.0
     attn.k_proj.kernel[...] = 0.0
-    attn.v_proj.kernel[...] = (eye * VOTE)[:, None, :]
-    attn.o_proj.kernel[...] = eye[None]
+    attn.v_proj.kernel[...] = (eye * VOTE)[None, :, None, :]
+    attn.o_proj.kernel[...] = eye[None, None]
     drafter.embed_tokens.embedding[...] = eye * (np.arange(V16) < V16 - 1)[:, None]
     return target, drafter
 

@@ -58,11 +58,11 @@ def test_param_checkpoint_restores_onto_mesh_with_dtype(tmp_path):
     save_params(model, tmp_path / "ckpt")
     mesh = make_mesh(MeshConfig(fsdp=4, tensor=2))
     loaded = load_model(tmp_path / "ckpt", mesh=mesh, dtype="bfloat16")
-    q = loaded.layers[0].self_attn.q_proj.kernel[...]
+    q = loaded.layers.self_attn.q_proj.kernel[...]  # [l, d, n, h]
     assert q.dtype == jnp.bfloat16 and loaded.config.param_dtype == "bfloat16"
-    assert q.sharding.mesh.shape == mesh.shape and tuple(q.sharding.spec)[:2] == ("fsdp", "tensor")
+    assert q.sharding.mesh.shape == mesh.shape and tuple(q.sharding.spec)[:3] == (None, "fsdp", "tensor")
     np.testing.assert_allclose(np.asarray(q, np.float32),
-                               np.asarray(model.layers[0].self_attn.q_proj.kernel[...]), rtol=1e-2)
+                               np.asarray(model.layers.self_attn.q_proj.kernel[...]), rtol=1e-2)
 
 
 def test_load_model_reads_hf_directories_too(tmp_path):

@@ -150,7 +150,7 @@ def test_real_qwen3_shapes_have_the_published_sizes(name):
     # layers are identical: count a one-layer model's parameters and scale the layer part
     one = nnx.to_pure_dict(nnx.state(abstract_model(dataclasses.replace(cfg, num_layers=1)), nnx.Param))
     size = lambda tree: sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(tree))
-    total = size(one) + (cfg.num_layers - 1) * size(one["layers"][0])
+    total = size(one) + (cfg.num_layers - 1) * size(one["layers"])
     embedding = cfg.vocab_size * cfg.hidden_size * (1 if cfg.tie_word_embeddings else 2)
     published = PUBLISHED_NON_EMBEDDING[name]
     digits = 2 if published < 1e9 or published == 6.95e9 else 1  # as printed on the cards

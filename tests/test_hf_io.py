@@ -190,8 +190,8 @@ def test_export_refuses_non_finite_weights(tmp_path):
     from d3d_jax.io.checkpoint import save_params
 
     model = init_model(TIED, seed=0)
-    w = model.layers[1].mlp.up_proj.kernel
-    w[...] = w[...].at[3, 5].set(jnp.nan).at[0, 0].set(jnp.inf)
+    w = model.layers.mlp.up_proj.kernel  # stacked: layer 1's rows
+    w[...] = w[...].at[1, 3, 5].set(jnp.nan).at[1, 0, 0].set(jnp.inf)
     for save in (save_qwen3, save_params):
         with pytest.raises(NonFiniteError, match=r"not exported: parameter layers.1.mlp.up_proj.kernel has 2 "
                                                  r"NaN/inf values of 2048"):

@@ -78,7 +78,7 @@ def test_sharded_steps_equal_single_device(corpus, tmp_path):
         if name != "one":
             specs = {str(s.spec) for s in jax.tree.leaves(tr.state_sharding["params"])}
             assert any("fsdp" in s for s in specs) and any("tensor" in s for s in specs), specs
-            assert len(tr.state["params"]["layers"][0]["mlp"]["gate_proj"]["kernel"].sharding.device_set) == 8
+            assert len(tr.state["params"]["layers"]["mlp"]["gate_proj"]["kernel"].sharding.device_set) == 8
         tr.close()
     print("losses:", runs)
     assert runs["one"][0] > runs["one"][-1]
@@ -216,7 +216,7 @@ def test_init_from_hf_dir_with_fp32_master_bf16_compute(corpus, tmp_path):
     m = tr.model()
     assert m.config.dtype == "bfloat16" and m.config.param_dtype == "float32"
     # the loaded model's layers run the configured backend (they kept the stored one before)
-    assert [layer.self_attn.cfg.attention_backend for layer in m.layers] == ["pallas_interpret"]
+    assert m.layers.self_attn.cfg.attention_backend == "pallas_interpret"
     assert m.config.gradient_checkpointing and m.config.mask_token_id == 3 and m.config.block_size == 16
     want = nnx.to_pure_dict(nnx.state(src, nnx.Param))
     got = nnx.to_pure_dict(nnx.state(m, nnx.Param))

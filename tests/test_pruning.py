@@ -16,7 +16,7 @@ from flax import nnx
 from d3d_jax.config import ModelConfig
 from d3d_jax.model.kv_cache import init_cache
 from d3d_jax.model.masks import block_meta, causal_meta, default_meta
-from d3d_jax.model.qwen3 import init_model, remove_layers
+from d3d_jax.model.qwen3 import init_model, layer_at, per_layer, remove_layers, stacked
 from d3d_jax.training import data as data_lib
 from d3d_jax.training import prune_run, pruning
 
@@ -77,9 +77,9 @@ def test_margin_eta_equals_brute_force_and_meets_margin():
 # ---------------------------------------------------------------------------------------
 def _forward_skipping(model, tokens, meta, skip):
     x = model.embed(tokens)
-    for i, layer in enumerate(model.layers):
+    for i in range(model.config.num_layers):
         if i != skip:
-            x, _, _ = layer(x, meta, None)
+            x, _, _ = layer_at(model, i)(x, meta, None)
     return model.logits(model.norm(x))
 
 
@@ -248,8 +248,8 @@ def test_shortgpt_block_influence_matches_explicit_cosine():
     meta = data_lib.batch_meta(dev)
     x = model.embed(jnp.asarray(dev["tokens"]))
     valid = np.asarray(dev["valid"])
-    for l, layer in enumerate(model.layers):
-        y, _, _ = layer(x, meta, None)
+    for l in range(model.config.num_layers):
+        y, _, _ = layer_at(model, l)(x, meta, None)
         a, c = np.asarray(x, np.float64)[valid], np.asarray(y, np.float64)[valid]
         cos = (a * c).sum(-1) / np.linalg.norm(a, axis=-1) / np.linalg.norm(c, axis=-1)
         assert bi[l] == pytest.approx(1 - cos.mean(), abs=1e-5)
@@ -268,7 +268,7 @@ def _context_mean_drafter(cfg: ModelConfig, seed: int):
     itself it is rejected early in a response and accepted fully later: mixed acceptance."""
     model = init_model(cfg, seed)
     d = cfg.hidden_size
-    pure = nnx.to_pure_dict(nnx.state(model))
+    pure = per_layer(nnx.to_pure_dict(nnx.state(model)))
     pure["embed_tokens"]["embedding"] = pure["embed_tokens"]["embedding"].at[cfg.mask_token_id].set(0.0)
     for layer in pure["layers"].values():
         attn = layer["self_attn"]
@@ -278,7 +278,7 @@ def _context_mean_drafter(cfg: ModelConfig, seed: int):
         attn["o_proj"]["kernel"] = jnp.eye(d).reshape(cfg.num_heads, cfg.head_dim, d)
         layer["mlp"]["down_proj"]["kernel"] = jnp.zeros_like(layer["mlp"]["down_proj"]["kernel"])
     state = nnx.state(model)
-    nnx.replace_by_pure_dict(state, pure)
+    nnx.replace_by_pure_dict(state, stacked(pure))
     nnx.update(model, state)
     return model
 
@@ -467,16 +467,17 @@ def _table_tau(remaining: frozenset) -> float:
 
 def _scaled_residual_drafter():
     model = init_model(dataclasses.replace(TINY, num_layers=len(_SCALE)), seed=6)
-    for layer, s in zip(model.layers, _SCALE):
-        for lin in (layer.self_attn.o_proj, layer.mlp.down_proj):
-            lin.kernel[...] = lin.kernel[...] * s
+    scale = jnp.asarray(_SCALE, jnp.float32)
+    for lin in (model.layers.self_attn.o_proj, model.layers.mlp.down_proj):
+        w = lin.kernel[...]
+        lin.kernel[...] = w * scale.reshape((-1,) + (1,) * (w.ndim - 1))
     return model
 
 
 def _original_layers(model, fingerprints) -> frozenset:
     """Which original layers a (pruned) model holds, identified by their q_proj weights."""
     found = [next(i for i, f in enumerate(fingerprints)
-                  if np.array_equal(np.asarray(l.self_attn.q_proj.kernel[...]), f)) for l in model.layers]
+                  if np.array_equal(np.asarray(q), f)) for q in model.layers.self_attn.q_proj.kernel[...]]
     assert len(set(found)) == len(found)
     return frozenset(found)
 
@@ -485,7 +486,7 @@ def _known_order_drafter():
     """The scaled-residual drafter, a dev batch for ShortGPT's similarities, and τ from the table
     of its layers (found by their weights, whatever the pruning left)."""
     model = _scaled_residual_drafter()
-    fingerprints = [np.asarray(l.self_attn.q_proj.kernel[...]) for l in model.layers]
+    fingerprints = list(np.asarray(model.layers.self_attn.q_proj.kernel[...]))
     rng = np.random.default_rng(5)
     seqs = [[int(t) for t in rng.integers(0, 63, 14)] for _ in range(2)]
     dev = pruning.pack_dev_rows(seqs, [3, 3], [[2, 5], [4]], 4, 63, 16)

@@ -170,7 +170,7 @@ def test_remove_layers_equals_transformers_without_that_layer(checkpoints):
     hf_model, path = checkpoints["untied_mqa_old_rope"]  # 3 layers
     model = load_qwen3(path)
     pruned = remove_layers(model, [1])
-    assert pruned.config.num_layers == 2 and len(pruned.layers) == 2
+    assert pruned.config.num_layers == 2 and pruned.layers.mlp.up_proj.kernel.shape[0] == 2
 
     reference = make_hf_model(2, **dict(CONFIGS["untied_mqa_old_rope"]))
     reference.load_state_dict(hf_model.state_dict())
@@ -210,10 +210,10 @@ def test_load_onto_fsdp4_tensor2_mesh_matches_transformers(checkpoints):
     hf_model, path = checkpoints["untied_sharded"]  # 6 heads, 3 kv heads, hidden 48
     mesh = make_mesh(MeshConfig(fsdp=4, tensor=2))
     model = load_qwen3(path, mesh=mesh)
-    attn = model.layers[0].self_attn
-    assert attn.q_proj.kernel[...].sharding.spec == jax.sharding.PartitionSpec("fsdp", "tensor", None)
+    attn = model.layers.self_attn  # stacked: the layer axis first, never sharded
+    assert attn.q_proj.kernel[...].sharding.spec == jax.sharding.PartitionSpec(None, "fsdp", "tensor", None)
     # 3 kv heads do not split over tensor=2: that axis stays replicated instead of failing
-    assert attn.k_proj.kernel[...].sharding.spec == jax.sharding.PartitionSpec("fsdp", None, None)
+    assert attn.k_proj.kernel[...].sharding.spec == jax.sharding.PartitionSpec(None, "fsdp", None, None)
     tokens = np.random.default_rng(4).integers(0, 128, (4, 12))
     with use_mesh(mesh):
         out = nnx.jit(lambda m, t: m(t))(model, jnp.asarray(tokens))
@@ -266,11 +266,11 @@ def test_cache_span_and_logits_start_match_transformers(checkpoints):
 # ---- gradients -----------------------------------------------------------------------------
 def test_gradients_match_transformers(checkpoints, name="untied_mqa_old_rope"):
     """Every parameter's gradient of a next-token loss against torch autograd on the HF model
-    (3 layers, full remat): the per-layer gradient fences (identity forward, a barrier in the
-    backward), the LM head's and the remat change no value."""
+    (3 layers, full remat): the layer scan, the LM head's gradient fence (identity forward, a
+    barrier in the backward) and the remat change no value."""
     import dataclasses
 
-    from d3d_jax.io.hf import _get_path, tensor_mappings
+    from d3d_jax.io.hf import _get_path, stacked_path, tensor_mappings
     from d3d_jax.model.qwen3 import set_config
 
     hf_model, path = checkpoints[name]
@@ -291,6 +291,8 @@ def test_gradients_match_transformers(checkpoints, name="untied_mqa_old_rope"):
     ref = dict(hf_model.named_parameters())
     for m in tensor_mappings(model.config):
         want = ref[m.hf_name].grad.numpy()
-        got = m.to_hf(np.asarray(_get_path(grads, m.ours)))
+        path, layer = stacked_path(m.ours)
+        got = np.asarray(_get_path(grads, path))
+        got = m.to_hf(got[layer] if layer >= 0 else got)
         assert np.abs(want).max() > 1e-6, m.hf_name  # not vacuous
         assert np.abs(got - want).max() <= 1e-4 * max(1.0, np.abs(want).max()), m.hf_name

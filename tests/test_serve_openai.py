@@ -30,11 +30,9 @@ TEXTS = ["To be, or not to be", "Once upon a time", "def main():", "O Romeo, Rom
 
 
 def _randomized(model, seed: int, std: float):
-    graphdef, state = nnx.split(model)
-    leaves, tree = jax.tree.flatten(state)
-    keys = jax.random.split(jax.random.key(seed), len(leaves))
-    leaves = [x if x.ndim == 1 else std * jax.random.normal(k, x.shape, x.dtype) for k, x in zip(keys, leaves)]
-    return nnx.merge(graphdef, jax.tree.unflatten(tree, leaves))
+    from tiny_models import randomized
+
+    return randomized(model, seed, std)
 
 
 class Servers:

@@ -38,8 +38,8 @@ def test_fsdp4_tensor2_forward_equals_unsharded():
 
     mesh = make_mesh(MeshConfig(fsdp=4, tensor=2))
     model = shard_model(init_model(CFG, seed=2), mesh)
-    q = model.layers[0].self_attn.q_proj.kernel[...]
-    assert q.sharding.spec == P("fsdp", "tensor", None)  # [d, n, h]: d over fsdp, heads over tensor
+    q = model.layers.self_attn.q_proj.kernel[...]
+    assert q.sharding.spec == P(None, "fsdp", "tensor", None)  # [l, d, n, h]: d over fsdp, heads over tensor
     assert len({s.device for s in q.addressable_shards}) == 8
     assert model.lm_head.kernel[...].sharding.spec == P("fsdp", "tensor")
 
@@ -116,19 +116,23 @@ def _train_model_config(name: str, devices: int) -> ModelConfig:
 def test_every_parameter_declares_logical_axes_that_fit_its_shape(name, devices):
     """Every parameter of the shipped configs (abstract: no weights) carries logical axes, one per
     dimension, and each named dimension has the size of the config field it stands for."""
-    from d3d_jax.io.hf import tensor_mappings
+    from d3d_jax.io.hf import stacked_path, tensor_mappings
     from d3d_jax.model.qwen3 import abstract_model
     from d3d_jax.parallel.sharding import logical_axes
 
     mc = _train_model_config(name, devices)
     model = abstract_model(mc)
     axes = logical_axes(model)  # raises on a parameter without an annotation
-    # every parameter the HF layout knows (an independent list of them) is annotated, nothing else
-    expected = {tuple(str(k) for k in m.ours): m.ours_shape for m in tensor_mappings(mc)}
+    # every parameter the HF layout knows (an independent list of them) is annotated, nothing else;
+    # a layer's parameters are stacked on a leading layer axis
+    expected = {}
+    for m in tensor_mappings(mc):
+        path, layer = stacked_path(m.ours)
+        expected[tuple(str(k) for k in path)] = ((mc.num_layers,) if layer >= 0 else ()) + m.ours_shape
     assert set(axes) == set(expected)
     sizes = {"embed": {mc.hidden_size}, "heads": {mc.num_heads}, "kv_heads": {mc.num_kv_heads},
              "head_dim": {mc.head_dim}, "mlp": {mc.intermediate_size}, "vocab": {mc.vocab_size},
-             "norm": {mc.hidden_size, mc.head_dim}}
+             "norm": {mc.hidden_size, mc.head_dim}, "layers": {mc.num_layers}}
     for path, names in axes.items():
         assert len(names) == len(expected[path]), path
         for n, size in zip(names, expected[path]):
@@ -154,9 +158,9 @@ def test_a_parameter_without_logical_axes_is_an_error():
     with pytest.raises(ValueError, match="extra: a rank-2 leaf that belongs to no parameter"):
         tree_shardings({"extra": jnp.ones((8, 8))}, logical_axes(model), mesh)
     # optimiser-style trees find their parameter by path; scalars stay replicated
-    tree = {"mu": {"layers": {0: {"mlp": {"gate_proj": {"kernel": jnp.ones((32, 64))}}}}}, "count": jnp.int32(0)}
+    tree = {"mu": {"layers": {"mlp": {"gate_proj": {"kernel": jnp.ones((2, 32, 64))}}}}, "count": jnp.int32(0)}
     sh = tree_shardings(tree, logical_axes(model), mesh)
-    assert sh["mu"]["layers"][0]["mlp"]["gate_proj"]["kernel"].spec == P("fsdp", "tensor")
+    assert sh["mu"]["layers"]["mlp"]["gate_proj"]["kernel"].spec == P(None, "fsdp", "tensor")
     assert sh["count"].spec == P()
     assert state_shardings(nnx.state(model), mesh)["embed_tokens"]["embedding"].get_value().spec == P("tensor", "fsdp")
     with pytest.raises(ValueError, match="logical axis 'embd' has no sharding rule"):

@@ -21,10 +21,11 @@ def randomized(model, seed: int, std: float):
     """Every matrix redrawn at ``std`` (norm scales kept): the default 0.02 init makes a tiny
     model repeat one token, which would hide ordering bugs."""
     graphdef, state = nnx.split(model)
-    leaves, tree = jax.tree.flatten(state)
-    keys = jax.random.split(jax.random.key(seed), len(leaves))
-    leaves = [x if x.ndim == 1 else std * jax.random.normal(k, x.shape, x.dtype)
-              for k, x in zip(keys, leaves)]
+    paths, tree = jax.tree.flatten_with_path(state)
+    keys = jax.random.split(jax.random.key(seed), len(paths))
+    is_norm = lambda path: "scale" in str(path[-2:])  # noqa: E731  (RMSNorm scales, stacked or not)
+    leaves = [x if is_norm(path) else std * jax.random.normal(k, x.shape, x.dtype)
+              for k, (path, x) in zip(keys, paths)]
     return nnx.merge(graphdef, jax.tree.unflatten(tree, leaves))
 
 

@@ -38,7 +38,9 @@ from d3d_jax.parallel.sharding import logical_axes, tree_shardings
 
 MASK_TOKEN = "<|MASK|>"
 
-PurePath = tuple  # a path into nnx.to_pure_dict, e.g. ("layers", 0, "self_attn", "q_proj", "kernel")
+# a parameter's path as a mapping names it, e.g. ("layers", 0, "self_attn", "q_proj", "kernel"): layer 0's
+# rows of the stacked ("layers", "self_attn", "q_proj", "kernel") (:func:`stacked_path`)
+PurePath = tuple
 
 
 # --------------------------------------------------------------------------------------
@@ -191,35 +193,59 @@ def build_from_tensors(cfg: ModelConfig, tensors: Any, mesh: Mesh | None = None,
     pure = nnx.to_pure_dict(state)
     place = _placer(mesh, rules, state)
     pdt = np.dtype(jnp.dtype(cfg.param_dtype))
-    for m in tensor_mappings(cfg):
+    mappings = tensor_mappings(cfg)
+    for m in mappings:  # every name and shape checked before anything is read
         if m.hf_name not in tensors:
             raise ModelFileError(f"{source}: tensor {m.hf_name} is missing from the checkpoint")
         got = tuple(tensors.shape(m.hf_name))
         if got != m.hf_shape:
             raise ModelFileError(f"{source}: tensor {m.hf_name} has shape {got}, but config.json implies "
                                  f"{m.hf_shape}")
+    layers: dict[PurePath, list[np.ndarray]] = {}  # a stacked leaf's layers, placed once all are read
+    for m in sorted(mappings, key=lambda m: stacked_path(m.ours)):
         arr = np.asarray(m.to_ours(tensors.get(m.hf_name))).astype(pdt)
-        expected = _get_path(pure, m.ours)
-        assert tuple(expected.shape) == arr.shape, (m.ours, expected.shape, arr.shape)
-        _set_path(pure, m.ours, place(m.ours, arr))
+        path, _ = stacked_path(m.ours)
+        if path[0] == "layers":
+            layers.setdefault(path, []).append(arr)
+            if len(layers[path]) < cfg.num_layers:
+                continue
+            arr = np.stack(layers.pop(path))
+        expected = _get_path(pure, path)
+        assert tuple(expected.shape) == arr.shape, (path, expected.shape, arr.shape)
+        _set_path(pure, path, place(path, arr))
     nnx.replace_by_pure_dict(state, pure)
     return nnx.merge(graphdef, state)
+
+
+def stacked_path(ours: PurePath) -> tuple[PurePath, int]:
+    """``(path in the stacked parameter tree, layer)`` of a mapping's ``("layers", i, ...)`` path
+    (layer -1 for the parameters outside the layer stack)."""
+    if ours[0] == "layers":
+        return ("layers",) + tuple(ours[2:]), int(ours[1])
+    return tuple(ours), -1
 
 
 # --------------------------------------------------------------------------------------
 # Export
 # --------------------------------------------------------------------------------------
 def check_finite_params(model: Qwen3, dest: str | os.PathLike) -> None:
-    """Refuse to export NaN / inf weights (:class:`NonFiniteError` naming the first bad tensor)."""
+    """Refuse to export NaN / inf weights (:class:`NonFiniteError` naming the first bad tensor,
+    a stacked layer parameter by its layer: ``layers.1.mlp.up_proj.kernel``)."""
     pure = nnx.to_pure_dict(nnx.state(model, nnx.Param))
     leaves = jax.tree_util.tree_flatten_with_path(pure)[0]
-    finite = jax.device_get([jnp.all(jnp.isfinite(x)) for _, x in leaves])
-    for (path, x), ok in zip(leaves, finite):
-        if not ok:
-            name = ".".join(str(getattr(p, "key", getattr(p, "idx", p))) for p in path)
-            count = int(jnp.sum(~jnp.isfinite(x)))
-            raise NonFiniteError(f"{dest}: not exported: parameter {name} has {count} NaN/inf values "
-                                 f"of {x.size}")
+    names = [tuple(str(getattr(p, "key", getattr(p, "idx", p))) for p in path) for path, _ in leaves]
+    # per layer for the stacked leaves: [L] flags, else one flag
+    finite = jax.device_get([jnp.all(jnp.isfinite(x), axis=tuple(range(1, x.ndim))) if n[0] == "layers"
+                             else jnp.all(jnp.isfinite(x)) for n, (_, x) in zip(names, leaves)])
+    for name, (_, x), ok in zip(names, leaves, finite):
+        for layer, fine in enumerate(np.atleast_1d(ok)):
+            if fine:
+                continue
+            part = x[layer] if name[0] == "layers" else x
+            full = ".".join(name[:1] + ((str(layer),) if name[0] == "layers" else ()) + name[1:])
+            count = int(jnp.sum(~jnp.isfinite(part)))
+            raise NonFiniteError(f"{dest}: not exported: parameter {full} has {count} NaN/inf values "
+                                 f"of {part.size}")
 
 
 def hf_tensors(model: Qwen3, dtype: str | None = None) -> Iterator[tuple[str, np.ndarray]]:
@@ -228,7 +254,9 @@ def hf_tensors(model: Qwen3, dtype: str | None = None) -> Iterator[tuple[str, np
     pure = nnx.to_pure_dict(nnx.state(model, nnx.Param))
     ndt = np.dtype(jnp.dtype(dtype or cfg.param_dtype))
     for m in tensor_mappings(cfg):
-        x = np.asarray(jax.device_get(_get_path(pure, m.ours)))
+        path, layer = stacked_path(m.ours)
+        x = _get_path(pure, path)
+        x = np.asarray(jax.device_get(x[layer] if layer >= 0 else x))
         yield m.hf_name, np.ascontiguousarray(m.to_hf(x).astype(ndt))
 
 

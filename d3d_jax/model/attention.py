@@ -51,20 +51,40 @@ class CacheLayer:
     """The first ``span`` slots of layer ``layer`` of a stacked KV cache, as an attention prefix.
 
     The fused kernel reads them in place from the whole ``[L, B, S_max, K, H]`` arrays; a slice
-    (what the other backends take) would be a copy of the span per layer and call.
+    (what the other backends take) would be a copy of the span per layer and call.  ``layer`` is
+    data (an int32 scalar, the layer scan's step), so one program serves every layer.
     """
 
     k_lbskh: jax.Array
     v_lbskh: jax.Array
     meta: TokenMeta  # of the span's slots, [B, span]
-    layer: int = dataclasses.field(metadata=dict(static=True))
+    layer: jax.Array  # [] int32
 
     def segment(self) -> Segment:
         span = self.meta.shape[1]
-        return self.k_lbskh[self.layer, :, :span], self.v_lbskh[self.layer, :, :span], self.meta
+        k = jax.lax.dynamic_index_in_dim(self.k_lbskh, self.layer, 0, keepdims=False)
+        v = jax.lax.dynamic_index_in_dim(self.v_lbskh, self.layer, 0, keepdims=False)
+        return k[:, :span], v[:, :span], self.meta
 
 
-Prefix = Union[Segment, CacheLayer]
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class CacheSpans:
+    """A :class:`CacheLayer` at one of several static spans (one key metadata each), picked on the
+    device by ``index``: :func:`attend` switches over the spans, and only the attention is in
+    each branch (see :class:`~d3d_jax.model.kv_cache.SpanChoice`)."""
+
+    k_lbskh: jax.Array
+    v_lbskh: jax.Array
+    metas: tuple[TokenMeta, ...]  # [B, span] per span, smallest first
+    index: jax.Array  # [] int32
+    layer: jax.Array  # [] int32
+
+    def at(self, j: int) -> CacheLayer:
+        return CacheLayer(self.k_lbskh, self.v_lbskh, self.metas[j], self.layer)
+
+
+Prefix = Union[Segment, CacheLayer, CacheSpans]
 
 
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, q_meta: TokenMeta, k_meta: TokenMeta, *,
@@ -78,6 +98,10 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, q_meta: TokenMeta, k_meta: 
     ``(k, v, meta)`` tuple or a :class:`CacheLayer`.  ``tiles`` are the
     fused kernel's largest (query, key) tiles (powers of two >= 16; shorter inputs get smaller).
     """
+    if isinstance(prefix, CacheSpans):
+        branches = [lambda q, k, v, j=j: attend(q, k, v, q_meta, k_meta, backend=backend, prefix=prefix.at(j),
+                                                tiles=tiles) for j in range(len(prefix.metas))]
+        return jax.lax.switch(prefix.index, branches, q, k, v)
     if backend in ("pallas", "pallas_interpret"):
         run = functools.partial(_pallas, platform=kernel_platform(backend), tiles=tiles)
         return _per_shard(run, q, q_meta, (k, v, k_meta), prefix)
@@ -190,7 +214,7 @@ def _per_shard(fn, q: jax.Array, q_meta: TokenMeta, own: Segment, prefix: Prefix
     seg_spec = (kv_spec, kv_spec, meta_spec)
     if isinstance(prefix, CacheLayer):
         cache_spec = P(None, rows, None, kv_heads, None)
-        prefix_spec = CacheLayer(cache_spec, cache_spec, meta_spec, prefix.layer)
+        prefix_spec = CacheLayer(cache_spec, cache_spec, meta_spec, P())
     else:
         prefix_spec = None if prefix is None else seg_spec
         prefix = None if prefix is None else tuple(prefix)

@@ -202,9 +202,9 @@ def flash_attention(q, k, v, q_meta: TokenMeta, k_meta: TokenMeta, *, platform: 
     return out[:, :t], lse[:, :, :t]
 
 
-def flash_decode_cache(q, k_lbskh, v_lbskh, layer: int, q_meta: TokenMeta, k_meta: TokenMeta, *,
+def flash_decode_cache(q, k_lbskh, v_lbskh, layer, q_meta: TokenMeta, k_meta: TokenMeta, *,
                        platform: str, out_dtype=None, block_k: int = 64) -> tuple[jax.Array, jax.Array]:
-    """``(out, lse)`` of ``q`` over layer ``layer`` of a stacked cache ``[L, B, S_max, K, H]``,
+    """``(out, lse)`` of ``q`` over layer ``layer`` (int32 scalar) of a stacked cache ``[L, B, S_max, K, H]``,
     read in place: only the ``S = k_meta.shape[1]`` first slots, no slice copy (forward only)."""
     out_dtype = jnp.dtype(out_dtype or q.dtype)
     qctx, qbid = encode_queries(q_meta)

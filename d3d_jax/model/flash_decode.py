@@ -8,8 +8,9 @@ query tile) too few CTAs, each re-reading its kv head's whole cache.  Here inste
 * a row tile's live key tiles (the same compacted list as the training kernel's) are split
   evenly across ``splits`` CTAs (``split_count``: enough for every SM of the GPU), each writing
   a float32 partial output and its log-sum-exp, merged in XLA by log-sum-exp;
-* the cache is read in place: K/V may be the whole stacked cache ``[L, B, S_max, K, H]`` with a
-  static layer index (no slice copy), rows and a ragged last key tile are masked loads (no pad).
+* the cache is read in place: K/V may be the whole stacked cache ``[L, B, S_max, K, H]`` with the
+  layer index as data (the layer scan's step; no slice copy), rows and a ragged last key tile are
+  masked loads (no pad).
 
 Forward only; :func:`~d3d_jax.model.flash_attention.flash_attention` (``decode=True``) wraps it
 with the training kernels' backward for inputs that need gradients.
@@ -56,7 +57,7 @@ def _store_rows(ref, x, start, rows):
     plgpu.store(ref.at[pl.ds(start, x.shape[0])], x, mask=inside if x.ndim == 1 else inside[:, None])
 
 
-def _decode_kernel(tiles_ref, count_ref, q_ref, k_ref, v_ref, qctx_ref, qbid_ref, kpos_ref, kbid_ref,
+def _decode_kernel(tiles_ref, count_ref, layer_ref, q_ref, k_ref, v_ref, qctx_ref, qbid_ref, kpos_ref, kbid_ref,
                    o_ref, lse_ref, *, br, bk, rows, s_len, splits):
     r0 = pl.program_id(2) * br
     q = _masked_rows(q_ref, r0, br, rows)
@@ -65,6 +66,8 @@ def _decode_kernel(tiles_ref, count_ref, q_ref, k_ref, v_ref, qctx_ref, qbid_ref
     count = count_ref[...]
     per = (count + splits - 1) // splits  # this row tile's live tiles, spread over the splits
     lo = pl.program_id(3) * per
+    layer = layer_ref[0]
+    k_ref, v_ref = k_ref.at[layer], v_ref.at[layer]
 
     def body(j, carry):
         k, v, kpos, kbid = fk._key_tile((k_ref, v_ref, kpos_ref, kbid_ref), tiles_ref[j] * bk, bk, s_len)
@@ -75,12 +78,12 @@ def _decode_kernel(tiles_ref, count_ref, q_ref, k_ref, v_ref, qctx_ref, qbid_ref
     _store_rows(lse_ref, lse.reshape(br), r0, rows)
 
 
-def decode_partials(q_bmrh, k, v, layer: int, qctx, qbid, kpos, kbid, tiles, count, *, br: int, bk: int,
+def decode_partials(q_bmrh, k, v, layer, qctx, qbid, kpos, kbid, tiles, count, *, br: int, bk: int,
                     splits: int, interpret: bool):
     """``(out [B, K, P, R, H] f32, lse [B, K, P, R])`` of stacked rows over split key ranges.
 
-    ``k``/``v`` are ``[L, B, S_max, K, H]`` (layer ``layer`` is read); the keys' metadata covers
-    the first ``S <= S_max`` slots, and only those are read.
+    ``k``/``v`` are ``[L, B, S_max, K, H]`` (layer ``layer``, an int32 scalar, is read); the
+    keys' metadata covers the first ``S <= S_max`` slots, and only those are read.
     """
     b, kh, rows, h = q_bmrh.shape
     s, s_max = kpos.shape[1], k.shape[2]
@@ -89,11 +92,12 @@ def decode_partials(q_bmrh, k, v, layer: int, qctx, qbid, kpos, kbid, tiles, cou
     nr, nk = pl.cdiv(rows, br), tiles.shape[-1]
     kernel = functools.partial(_decode_kernel, br=br, bk=bk, rows=rows, splits=splits,
                                s_len=s if s % bk else None)
-    kv = pl.BlockSpec((None, None, s_max, None, h), lambda b, m, r, p: (layer, b, 0, m, 0))
+    kv = pl.BlockSpec((k.shape[0], None, s_max, None, h), lambda b, m, r, p: (0, b, 0, m, 0))
     row_meta = pl.BlockSpec((None, rows), lambda b, m, r, p: (b, 0))
     key_meta = pl.BlockSpec((None, s), lambda b, m, r, p: (b, 0))
     in_specs = [pl.BlockSpec((None, None, nk), lambda b, m, r, p: (b, r, 0)),
                 pl.BlockSpec((None, None), lambda b, m, r, p: (b, r)),
+                pl.BlockSpec((1,), lambda b, m, r, p: (0,)),
                 pl.BlockSpec((None, None, rows, h), lambda b, m, r, p: (b, m, 0, 0)),
                 kv, kv, row_meta, row_meta, key_meta, key_meta]
     out_specs = [pl.BlockSpec((None, None, None, rows, h), lambda b, m, r, p: (b, m, p, 0, 0)),
@@ -107,7 +111,8 @@ def decode_partials(q_bmrh, k, v, layer: int, qctx, qbid, kpos, kbid, tiles, cou
         params = plgpu.CompilerParams(num_warps=DECODE_WARPS, num_stages=fk.GPU_STAGES)
     return pl.pallas_call(kernel, grid=(b, kh, nr, splits), in_specs=in_specs, out_specs=out_specs,
                           out_shape=out_shape, interpret=interpret, compiler_params=params,
-                          name="d3d_flash_decode")(tiles, count, q_bmrh, k, v, qctx, qbid, kpos, kbid)
+                          name="d3d_flash_decode")(tiles, count, jnp.reshape(layer, (1,)).astype(jnp.int32), q_bmrh, k, v, qctx, qbid,
+                                                kpos, kbid)
 
 
 def merge_splits(out, lse):
@@ -119,7 +124,7 @@ def merge_splits(out, lse):
     return merged, jnp.where(m > fk.NEG / 2, m + jnp.log(total), fk.NEG)
 
 
-def decode_forward(q, k, v, layer: int, qctx, qbid, kpos, kbid, vis_fn, *, block_k: int, out_dtype,
+def decode_forward(q, k, v, layer, qctx, qbid, kpos, kbid, vis_fn, *, block_k: int, out_dtype,
                    interpret: bool, sms: int = GPU_SMS):
     """``(out [B,T,N,H], lse [B,N,T])`` with the group's heads stacked into rows and keys split.
 

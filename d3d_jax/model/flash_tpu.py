@@ -77,27 +77,30 @@ def _fwd_kernel(tiles_ref, count_ref, q_ref, k_ref, v_ref, qctx_ref, qbid_ref, k
 
 
 def _forward_call(q, k, v, layer, qctx, qbid, kpos, kbid, tiles, count, *, bq, bk, h, out_dtype, interpret):
-    """``q [B,T,N*H]``; ``k``/``v`` ``[B,S,K*H]`` (layer None) or ``[L,B,S,K*H]``."""
+    """``q [B,T,N*H]``; ``k``/``v`` ``[B,S,K*H]`` (layer None) or ``[L,B,S,K*H]`` with ``layer`` an
+    int32 scalar (a third scalar prefetch, so the layer scan's step picks the cache layer)."""
     b, t, nh = q.shape
     n, kh = nh // h, k.shape[-1] // h
     g, nk = n // kh, tiles.shape[-1]
     lead = () if layer is None else (None,)
-    at = (lambda *ix: ix) if layer is None else (lambda *ix: (layer, *ix))
-    kv = pl.BlockSpec((*lead, None, bk, h), lambda b, n, i, j, tl, c: at(b, tl[b, i, j], n // g))
-    krow = pl.BlockSpec((None, 1, bk), lambda b, n, i, j, tl, c: (b, 0, tl[b, i, j]))
-    qcol = pl.BlockSpec((None, bq, 1), lambda b, n, i, j, tl, c: (b, i, 0))
-    q_tile = pl.BlockSpec((None, bq, h), lambda b, n, i, j, tl, c: (b, i, n))
+    at = (lambda ix, pre: ix) if layer is None else (lambda ix, pre: (pre[2][0], *ix))
+    kv = pl.BlockSpec((*lead, None, bk, h), lambda b, n, i, j, *pre: at((b, pre[0][b, i, j], n // g), pre))
+    krow = pl.BlockSpec((None, 1, bk), lambda b, n, i, j, *pre: (b, 0, pre[0][b, i, j]))
+    qcol = pl.BlockSpec((None, bq, 1), lambda b, n, i, j, *pre: (b, i, 0))
+    q_tile = pl.BlockSpec((None, bq, h), lambda b, n, i, j, *pre: (b, i, n))
+    prefetch = (tiles, count) if layer is None else (tiles, count, jnp.reshape(layer, (1,)).astype(jnp.int32))
+    kernel = _fwd_kernel if layer is None else (lambda tl, c, _layer, *refs: _fwd_kernel(tl, c, *refs))
     spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=2, grid=(b, n, t // bq, nk),
+        num_scalar_prefetch=len(prefetch), grid=(b, n, t // bq, nk),
         in_specs=[q_tile, kv, kv, qcol, qcol, krow, krow],
-        out_specs=[q_tile, pl.BlockSpec((None, None, bq, 1), lambda b, n, i, j, tl, c: (b, n, i, 0))],
+        out_specs=[q_tile, pl.BlockSpec((None, None, bq, 1), lambda b, n, i, j, *pre: (b, n, i, 0))],
         scratch_shapes=[pltpu.VMEM((bq, h), jnp.float32), pltpu.VMEM((bq, 1), jnp.float32),
                         pltpu.VMEM((bq, 1), jnp.float32)])
     out, lse = pl.pallas_call(
-        _fwd_kernel, grid_spec=spec, name="d3d_flash_fwd",
+        kernel, grid_spec=spec, name="d3d_flash_fwd",
         out_shape=[jax.ShapeDtypeStruct((b, t, nh), out_dtype), jax.ShapeDtypeStruct((b, n, t, 1), jnp.float32)],
         **_call_kw(interpret, "parallel", "parallel", "parallel", "arbitrary"),
-    )(tiles, count, q, k, v, _col(qctx), _col(qbid), _row(kpos), _row(kbid))
+    )(*prefetch, q, k, v, _col(qctx), _col(qbid), _row(kpos), _row(kbid))
     return out, lse[..., 0]
 
 

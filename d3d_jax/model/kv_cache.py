@@ -163,22 +163,32 @@ def span_buckets(cache_len: int, min_span: int = MIN_SPAN) -> tuple[int, ...]:
     return tuple(spans) + (cache_len,)
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class SpanChoice:
+    """The smallest of ``spans`` (static buckets) that holds every valid cache slot, picked on the
+    device by ``index``: a model given it as ``cache_span`` switches its attention alone."""
+
+    index: jax.Array  # [] int32 into spans
+    spans: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
+
+    @staticmethod
+    def of(needed: jax.Array, cache_len: int) -> "SpanChoice | int":
+        spans = span_buckets(cache_len)
+        if len(spans) == 1:
+            return spans[0]
+        index = jnp.searchsorted(jnp.asarray(spans, jnp.int32), jnp.asarray(needed, jnp.int32))
+        return SpanChoice(jnp.minimum(index, len(spans) - 1).astype(jnp.int32), spans)
+
+
 def call_with_span(fn, needed: jax.Array, cache: KVCache, *operands):
-    """``fn(span, cache, *operands) -> (out, PendingWrite)`` with the smallest bucketed
-    ``span >= needed`` (a traced scalar); returns ``(out, write)``: apply the write outside any
-    ``lax.switch``.
+    """``fn(span, cache, *operands) -> (out, PendingWrite)`` with ``span`` a :class:`SpanChoice`
+    of the smallest bucketed span ``>= needed`` (a traced scalar), for the model's ``cache_span``.
 
     Attention over a fixed-length cache otherwise costs every slot every step (at 576 slots and
-    ~200 committed tokens most of the work is masked out).  One ``lax.switch`` branch per bucket:
-    shapes stay static, compile time grows with the number of buckets (log2 of cache_len/128).
-    Writes are applied by the caller after the switch: inside a branch XLA copies the cache first.
+    ~200 committed tokens most of the work is masked out).  Only the attention over the cache
+    switches between buckets (inside the layer scan): the projections, MLP and head are in the
+    program once, whatever the number of buckets.  Fused kernels visit only live key tiles, so
+    they take the whole cache and no switch at all.
     """
-    spans = span_buckets(cache.max_len)
-    if len(spans) == 1:
-        out, write = fn(spans[0], cache, *operands)
-    else:
-        index = jnp.searchsorted(jnp.asarray(spans, jnp.int32), jnp.asarray(needed, jnp.int32))
-        index = jnp.minimum(index, len(spans) - 1)
-        out, write = jax.lax.switch(index, [lambda *ops, sp=sp: fn(sp, *ops) for sp in spans],
-                                    cache, *operands)
-    return out, write
+    return fn(SpanChoice.of(needed, cache.max_len), cache, *operands)

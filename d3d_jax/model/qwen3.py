@@ -17,6 +17,12 @@ f mlp, v vocab): ``q_proj.kernel [d,n,h]``, ``k_proj/v_proj.kernel [d,k,h]``,
 ``lm_head.kernel [d,v]`` (absent when tied).  Each parameter carries those axes by their logical
 names (``embed``, ``heads``, ``kv_heads``, ``head_dim``, ``mlp``, ``vocab``, ``norm``) in its
 ``out_sharding`` metadata; ``parallel.sharding`` maps them onto a mesh.
+
+The decoder layers are one :class:`DecoderLayer` whose parameters are stacked on a leading
+``layers`` axis (``model.layers.mlp.up_proj.kernel [L,d,f]``), run by one ``lax.scan`` with
+the KV cache's layer axis indexed by the scan step: every program holds the layer once, so
+compile time does not grow with depth (MaxText's ``scan_layers``).  :func:`per_layer` and
+:func:`stacked` convert a pure dict between that layout and ``{"layers": {i: ...}}``.
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ from flax import nnx
 
 from d3d_jax.config import ModelConfig
 from d3d_jax.model import kv_cache as kvc
-from d3d_jax.model.attention import CacheLayer, attend
+from d3d_jax.model.attention import CacheLayer, CacheSpans, attend
 from d3d_jax.model.flash_attention import save_flash_forward
 from d3d_jax.model.masks import TokenMeta, cache_key_meta, default_meta
 from d3d_jax.model.rope import frequencies as rope_frequencies
@@ -148,10 +154,6 @@ class DecoderLayer(nnx.Module):
         return shard(x, ("batch", "length", "act_embed")), k, v
 
 
-def _layer_forward(layer, x, meta, prefix):
-    return layer(x, meta, prefix)
-
-
 @jax.custom_vjp
 def grad_fence(params, x):
     """Identity on ``(params, x)``; in the backward, ``x``'s cotangent is released only once
@@ -160,7 +162,8 @@ def grad_fence(params, x):
     Without it XLA may defer every weight-gradient matmul to the end of the backward: nothing but
     the optimiser reads them, so on a TPU pod (whose scheduler only minds the HBM limit) the
     inputs of those matmuls (~7 activations per layer) stayed live for all layers at once, 0.35
-    GiB per layer and chip for the D3D-8B step.  A scanned layer stack bounds this by itself.
+    GiB per layer and chip for the D3D-8B step.  The scanned layer stack bounds this by itself
+    (a scan's backward finishes each step's gradients before the next), so only the head is fenced.
     """
     return params, x
 
@@ -174,13 +177,6 @@ def _grad_fence_bwd(_, cts):
 
 
 grad_fence.defvjp(_grad_fence_fwd, _grad_fence_bwd)
-
-
-def _fenced_layer(layer: nnx.Module, x: jax.Array) -> tuple[nnx.Module, jax.Array]:
-    """``layer`` (a copy) and ``x`` through :func:`grad_fence`."""
-    graphdef, state = nnx.split(layer)
-    state, x = grad_fence(state, x)
-    return nnx.merge(graphdef, state), x
 
 
 def remat_policy(name: str):
@@ -206,7 +202,7 @@ class Qwen3(nnx.Module):
         pd = jnp.dtype(config.param_dtype)
         self.embed_tokens = nnx.Module()
         self.embed_tokens.embedding = _param(rngs, (config.vocab_size, config.hidden_size), pd, ("vocab", "embed"))
-        self.layers = nnx.List([DecoderLayer(config, rngs) for _ in range(config.num_layers)])
+        self.layers = stack_layers([DecoderLayer(config, rngs) for _ in range(config.num_layers)])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, pd)
         if not config.tie_word_embeddings:
             self.lm_head = nnx.Module()
@@ -229,6 +225,41 @@ class Qwen3(nnx.Module):
         out = jnp.einsum("btd,dv->btv", x_btd, w, preferred_element_type=jnp.float32)
         return shard(out, ("batch", "length", "act_vocab"))
 
+    def _run_layers(self, x, meta: TokenMeta, prefix_of, keep_each: bool):
+        """Every layer by one ``lax.scan`` over the stacked parameters; ``prefix_of(i)`` is layer
+        ``i``'s cache prefix (None without a cache).
+
+        Returns ``(x, new_k [L,B,T,K,H], new_v, each layer's output [L,B,T,D] | None)``.
+        """
+        graphdef, params = nnx.split(self.layers)
+        remat = self.config.layer_remat
+
+        def body(x, step):
+            layer_params, i = step
+            layer = nnx.merge(graphdef, layer_params)
+            x, k, v = layer(x, meta, prefix_of(i))
+            return x, (k, v, x if keep_each else None)
+
+        if remat != "none":
+            body = jax.checkpoint(body, prevent_cse=False, policy=remat_policy(remat))
+        steps = (params, jnp.arange(self.config.num_layers, dtype=jnp.int32))
+        x, (new_k, new_v, each) = jax.lax.scan(body, x, steps)
+        return x, new_k, new_v, each
+
+    def _cache_prefix(self, cache, cache_span):
+        """``i -> `` layer ``i``'s attention prefix: the whole stacked cache and the layer index
+        (a fused kernel reads the span in place), at one span or a device-chosen one of several."""
+        if isinstance(cache_span, kvc.SpanChoice) and self.config.attention_backend != "xla":
+            cache_span = max(cache_span.spans)  # the kernels skip dead key tiles themselves
+        spans = cache_span.spans if isinstance(cache_span, kvc.SpanChoice) else (
+            cache.max_len if cache_span is None else int(cache_span),)
+        if not 0 < max(spans) <= cache.max_len:
+            raise ValueError(f"cache_span {cache_span} must be in [1, cache length {cache.max_len}]")
+        metas = tuple(cache_key_meta(cache.lengths, s) for s in spans)
+        if len(spans) == 1:
+            return lambda i: CacheLayer(cache.k_lbskh, cache.v_lbskh, metas[0], i)
+        return lambda i: CacheSpans(cache.k_lbskh, cache.v_lbskh, metas, cache_span.index, i)
+
     def __call__(self, tokens_bt: jax.Array, meta: TokenMeta | None = None,
                  cache: kvc.KVCache | None = None, keep: jax.Array | None = None, *,
                  return_hidden_states: bool = False, logits_start: int = 0,
@@ -242,7 +273,9 @@ class Qwen3(nnx.Module):
         vocabulary projection is a large share of a small model's work.
         ``cache_span`` (static) attends only to cache slots ``< cache_span``; the caller promises
         every valid slot lies there (lengths <= cache_span).  Attention over a fixed-length cache
-        otherwise costs the whole cache per step; writes still go to the full cache.
+        otherwise costs the whole cache per step; writes still go to the full cache.  A
+        :class:`~d3d_jax.model.kv_cache.SpanChoice` picks one of several spans on the device (the
+        attention alone switches; a fused-kernel backend, which skips dead tiles, takes the largest).
         ``defer_cache_write`` returns a :class:`~d3d_jax.model.kv_cache.PendingWrite` instead of
         the new cache (apply it with ``write.apply(cache)``): inside a ``lax.switch`` branch an
         in-place cache write would make XLA copy the whole cache first.
@@ -253,33 +286,14 @@ class Qwen3(nnx.Module):
             meta = default_meta(b, t)
         x = self.embed(tokens_bt)
         hidden = [x]
-        cache_meta = None
-        new_k, new_v = [], []
-        span = None
+        prefix_of = lambda i: None  # noqa: E731
         if cache is not None:
-            span = cache.max_len if cache_span is None else int(cache_span)
-            if not 0 < span <= cache.max_len:
-                raise ValueError(f"cache_span {cache_span} must be in [1, cache length {cache.max_len}]")
-            cache_meta = cache_key_meta(cache.lengths, span)
+            prefix_of = self._cache_prefix(cache, cache_span)
             if keep is None:
                 keep = (meta.block_ids < 0) & meta.valid
-        fwd = _layer_forward
-        if self.config.layer_remat != "none":
-            fwd = nnx.remat(_layer_forward, prevent_cse=True, policy=remat_policy(self.config.layer_remat))
-        layers = list(self.layers)
-        for i, layer in enumerate(layers):
-            # the whole stacked cache and the layer: a fused kernel reads the span in place
-            prefix = None if cache is None else CacheLayer(cache.k_lbskh, cache.v_lbskh, cache_meta, i)
-            if cache is None and i + 1 < len(layers):
-                # the backward of layer i-1 waits for layer i+1's weight gradients (one layer of
-                # slack, so their reduce-scatter still overlaps layer i's backward)
-                layers[i + 1], x = _fenced_layer(layers[i + 1], x)
-            x, k, v = fwd(layer, x, meta, prefix)
-            if cache is not None:
-                new_k.append(k)
-                new_v.append(v)
-            if return_hidden_states:
-                hidden.append(x)
+        x, new_k, new_v, per_layer_x = self._run_layers(x, meta, prefix_of, return_hidden_states)
+        if return_hidden_states:
+            hidden += list(per_layer_x)
         if not 0 <= logits_start < t:
             raise ValueError(f"logits_start {logits_start} must be in [0, {t})")
         head = None
@@ -288,7 +302,7 @@ class Qwen3(nnx.Module):
         logits = self.logits(self.norm(x[:, logits_start:] if logits_start else x), head)
         outs: tuple = (logits,)
         if cache is not None:
-            write = kvc.PendingWrite(jnp.stack(new_k), jnp.stack(new_v), meta.positions, keep)
+            write = kvc.PendingWrite(new_k, new_v, meta.positions, keep)
             outs += (write if defer_cache_write else write.apply(cache),)
         if return_hidden_states:
             outs += (hidden,)
@@ -298,13 +312,12 @@ class Qwen3(nnx.Module):
 def set_config(model: Qwen3, cfg: ModelConfig) -> Qwen3:
     """Give ``model`` a config that differs in runtime fields only (attention backend, remat, dtype).
 
-    Each attention layer keeps its own reference to the config: assigning ``model.config`` alone
-    left the layers on the old attention backend.  Not validated here, so a CPU host can set up a
+    The (stacked) attention layer keeps its own reference to the config: assigning
+    ``model.config`` alone left it on the old attention backend.  Not validated here, so a CPU host can set up a
     GPU backend for a compile-only program (``infer/bench.py compile``).
     """
     model.config = cfg
-    for layer in model.layers:
-        layer.self_attn.cfg = cfg
+    model.layers.self_attn.cfg = cfg
     return model
 
 
@@ -328,15 +341,49 @@ def remove_layers(model: Qwen3, layers: Sequence[int]) -> Qwen3:
         raise ValueError("remove_layers: cannot remove every layer")
     keep = [i for i in range(n) if i not in drop]
     new_cfg = dataclasses.replace(model.config, num_layers=len(keep))
-    graphdef, state = nnx.split(model)
+    pure = nnx.to_pure_dict(nnx.state(model))
+    rows = jnp.asarray(keep, jnp.int32)
+    pure["layers"] = jax.tree.map(lambda x: jnp.take(x, rows, axis=0), pure["layers"])
     new_model = abstract_model(new_cfg)
     new_state = nnx.state(new_model)
-    old = nnx.to_pure_dict(state)
-    pure = nnx.to_pure_dict(new_state)
-    for k in pure:
-        if k != "layers":
-            pure[k] = old[k]
-    pure["layers"] = {j: old["layers"][i] for j, i in enumerate(keep)}
     nnx.replace_by_pure_dict(new_state, pure)
     nnx.update(new_model, new_state)
     return new_model
+
+
+def stack_layers(layers: Sequence[nnx.Module]) -> nnx.Module:
+    """One module like ``layers[0]`` whose parameters stack every layer's on a leading axis
+    (logical name ``layers``, never sharded)."""
+    graphdef, first = nnx.split(layers[0])
+    states = [first] + [nnx.state(layer) for layer in layers[1:]]
+
+    def stack(*variables):
+        values = jnp.stack([v[...] for v in variables])
+        axes = variables[0].get_metadata().get("out_sharding")
+        return annotated(values, ("layers",) + tuple(axes)) if axes is not None else nnx.Param(values)
+
+    is_var = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
+    return nnx.merge(graphdef, jax.tree.map(stack, *states, is_leaf=is_var))
+
+
+def layer_at(model: Qwen3, i: int) -> DecoderLayer:
+    """Layer ``i`` as a module of its own (a copy of its rows: editing it leaves ``model`` as it is)."""
+    graphdef, state = nnx.split(model.layers)
+    return nnx.merge(graphdef, jax.tree.map(lambda x: x[i], state))
+
+
+def per_layer(pure: dict) -> dict:
+    """A pure parameter dict with ``layers`` as ``{i: layer i's dict}`` (host or device arrays)."""
+    stacked_layers = pure["layers"]
+    n = len(jax.tree.leaves(stacked_layers)[0])
+    out = dict(pure)
+    out["layers"] = {i: jax.tree.map(lambda x: x[i], stacked_layers) for i in range(n)}
+    return out
+
+
+def stacked(pure: dict) -> dict:
+    """The inverse of :func:`per_layer`."""
+    layers = pure["layers"]
+    out = dict(pure)
+    out["layers"] = jax.tree.map(lambda *xs: jnp.stack(xs), *(layers[i] for i in sorted(layers)))
+    return out
