@@ -75,6 +75,9 @@ def test_an_include_cycle_is_one_clear_error(tmp_path):
     (tmp_path / "b.yaml").write_text("include: a.yaml\n")
     with pytest.raises(ConfigError, match=r"a.yaml -> .*b.yaml -> .*a.yaml"):
         read_yaml(tmp_path / "a.yaml")
+    (tmp_path / "e.yaml").write_text("include: 5\n")
+    with pytest.raises(ConfigError, match=r"include: must be a file name or a list of them, got 5"):
+        read_yaml(tmp_path / "e.yaml")  # was: TypeError
     (tmp_path / "c.yaml").write_text("include: [d.yaml, d.yaml]\n")  # the same file twice is no cycle
     (tmp_path / "d.yaml").write_text("train:\n  steps: 3\n")
     assert read_yaml(tmp_path / "c.yaml") == {"train": {"steps": 3}}

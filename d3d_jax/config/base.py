@@ -416,6 +416,8 @@ def read_yaml(path: str | os.PathLike, _chain: tuple = ()) -> dict:
     includes = data.pop("include", []) or []
     if isinstance(includes, str):
         includes = [includes]
+    if not isinstance(includes, list) or not all(isinstance(i, str) for i in includes):
+        raise ConfigError(f"{path}: include: must be a file name or a list of them, got {_short(includes)}")
     merged: dict = {}
     for inc in includes:
         inc_path = path.parent / inc
