@@ -19,14 +19,18 @@ def tiny_configs(vocab: int, mask: int) -> tuple[ModelConfig, ModelConfig]:
 
 def randomized(model, seed: int, std: float):
     """Every matrix redrawn at ``std`` (norm scales kept): the default 0.02 init makes a tiny
-    model repeat one token, which would hide ordering bugs."""
+    model repeat one token, which would hide ordering bugs.  Drawn layer by layer (the stacked
+    layout unstacked), so the weights are those of the unstacked model the tests were written on."""
+    from d3d_jax.model.qwen3 import per_layer, stacked
+
     graphdef, state = nnx.split(model)
-    paths, tree = jax.tree.flatten_with_path(state)
-    keys = jax.random.split(jax.random.key(seed), len(paths))
-    is_norm = lambda path: "scale" in str(path[-2:])  # noqa: E731  (RMSNorm scales, stacked or not)
-    leaves = [x if is_norm(path) else std * jax.random.normal(k, x.shape, x.dtype)
-              for k, (path, x) in zip(keys, paths)]
-    return nnx.merge(graphdef, jax.tree.unflatten(tree, leaves))
+    pure = per_layer(nnx.to_pure_dict(state))
+    leaves, tree = jax.tree.flatten(pure)
+    keys = jax.random.split(jax.random.key(seed), len(leaves))
+    leaves = [x if x.ndim == 1 else std * jax.random.normal(k, x.shape, x.dtype)
+              for k, x in zip(keys, leaves)]
+    nnx.replace_by_pure_dict(state, stacked(jax.tree.unflatten(tree, leaves)))
+    return nnx.merge(graphdef, state)
 
 
 def tiny_pair(vocab: int, mask: int):
