@@ -16,14 +16,17 @@ from d3d_jax.decoding.verify import SamplingParams
 AUTO_SYNC_BLOCKS = (4, 8, 16)  # auto: sync block sizes b (<= block_size; the drafter trains at 16)
 AUTO_ASYNC_GEOMETRIES = ((4, 2), (12, 2))  # auto: async (C, F) menu
 MIN_PROMPT_BUCKET = 16
+# Each bucket is a prefill branch in the admission program: growing by 4 rather than 2 halves
+# them (and its compile time) for at most 4x padding of a short prompt's prefill.
+PROMPT_BUCKET_GROWTH = 4
 
 
 def prompt_buckets(cap: int) -> tuple[int, ...]:
-    """The one rule for prompt-length buckets: 16, 32, 64 … (powers of two), the last ``cap``."""
+    """The one rule for prompt-length buckets: 16, 64, 256 … (powers of four), the last ``cap``."""
     out, n = [], MIN_PROMPT_BUCKET
     while n < cap:
         out.append(n)
-        n *= 2
+        n *= PROMPT_BUCKET_GROWTH
     return tuple(out) + (int(cap),)
 
 
