@@ -78,6 +78,9 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                    help="extra DecoderConfig field (repeatable), e.g. --option row_buckets=[1,4]")
     flag("--json", key="generate.json", action="store_true", help="one JSON object per prompt")
+    from d3d_jax import compile_cache
+
+    compile_cache.add_flag(p)
     flag("--show-special-tokens", key="generate.show_special_tokens", action="store_true",
          help="keep special tokens (EOS, <|im_end|>...) in the text; by default they are "
               "skipped, as the server, OpenAI, vLLM and transformers' skip_special_tokens do")
@@ -264,9 +267,11 @@ def _print(cfg, outs, tokenizer) -> None:
             print(f"--- [{i}] {o.finish_reason}, {len(o.token_ids)} tokens, tau {o.metrics['tau']:.2f}")
             print(text if text is not None else " ".join(map(str, o.token_ids)))
     summary = engine.summarize_outputs(outs)
+    compile_s = summary.get("compile_s") or 0.0  # tracing, lowering and compiling: not in tokens_per_s
     print(json.dumps({"summary": summary}) if g.json else
           f"=== {summary['requests']} prompts, {summary['num_tokens']} tokens, tau {summary['tau']:.2f}, "
-          f"{summary['tokens_per_s']:.1f} tokens/s", file=sys.stderr)
+          f"{summary['tokens_per_s']:.1f} tokens/s decoding (compile excluded); compile {compile_s:.2f} s",
+          file=sys.stderr)
 
 
 def main(argv=None):
@@ -276,7 +281,11 @@ def main(argv=None):
     from d3d_jax.io.hf import has_tokenizer, load_tokenizer
     from d3d_jax.io.pairing import check_pairing
 
+    from d3d_jax import compile_cache
+    from d3d_jax.bench.clock import CompileClock
+
     g, m = cfg.generate, cfg.models
+    programs = compile_cache.enable(args.compile_cache)  # before anything compiles
     target = load_model(m.target, dtype=m.dtype)
     vocab = target.config.vocab_size
     tok_path = Path(m.tokenizer) if m.tokenizer else Path(m.target)
@@ -294,7 +303,7 @@ def main(argv=None):
         cache_len = engine.cache_len_for(prompts, g.max_new_tokens, settings.block_size, settings.max_cache_len)
         dec = engine.make_decoder(target, drafter, mode=settings.mode, num_slots=settings.num_slots,
                                   max_cache_len=cache_len, block_size=settings.block_size, mask_token_id=mask,
-                                  **options)
+                                  program_dir=programs, **options)
         timer = None
         if loop == "host" and settings.mode in ("plain", "sync"):
             from d3d_jax.bench.clock import PhaseTimer
@@ -302,7 +311,7 @@ def main(argv=None):
             timer = PhaseTimer()
         outs = engine.generate(dec, prompts, sampling=engine.SamplingParams(g.temperature, g.top_p, g.top_k),
                                max_new_tokens=g.max_new_tokens, eos_token_ids=eos,
-                               stop_token_ids=list(g.stop_ids), seed=g.seed, timer=timer)
+                               stop_token_ids=list(g.stop_ids), seed=g.seed, timer=timer, clock=CompileClock)
     except UsageError:
         raise
     except ValueError as e:  # the engine checks its arguments with ValueError

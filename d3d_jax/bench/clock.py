@@ -1,6 +1,7 @@
 """Timing helpers for decode benchmarks: compile time to leave out, and phase timers.
 
-JAX reports every trace, lowering and backend compile as a time span (``jax.monitoring``).
+JAX reports every trace, lowering and backend compile as a time span (``jax.monitoring``), and
+the program store every executable it reads from disk.
 :class:`CompileClock` adds up the union of those spans while it is open (it listens only then:
 nothing is registered at import); a caller subtracts it from its wall time.
 :class:`PhaseTimer` is what ``engine.generate(timer=...)`` times drafting and verifying with.
@@ -16,7 +17,8 @@ import jax
 
 _EVENTS = ("/jax/core/compile/jaxpr_trace_duration",
            "/jax/core/compile/jaxpr_to_mlir_module_duration",
-           "/jax/core/compile/backend_compile_duration")
+           "/jax/core/compile/backend_compile_duration",
+           "/d3d_jax/programs/load")  # a program read from the store instead of compiled
 
 
 class CompileClock:

@@ -9,7 +9,6 @@ describe the same thing, checked once at load.
 from __future__ import annotations
 
 import dataclasses
-import os
 
 from d3d_jax.config.base import TEXT, _require, between
 from d3d_jax.config.decoding import DecoderSettings, ModelPaths
@@ -21,11 +20,10 @@ LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
 
 def default_compile_cache() -> str:
-    """``$D3D_COMPILE_CACHE``, else ``$XDG_CACHE_HOME/d3d_jax/xla`` (default ``~/.cache/d3d_jax/xla``)."""
-    if os.environ.get("D3D_COMPILE_CACHE"):
-        return os.environ["D3D_COMPILE_CACHE"]
-    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(root, "d3d_jax", "xla")
+    """The cache every command shares (:func:`d3d_jax.compile_cache.default_dir`)."""
+    from d3d_jax.compile_cache import default_dir
+
+    return default_dir()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -39,12 +39,13 @@ class GenerationOutput:
 
 def make_decoder(target, drafter=None, *, mode: str = "plain", num_slots: int = 1,
                  max_cache_len: int, block_size: int = DEFAULT_BLOCK_SIZE, mask_token_id: int | None = None,
-                 **fields) -> SpecDecoder:
+                 program_dir: str | None = None, **fields) -> SpecDecoder:
     """A decoder for :func:`generate`.  ``drafter`` (modes other than plain): a Qwen3 drafter (its
     ``mask_token_id`` from the argument or its config) or any
     :class:`~d3d_jax.decoding.drafting.Drafter`.  ``fields``: more
     :class:`~d3d_jax.decoding.decoder_config.DecoderConfig` fields (``branch_positions``,
-    ``sample_drafts``, ``acceptance_rule``, ...; None takes the default)."""
+    ``sample_drafts``, ``acceptance_rule``, ...; None takes the default).  ``program_dir``: keep
+    the compiled programs there across processes (:mod:`d3d_jax.compile_cache`)."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {'|'.join(MODES)}, got {mode!r}")
     if mode == "plain" and drafter is not None:
@@ -59,7 +60,7 @@ def make_decoder(target, drafter=None, *, mode: str = "plain", num_slots: int = 
         raise ValueError(f"unknown decoder options: {unknown} (DecoderConfig fields: {sorted(known)})")
     cfg = decoder_config(mode, num_slots=int(num_slots), max_cache_len=int(max_cache_len),
                          block_size=int(block_size), **fields)
-    return SpecDecoder(target, drafter, cfg)
+    return SpecDecoder(target, drafter, cfg, program_dir=program_dir)
 
 
 def _round_up(x: int, m: int) -> int:

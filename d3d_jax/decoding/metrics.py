@@ -100,7 +100,7 @@ def summarize(per_request: Iterable[Mapping], total_wall_s: float | None = None)
         "wall_s": float(total_wall_s),
         "tokens_per_s": float(tokens / total_wall_s) if total_wall_s else float("nan"),
     }
-    for key in ("draft_s", "verify_s"):  # per batch, like the wall time
+    for key in ("draft_s", "verify_s", "compile_s"):  # per batch, like the wall time (compile: apart from it)
         vals = {r.get("batch_index", 0): r[key] for r in reqs if r.get(key) is not None}
         out[key] = float(sum(vals.values())) if vals else None
     return out

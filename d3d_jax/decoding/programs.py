@@ -34,6 +34,7 @@ import logging
 import os
 import pickle
 import threading
+import time
 import zlib
 from pathlib import Path
 from typing import Any, Callable, Mapping
@@ -45,6 +46,7 @@ log = logging.getLogger("d3d_jax.programs")
 
 FORMAT = 1  # bump when an entry's layout changes
 SUFFIX = ".xprog"
+LOAD_EVENT = "/d3d_jax/programs/load"
 KEEP_SALTS = 8  # salt directories kept (the most recently used); older ones are removed
 
 
@@ -235,6 +237,7 @@ class ProgramStore:
         if not owner:
             done.wait()
             return self._by_text.get(key_text)
+        start = time.time()
         try:
             path = self._path(name, key_text)
             entry = entry or self._read(path)
@@ -251,6 +254,8 @@ class ProgramStore:
             with self._lock:
                 self._reading.pop(key_text, None)
             done.set()
+            # as JAX reports a compile: a caller's CompileClock keeps it out of decode time
+            jax.monitoring.record_event_time_span(LOAD_EVENT, start, time.time(), fun_name=name)
 
     def _keep(self, key_text: str, compiled) -> None:
         with self._lock:

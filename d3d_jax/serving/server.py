@@ -283,14 +283,10 @@ def warmup_in_background(svc, prompt_lengths, max_tokens: int | None = None,
 def enable_compile_cache(path: str | None) -> None:
     """Persistent XLA compilation cache: every program compiled once is loaded from ``path``
     on the next start (JAX keys entries by program, backend and flags)."""
-    if not path or path.lower() == "none":
-        return
-    import jax
+    from d3d_jax import compile_cache
 
-    os.makedirs(path, exist_ok=True)
-    jax.config.update("jax_compilation_cache_dir", path)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    if not compile_cache.is_off(path):
+        compile_cache.enable(path)  # the one cache every command shares (size-bounded, locked)
 
 
 def _http_protocol():

@@ -1,0 +1,67 @@
+"""The per-user compile cache every command shares, so nothing is compiled twice by default.
+
+``enable(path)`` points JAX's persistent compilation cache at ``path`` (each compiled program
+is kept, keyed by its HLO, backend and flags) and returns ``path/programs`` for a decoder's
+:class:`~d3d_jax.decoding.programs.ProgramStore` (executables keyed without tracing, so a warm
+start neither traces nor lowers).  ``path`` defaults to ``$D3D_COMPILE_CACHE``, else
+``$XDG_CACHE_HOME/d3d_jax/xla`` (``~/.cache/d3d_jax/xla``); ``off`` (or ``none``) disables both.
+The server (``--compile-cache``), ``infer/generate.py``, ``infer/bench.py`` and training share it.
+
+Safe under concurrent use: the cache is size-bounded (``$D3D_COMPILE_CACHE_MAX_GB``, default
+16), which makes JAX read and write its entries under a file lock and evict the least recently
+used; the program store writes atomically.
+"""
+
+from __future__ import annotations
+
+import os
+
+OFF = ("off", "none", "")
+DEFAULT_MAX_GB = 16.0
+
+
+def default_dir() -> str:
+    """``$D3D_COMPILE_CACHE``, else ``$XDG_CACHE_HOME/d3d_jax/xla`` (default ``~/.cache/d3d_jax/xla``)."""
+    if os.environ.get("D3D_COMPILE_CACHE"):
+        return os.environ["D3D_COMPILE_CACHE"]
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(root, "d3d_jax", "xla")
+
+
+def is_off(path: str | None) -> bool:
+    return path is None or str(path).strip().lower() in OFF
+
+
+def program_dir(path: str | None) -> str | None:
+    """The program store's directory in the cache, or None when the cache is off."""
+    return None if is_off(path) else os.path.join(path, "programs")
+
+
+def add_flag(parser, default: str | None = None) -> None:
+    """``--compile-cache DIR|off`` on a command's parser."""
+    parser.add_argument("--compile-cache", default=default, metavar="DIR|off",
+                        help="keep compiled programs across runs here (default: $D3D_COMPILE_CACHE, else "
+                             "$XDG_CACHE_HOME/d3d_jax/xla, i.e. ~/.cache/d3d_jax/xla); 'off' disables")
+
+
+def enable(path: str | None = None) -> str | None:
+    """Turn the persistent cache on at ``path`` (None: :func:`default_dir`); returns the program
+    store's directory, or None when ``path`` is ``off``.  Call it before anything compiles."""
+    path = default_dir() if path is None else path
+    if is_off(path):
+        return None
+    import jax
+
+    from d3d_jax.errors import UsageError
+
+    xla = os.path.abspath(os.path.expanduser(path))
+    try:
+        os.makedirs(xla, exist_ok=True)
+    except OSError as e:
+        raise UsageError(f"--compile-cache {path}: cannot create it ({e.strerror or e})") from None
+    max_gb = float(os.environ.get("D3D_COMPILE_CACHE_MAX_GB", DEFAULT_MAX_GB))
+    jax.config.update("jax_compilation_cache_dir", xla)
+    jax.config.update("jax_compilation_cache_max_size", int(max_gb * 2 ** 30))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    return program_dir(xla)
