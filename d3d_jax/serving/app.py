@@ -307,7 +307,7 @@ def _add_token_routes(app: FastAPI, svc: Service) -> None:
     async def detokenize(http: Request):
         tokens = P.parse_detokenize(await read_json(http, svc.limits.max_body_bytes), svc.model_name,
                                     svc.limits)
-        return {"prompt": svc.tokenizer.decode(tokens)}
+        return {"prompt": await run_in_threadpool(svc.tokenizer.decode, tokens)}  # off the event loop too
 
 
 __all__ = ["Service", "create_app", "read_json", "R"]
