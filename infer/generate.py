@@ -208,7 +208,7 @@ def load_drafter(cfg, load_model):
     """``(drafter or None, its mask id)`` for the mode; the mode and the drafter agree (checked at load)."""
     if cfg.models.drafter is None:
         return None, cfg.generate.mask_token_id
-    drafter = load_model(cfg.models.drafter, dtype=cfg.models.dtype)
+    drafter = load_model(cfg.models.drafter, dtype=cfg.models.dtype, stacked=False)  # as decoders run it
     trained, block = drafter.config.block_size, cfg.decoder.block_size
     if block is not None and trained is not None and block > trained:
         raise UsageError(f"--block-size {block} is more than the drafter was trained for ({trained}): its "
@@ -286,7 +286,7 @@ def main(argv=None):
 
     g, m = cfg.generate, cfg.models
     programs = compile_cache.enable(args.compile_cache)  # before anything compiles
-    target = load_model(m.target, dtype=m.dtype)
+    target = load_model(m.target, dtype=m.dtype, stacked=False)  # as decoders run it
     vocab = target.config.vocab_size
     tok_path = Path(m.tokenizer) if m.tokenizer else Path(m.target)
     tokenizer = load_tokenizer(tok_path, vocab)[0] if m.tokenizer or has_tokenizer(tok_path) else None

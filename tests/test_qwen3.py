@@ -5,6 +5,7 @@ comparison covers the model and the HF name/layout mapping together.
 """
 
 import json
+import re
 
 import jax
 import jax.numpy as jnp
@@ -296,3 +297,46 @@ def test_gradients_match_transformers(checkpoints, name="untied_mqa_old_rope"):
         got = m.to_hf(got[layer] if layer >= 0 else got)
         assert np.abs(want).max() > 1e-6, m.hf_name  # not vacuous
         assert np.abs(got - want).max() <= 1e-4 * max(1.0, np.abs(want).max()), m.hf_name
+
+
+# ---- the two layer layouts ------------------------------------------------------------------
+def test_unstacked_layout_equals_stacked_and_transformers(checkpoints):
+    """A model loaded one module per layer (what decoders run) gives transformers' logits, equal to
+    the stacked model's, whole-sequence and cached; unstacking a stacked model gives the same."""
+    from d3d_jax.model.qwen3 import unstacked
+
+    hf_model, path = checkpoints["untied_mqa_old_rope"]
+    stacked_model, loose = load_qwen3(path), load_qwen3(path, stacked=False)
+    assert isinstance(loose.layers, nnx.List) and len(loose.layers) == 3
+    tokens = np.random.default_rng(6).integers(0, 96, (2, 9))
+    ref = hf_logits(hf_model, tokens)
+    for m in (loose, unstacked(stacked_model)):
+        assert np.abs(np.asarray(full_forward(m, jnp.asarray(tokens))) - ref).max() <= TOL
+    step = nnx.jit(lambda m, t, c: m(t, causal_meta(jnp.broadcast_to(jnp.arange(9), (2, 9))), cache=c))
+    cached = [step(m, jnp.asarray(tokens), kvc.init_cache(m.config, 2, 16)) for m in (stacked_model, loose)]
+    np.testing.assert_allclose(np.asarray(cached[0][0]), np.asarray(cached[1][0]), atol=1e-6)
+    np.testing.assert_allclose(np.asarray(cached[0][1].k_lbskh), np.asarray(cached[1][1].k_lbskh), atol=1e-6)
+
+
+def test_decoding_reads_unstacked_weights_in_place():
+    """Why decoders unstack: a cached one-token step of a stacked model copies each layer's weight
+    slice out of the stack before its matmul (XLA:CPU and GPU); the unstacked model's step makes
+    no array of a weight's shape at all."""
+    from d3d_jax.config import ModelConfig
+    from d3d_jax.model.qwen3 import init_model, unstacked
+
+    cfg = ModelConfig(vocab_size=64, hidden_size=48, intermediate_size=80, num_layers=3, num_heads=2,
+                      num_kv_heads=1, head_dim=16)
+    model = init_model(cfg, seed=0)
+    meta = causal_meta(jnp.zeros((1, 1), jnp.int32))
+
+    def weight_copies(m) -> int:
+        graphdef, state = nnx.split(m)
+        fn = jax.jit(lambda s, c: nnx.merge(graphdef, s)(jnp.zeros((1, 1), jnp.int32), meta, cache=c))
+        text = fn.lower(state, kvc.init_cache(cfg, 1, 8)).compile().as_text()
+        # an MLP weight [48, 80] made by an instruction (not a parameter of the program)
+        return sum(1 for ln in text.splitlines()
+                   if re.search(r"= f32\[(1,)?(48,80|80,48)\]", ln) and "parameter(" not in ln)
+
+    assert weight_copies(model) >= 3  # the stacked scan slices them (the bar is not vacuous)
+    assert weight_copies(unstacked(model)) == 0

@@ -107,8 +107,11 @@ def _kernel_call(line: str, out_type: str) -> dict:
     operands = re.search(r"operand_layout_constraints=\{(.*?)\}(?:, [a-z_]+=|$)", line)
     grid = [int(g) for g in re.findall(r"grid_[xyz] = (\d+)", line)]
     target = re.search(r'custom_call_target="([^"]+)"', line).group(1)
-    return {"name": name.group(1) if name else target, "target": target,
-            "operands": shapes_in(operands.group(1)) if operands else [],
+    shapes = shapes_in(operands.group(1)) if operands else []
+    if len(shapes) > 2 and shapes[2] == ("s32", (1,)):
+        # a stacked cache's layer index (the layer scan's step), after the live tiles and count
+        shapes = shapes[:2] + shapes[3:]
+    return {"name": name.group(1) if name else target, "target": target, "operands": shapes,
             "results": shapes_in(out_type), "grid": grid}
 
 

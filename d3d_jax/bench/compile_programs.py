@@ -97,7 +97,9 @@ class DecodeShape:
 
 
 def _target(shape: DecodeShape, backend: str):
-    model = abstract(shape.target, backend)
+    from d3d_jax.model.qwen3 import unstacked
+
+    model = unstacked(abstract(shape.target, backend))  # as a decoder runs it
     facts = model_facts(model, "target")
     facts["target_cache_bytes"] = cache_bytes(model.config, shape.cache_len)
     return model, facts
@@ -106,7 +108,7 @@ def _target(shape: DecodeShape, backend: str):
 def _drafter(spec: ModelSpec, backend: str, shape: DecodeShape):
     from d3d_jax.decoding.drafting import ModelDrafter
 
-    model = abstract(spec, backend)
+    model = abstract(spec, backend)  # ModelDrafter unstacks it, as a decoder's does
     facts = model_facts(model, "drafter")
     facts["drafter_cache_bytes"] = cache_bytes(model.config, shape.cache_len)
     return ModelDrafter(model), facts

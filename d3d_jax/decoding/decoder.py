@@ -98,6 +98,12 @@ def _strategy(ctx: Context):
             "auto": AutoStrategy}[ctx.config.mode](ctx)
 
 
+def _unstacked(model):
+    from d3d_jax.model.qwen3 import Qwen3, unstacked
+
+    return unstacked(model) if isinstance(model, Qwen3) else model
+
+
 class SpecDecoder:
     """Plain, sync, async or auto decoding over a fixed set of slots (see the module doc)."""
 
@@ -106,6 +112,7 @@ class SpecDecoder:
         (:class:`~d3d_jax.decoding.programs.ProgramStore`; None: in memory only)."""
         config.validate()
         self.config = cfg = config
+        target = _unstacked(target)  # one module per layer: no weight slices per step (qwen3 doc)
         vocab = target.config.vocab_size
         if cfg.mode == "plain" and drafter is not None:
             raise ConfigError("drafter: mode plain takes no drafter")
@@ -151,7 +158,7 @@ class SpecDecoder:
     # ------------------------------------------------------------ weights
     def load(self, target, drafter=None) -> None:
         """(Re)bind weights: same structure as at construction (no recompile)."""
-        self.load_params(nnx.state(target), drafter)
+        self.load_params(nnx.state(_unstacked(target)), drafter)
 
     def load_params(self, target_params, drafter=None) -> None:
         """:meth:`load` from the target's parameters (``nnx.state``) instead of the module."""

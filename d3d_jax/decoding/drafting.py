@@ -141,7 +141,10 @@ class ModelDrafter:
             raise ValueError("drafter mask_token_id is unknown: pass mask_token_id= (config.json has none)")
         if not 0 <= int(mask) < cfg.vocab_size:
             raise ValueError(f"drafter mask_token_id {mask} is outside its vocabulary [0, {cfg.vocab_size})")
-        self.graphdef, self.params = nnx.split(model)
+        from d3d_jax.model.qwen3 import unstacked
+
+        # one module per layer: a decoder's forwards read each layer's weights where they lie
+        self.graphdef, self.params = nnx.split(unstacked(model))
         self.config = cfg
         self.vocab_size = cfg.vocab_size
         self.mask_token_id = int(mask)

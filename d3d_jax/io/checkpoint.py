@@ -112,11 +112,14 @@ def is_params_checkpoint(path: str | os.PathLike) -> bool:
 
 
 def load_model(path: str | os.PathLike, mesh: Mesh | None = None, dtype: str | None = None, *,
-               rules: Sequence[tuple[str, Any]] | None = None, **config_overrides: Any) -> Qwen3:
+               rules: Sequence[tuple[str, Any]] | None = None, stacked: bool = True,
+               **config_overrides: Any) -> Qwen3:
     """A :class:`Qwen3` from an exported parameter checkpoint or an HF Qwen3 directory.
 
     ``dtype`` casts parameters (and the compute dtype) after loading; ``config_overrides`` replace
     ModelConfig fields that do not change shapes (e.g. ``gradient_checkpointing``).
+    ``stacked=False``: one module per layer, as decoders run it (an HF directory loads so
+    directly; a parameter checkpoint is unstacked after restoring).
     """
     path = Path(path)
     if dtype is not None and dtype not in DTYPES:
@@ -127,7 +130,7 @@ def load_model(path: str | os.PathLike, mesh: Mesh | None = None, dtype: str | N
     if not is_params_checkpoint(path):
         if (path / "config.json").exists():
             from d3d_jax.io.hf import load_qwen3
-            return load_qwen3(path, mesh=mesh, dtype=dtype, rules=rules, **config_overrides)
+            return load_qwen3(path, mesh=mesh, dtype=dtype, rules=rules, stacked=stacked, **config_overrides)
         raise ConfigError(f"{path}: neither {PARAMS_CONFIG_FILE} (d3d_jax checkpoint) nor "
                           f"config.json (HF directory) found")
 
@@ -156,4 +159,9 @@ def load_model(path: str | os.PathLike, mesh: Mesh | None = None, dtype: str | N
         cfg.validate()
         graphdef, state = nnx.split(abstract_model(cfg))
     nnx.replace_by_pure_dict(state, pure)
-    return nnx.merge(graphdef, state)
+    model = nnx.merge(graphdef, state)
+    if stacked:
+        return model
+    from d3d_jax.model.qwen3 import unstacked
+
+    return unstacked(model)

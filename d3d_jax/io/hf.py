@@ -161,7 +161,7 @@ def _placer(mesh: Mesh | None, rules: Any, abstract: nnx.State) -> Callable[[Pur
 
 def load_qwen3(path: str | os.PathLike, mesh: Mesh | None = None, dtype: str | None = None, *,
                compute_dtype: str | None = None, rules: Sequence[tuple[str, Any]] | None = None,
-               **config_overrides: Any) -> Qwen3:
+               stacked: bool = True, **config_overrides: Any) -> Qwen3:
     """Load an HF Qwen3 directory (``config.json`` + ``model.safetensors`` or indexed shards).
 
     Args:
@@ -170,6 +170,8 @@ def load_qwen3(path: str | os.PathLike, mesh: Mesh | None = None, dtype: str | N
       dtype: parameter dtype (``float32``/``bfloat16``/``float16``); default: the checkpoint's.
       compute_dtype: activation dtype; default: the parameter dtype.
       rules: logical-axis rules overriding ``DEFAULT_RULES``.
+      stacked: the layers' parameters stacked (training, the default) or one module per layer
+        (decoding: :func:`~d3d_jax.model.qwen3.unstacked`), read straight into that layout.
       config_overrides: extra ``ModelConfig`` fields (e.g. ``mask_token_id``, ``gradient_checkpointing``).
 
     Returns a :class:`Qwen3`; ``model(tokens_bt)`` gives float32 logits ``[B, T, V]`` for causal
@@ -177,18 +179,18 @@ def load_qwen3(path: str | os.PathLike, mesh: Mesh | None = None, dtype: str | N
     """
     cfg = load_config(path, dtype, compute_dtype, **config_overrides)
     tensors = st.SafetensorsDir(path)
-    return build_from_tensors(cfg, tensors, mesh, rules, source=str(path))
+    return build_from_tensors(cfg, tensors, mesh, rules, source=str(path), stacked=stacked)
 
 
 def build_from_tensors(cfg: ModelConfig, tensors: Any, mesh: Mesh | None = None, rules: Any = None,
-                       source: str = "checkpoint") -> Qwen3:
+                       source: str = "checkpoint", stacked: bool = True) -> Qwen3:
     """Fill an abstract Qwen3 from ``tensors`` (``keys/shape/get`` by HF name), one leaf at a time."""
     extra_layers = sorted({k for k in tensors.keys() if k.startswith("model.layers.")
                            and k.split(".")[2].isdigit() and int(k.split(".")[2]) >= cfg.num_layers})
     if extra_layers:  # weights for more layers than config.json declares: the config is wrong
         raise ModelFileError(f"{source}: tensor {extra_layers[0]} belongs to a layer beyond "
                              f"num_hidden_layers={cfg.num_layers} in config.json")
-    model = abstract_model(cfg)
+    model = abstract_model(cfg, stacked=stacked)
     graphdef, state = nnx.split(model)
     pure = nnx.to_pure_dict(state)
     place = _placer(mesh, rules, state)
@@ -204,8 +206,8 @@ def build_from_tensors(cfg: ModelConfig, tensors: Any, mesh: Mesh | None = None,
     layers: dict[PurePath, list[np.ndarray]] = {}  # a stacked leaf's layers, placed once all are read
     for m in sorted(mappings, key=lambda m: stacked_path(m.ours)):
         arr = np.asarray(m.to_ours(tensors.get(m.hf_name))).astype(pdt)
-        path, _ = stacked_path(m.ours)
-        if path[0] == "layers":
+        path = stacked_path(m.ours)[0] if stacked else m.ours
+        if stacked and path[0] == "layers":
             layers.setdefault(path, []).append(arr)
             if len(layers[path]) < cfg.num_layers:
                 continue

@@ -67,10 +67,10 @@ def _decode_kernel(tiles_ref, count_ref, layer_ref, q_ref, k_ref, v_ref, qctx_re
     per = (count + splits - 1) // splits  # this row tile's live tiles, spread over the splits
     lo = pl.program_id(3) * per
     layer = layer_ref[0]
-    k_ref, v_ref = k_ref.at[layer], v_ref.at[layer]
 
     def body(j, carry):
-        k, v, kpos, kbid = fk._key_tile((k_ref, v_ref, kpos_ref, kbid_ref), tiles_ref[j] * bk, bk, s_len)
+        k, v, kpos, kbid = fk._key_tile((k_ref, v_ref, kpos_ref, kbid_ref), tiles_ref[j] * bk, bk, s_len,
+                                        layer)
         return fk.fwd_step(carry, q, k, v, fk.visible(qctx, qbid, kpos, kbid))
 
     out, lse = fk.fwd_finish(lax.fori_loop(lo, jnp.minimum(lo + per, count), body, fk.fwd_init(*q.shape)))

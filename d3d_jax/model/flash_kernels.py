@@ -113,22 +113,26 @@ def dkv_step(carry, q, k, v, do, lse, delta, mask_t):
 # --------------------------------------------------------------------------------------
 # GPU kernels: a fori_loop over the live tile list
 # --------------------------------------------------------------------------------------
-def _load(ref, start, size, length, other):
-    """``ref[start:start+size]`` (leading axis), masked past ``length`` when the array is not a
+def _load(ref, start, size, length, other, lead=()):
+    """``ref[*lead, start:start+size]`` (``lead``: scalar indices before the sliced axis, one
+    indexer: Triton takes no view of a view), masked past ``length`` when the array is not a
     whole number of tiles (the static ``length`` is None when it is)."""
-    sl = pl.ds(pl.multiple_of(start, size), size)
+    index = (*lead, pl.ds(pl.multiple_of(start, size), size))
     if length is None:
-        return ref[sl]
+        return ref[index]
     from jax.experimental.pallas import triton as plgpu  # deferred: GPU-only module
 
     inside = start + jnp.arange(size) < length
-    mask = inside if ref.ndim == 1 else inside[:, None]
-    return plgpu.load(ref.at[sl], mask=mask, other=other)
+    mask = inside if ref.ndim - len(lead) == 1 else inside[:, None]
+    return plgpu.load(ref.at[index], mask=mask, other=other)
 
 
-def _key_tile(refs, start, bk, s_len):
+def _key_tile(refs, start, bk, s_len, layer=None):
+    """K, V and their metadata of one key tile; ``layer``: K/V are ``[L, S, H]`` (a stacked
+    cache's rows), read at that layer."""
     k_ref, v_ref, kpos_ref, kbid_ref = refs
-    return (_load(k_ref, start, bk, s_len, 0), _load(v_ref, start, bk, s_len, 0),
+    lead = () if layer is None else (layer,)
+    return (_load(k_ref, start, bk, s_len, 0, lead), _load(v_ref, start, bk, s_len, 0, lead),
             _load(kpos_ref, start, bk, s_len, INT_MAX), _load(kbid_ref, start, bk, s_len, K_NO_BLOCK))
 
 

@@ -142,8 +142,8 @@ def load(cfg: ServeConfig):
 
     m = cfg.models
     tokenizer = load_tokenizer(_tokenizer_dir(m))[0]
-    target = load_model(m.target, dtype=m.dtype)
-    drafter = load_model(m.drafter, dtype=m.dtype) if m.drafter else None
+    target = load_model(m.target, dtype=m.dtype, stacked=False)  # as decoders run it
+    drafter = load_model(m.drafter, dtype=m.dtype, stacked=False) if m.drafter else None
     eos_ids = eos_token_ids(target.config, tokenizer)
     check_pairing(tokenizer, target.config, drafter.config if drafter is not None else None, eos_ids=eos_ids,
                   where=f"--drafter {m.drafter}")

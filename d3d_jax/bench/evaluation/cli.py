@@ -169,7 +169,7 @@ def load_drafter(cfg: EvalConfig, target, tok, tokenizer_mask_id: int):
     from d3d_jax.io.hf import eos_token_ids
     from d3d_jax.io.pairing import check_pairing
 
-    drafter = load_model(cfg.models.drafter, dtype=cfg.models.dtype)
+    drafter = load_model(cfg.models.drafter, dtype=cfg.models.dtype, stacked=False)  # as decoders run it
     eos_ids = eos_token_ids(target.config, tok)
     mask = check_pairing(tok, target.config, drafter.config, eos_ids=eos_ids,
                          where=f"--drafter {cfg.models.drafter}")
@@ -192,7 +192,7 @@ def main(args) -> int:
     from d3d_jax.io.hf import load_tokenizer
 
     m = cfg.models
-    target = load_model(m.target, dtype=m.dtype)
+    target = load_model(m.target, dtype=m.dtype, stacked=False)  # as decoders run it
     tok, mask_id = load_tokenizer(m.tokenizer or m.target, target.config.vocab_size)
     drafter, mask_id, eos_ids = load_drafter(cfg, target, tok, mask_id)
     suites, longest = _suites(cfg, tok, encode)
