@@ -55,6 +55,9 @@ def enable(path: str | None = None) -> str | None:
     from d3d_jax.errors import UsageError
 
     xla = os.path.abspath(os.path.expanduser(path))
+    if os.path.lexists(xla) and not os.path.isdir(xla):
+        why = "a symlink loop or a broken link" if os.path.islink(xla) else "a file, not a directory"
+        raise UsageError(f"--compile-cache {path}: {xla} is {why}; give a directory (or 'off')")
     try:
         os.makedirs(xla, exist_ok=True)
     except OSError as e:

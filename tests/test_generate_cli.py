@@ -165,3 +165,44 @@ def test_truncated_target_is_one_line_naming_file_and_tensor(dirs, tmp_path):
     out = run_script("infer/generate.py", "--target", target, "--prompt-ids", "1,2,3", "--max-new-tokens", "4")
     line = assert_one_line_error(out, 1, f"{weights}: tensor ", "the file is truncated")
     assert "model." in line or "lm_head" in line
+
+
+def test_compile_cache_two_runs_at_once_then_a_run_that_compiles_nothing(dirs, tmp_path):
+    """Two runs started together on one empty --compile-cache both finish with the same tokens;
+    a third run compiles none of the decoder's programs (read from the store) and still reports
+    its store reads as compile_s, apart from the decode time; a cache path that is a symlink loop
+    is one line naming it."""
+    import os
+
+    from cli_util import assert_one_line_error, run_script
+
+    cache = tmp_path / "cache"
+    cmd = [sys.executable, str(ROOT / "infer/generate.py"), "--target", str(dirs["target"]), "--prompt-ids",
+           "5,6,7,8", "--max-new-tokens", "8", "--ignore-eos", "--json", "--compile-cache", str(cache)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu", "HF_HUB_OFFLINE": "1",
+           "JAX_LOG_COMPILES": "1"}
+
+    def start():
+        return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+
+    def finish(p):
+        out, err = p.communicate(timeout=600)
+        assert p.returncode == 0, err[-3000:]
+        tokens = [json.loads(ln)["token_ids"] for ln in out.splitlines() if ln.startswith("{")]
+        summary = [json.loads(ln)["summary"] for ln in err.splitlines() if ln.startswith('{"summary"')][0]
+        decoder_compiles = [ln for ln in err.splitlines() if "Finished XLA compilation" in ln
+                            and ("_admit_fn" in ln or "_loop_fn" in ln)]
+        return tokens, summary, decoder_compiles
+
+    first, second = start(), start()
+    runs = [finish(first), finish(second)]
+    assert all(len(c) >= 2 for _, _, c in runs)  # each compiled admission and the loop itself
+    third = finish(start())
+    assert third[0] == runs[0][0] == runs[1][0] and len(third[0][0]) == 8
+    assert third[2] == []  # nothing of the decoder compiled again
+    assert 0 < third[1]["compile_s"] < min(r[1]["compile_s"] for r in runs)
+    assert third[1]["tokens_per_s"] > 0
+    loop = tmp_path / "loop"
+    loop.symlink_to(loop)
+    assert_one_line_error(run_script("infer/generate.py", "--target", dirs["target"], "--prompt-ids", "5,6",
+                                      "--compile-cache", loop), 2, "symlink loop", str(loop))
