@@ -7,9 +7,10 @@ start neither traces nor lowers).  ``path`` defaults to ``$D3D_COMPILE_CACHE``, 
 ``$XDG_CACHE_HOME/d3d_jax/xla`` (``~/.cache/d3d_jax/xla``); ``off`` (or ``none``) disables both.
 The server (``--compile-cache``), ``infer/generate.py``, ``infer/bench.py`` and training share it.
 
-Safe under concurrent use: the cache is size-bounded (``$D3D_COMPILE_CACHE_MAX_GB``, default
-16), which makes JAX read and write its entries under a file lock and evict the least recently
-used; the program store writes atomically.
+Safe under concurrent use: the program store writes atomically (a temporary file renamed), and
+JAX reads an entry that another process is still writing as a miss (a warning, then it compiles);
+two processes compiling one program write the same bytes.  JAX's size bound is left off: its
+eviction reads a side file of every entry on every write and fails on entries written without one.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ from __future__ import annotations
 import os
 
 OFF = ("off", "none", "")
-DEFAULT_MAX_GB = 16.0
 
 
 def default_dir() -> str:
@@ -62,9 +62,7 @@ def enable(path: str | None = None) -> str | None:
         os.makedirs(xla, exist_ok=True)
     except OSError as e:
         raise UsageError(f"--compile-cache {path}: cannot create it ({e.strerror or e})") from None
-    max_gb = float(os.environ.get("D3D_COMPILE_CACHE_MAX_GB", DEFAULT_MAX_GB))
     jax.config.update("jax_compilation_cache_dir", xla)
-    jax.config.update("jax_compilation_cache_max_size", int(max_gb * 2 ** 30))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     return program_dir(xla)

@@ -32,7 +32,9 @@ def test_attended_pairs_equal_the_mask_and_flops_the_parameters():
                          num_kv_heads=2, head_dim=8, tie_word_embeddings=tied)
         params = nnx.to_pure_dict(nnx.state(abstract_model(mc), nnx.Param))
         flat = {"/".join(map(str, p)): x for p, x in jax.tree_util.tree_flatten_with_path(params)[0]}
-        matrices = sum(int(np.prod(x.shape)) for k, x in flat.items() if x.ndim >= 2 and "embed" not in k)
+        # a layer's parameters are stacked: its matrices have a leading layer axis
+        matrices = sum(int(np.prod(x.shape)) for k, x in flat.items()
+                       if x.ndim - ("'layers'" in k) >= 2 and "embed" not in k)
         f = bench.step_flops(mc, batch)
         assert f["matmul_params"] == matrices + (64 * 32 if tied else 0)  # the tied head still multiplies
         assert f["linear"] == 6 * f["matmul_params"] * 3 * 60

@@ -286,7 +286,7 @@ def enable_compile_cache(path: str | None) -> None:
     from d3d_jax import compile_cache
 
     if not compile_cache.is_off(path):
-        compile_cache.enable(path)  # the one cache every command shares (size-bounded, locked)
+        compile_cache.enable(path)  # the one cache every command shares
 
 
 def _http_protocol():
