@@ -25,8 +25,8 @@ class ConfigError(UsageError):
 
     def __init__(self, message: str = ""):
         message = str(message)
-        if len(message) > 400:
-            message = f"{message[:300]}... ({len(message)} characters)"
+        if len(message) > 640:  # the head names the key, the tail says what to do: keep both
+            message = f"{message[:380]} ... ({len(message)} characters) ... {message[-200:]}"
         super().__init__(message)
 
 

@@ -106,8 +106,10 @@ class OptimConfig:
     grad_accum_steps: int = 1
     quant_block_size: int = 256  # 8-bit moments: one float32 scale per this many entries
 
-    # each field's valid values, checked by config.base.check_fields for every loader
-    BOUNDS = dict(name=one_of("adamw", "adamw8bit"), learning_rate=above(0, 10), final_learning_rate=between(0, 10),
+    # each field's valid values, checked by config.base.check_fields for every loader; a rate must
+    # be finite (inf/NaN are refused), a huge one is a run the non-finite guard stops
+    BOUNDS = dict(name=one_of("adamw", "adamw8bit"), learning_rate=above(0, 1e30),
+                  final_learning_rate=between(0, 1e30),
                   warmup_steps=between(0, INT32_MAX), decay_steps=between(0, INT32_MAX), b1=between(0, 1),
                   b2=between(0, 1), eps=above(0, 1), weight_decay=between(0, 1e3), clip_norm=between(0, 1e9),
                   grad_accum_steps=between(1, 1 << 20), quant_block_size=between(1, 1 << 24))
@@ -156,7 +158,7 @@ class TrainConfig:
 
     # each field's valid values, checked by config.base.check_fields for every loader
     BOUNDS = dict(steps=between(1, INT32_MAX), init_from=TEXT, seed=between(0, INT32_MAX), out_dir=TEXT,
-                  log_every=between(1, INT32_MAX), eval_every=between(0, INT32_MAX),
+                  log_every=between(0, INT32_MAX), eval_every=between(0, INT32_MAX),
                   checkpoint_every=between(0, INT32_MAX), keep_checkpoints=between(1, 1 << 20),
                   param_dtype=one_of("", *DTYPES), compute_dtype=one_of("", *DTYPES),
                   remat_policy=one_of("", *REMAT_POLICIES))
