@@ -75,8 +75,11 @@ _CLOCK = {"cpu": time.process_time, "wall": time.perf_counter}
 
 def target_step_fn(model, width: int, context_len: int, cache_len: int, iters: int = 32):
     """A callable running ``iters`` cached target forwards over ``width`` tokens after
-    ``context_len`` cached ones, in one ``fori_loop`` (no dispatch overhead); blocks until done."""
-    graphdef, params = nnx.split(model)
+    ``context_len`` cached ones, in one ``fori_loop`` (no dispatch overhead); blocks until done.
+    The model runs unstacked, as a decoder runs it (a scanned stack would copy weight slices)."""
+    from d3d_jax.model.qwen3 import unstacked
+
+    graphdef, params = nnx.split(unstacked(model))
 
     @jax.jit
     def run(params, cache, ctx):

@@ -198,7 +198,9 @@ def verify_cost_comparison(target, sim: SimulatedAcceptance, *, block_size: int 
 
     from d3d_jax.decoding.core import DecodeCore
 
-    graphdef, t_params = nnx.split(target)
+    from d3d_jax.model.qwen3 import unstacked
+
+    graphdef, t_params = nnx.split(unstacked(target))  # as a decoder runs it
     cache_len = cache_len or -(-(context + 2 * block_size) // 16) * 16
     drafts = jnp.asarray(np.random.default_rng(0).integers(0, target.config.vocab_size,
                                                            (1, block_size - 1)), jnp.int32)
