@@ -27,7 +27,8 @@ from d3d_jax.model import kv_cache as kvc
 from d3d_jax.model.masks import causal_meta
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
+def add_model_arguments(p: argparse.ArgumentParser) -> None:
+    """The benchmark model's shape (a 4-layer, 256-wide Qwen3), the prompt and the tokens to make."""
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--intermediate", type=int, default=768)
@@ -35,9 +36,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-heads", type=int, default=2)
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--vocab", type=int, default=4096)
-    p.add_argument("--dtype", default="float32")
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--max-new-tokens", type=int, default=128)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_model_arguments(p)
+    p.add_argument("--dtype", default="float32")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--error-rate", type=float, default=0.0,
                    help="replay drafter's per-token error rate (0: always right)")

@@ -31,16 +31,10 @@ EVENTS = {"/jax/core/compile/jaxpr_trace_duration": "trace_s",
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from d3d_jax.bench.engine import add_model_arguments
+
     p.add_argument("--modes", default="plain,sync", help="comma-separated: plain, sync, async, auto")
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--intermediate", type=int, default=768)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--kv-heads", type=int, default=2)
-    p.add_argument("--head-dim", type=int, default=64)
-    p.add_argument("--vocab", type=int, default=4096)
-    p.add_argument("--prompt-len", type=int, default=32)
-    p.add_argument("--max-new-tokens", type=int, default=128)
+    add_model_arguments(p)
     p.add_argument("--slots", type=int, default=1)
     p.add_argument("--warm-up", action="store_true", help="also the server's start-up compiles")
     p.add_argument("--compare-with", default=None, metavar="CHECKOUT",
