@@ -29,12 +29,14 @@ def default_dir() -> str:
 
 
 def is_off(path: str | None) -> bool:
-    return path is None or str(path).strip().lower() in OFF
+    """``off`` / ``none`` / empty; None is the default directory, not off."""
+    return path is not None and str(path).strip().lower() in OFF
 
 
 def program_dir(path: str | None) -> str | None:
-    """The program store's directory in the cache, or None when the cache is off."""
-    return None if is_off(path) else os.path.join(path, "programs")
+    """The program store's directory in the cache ``path`` (None: the default), or None when off."""
+    path = default_dir() if path is None else str(path)
+    return None if is_off(path) else os.path.join(os.path.abspath(os.path.expanduser(path)), "programs")
 
 
 def add_flag(parser, default: str | None = None) -> None:
@@ -65,4 +67,4 @@ def enable(path: str | None = None) -> str | None:
     jax.config.update("jax_compilation_cache_dir", xla)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-    return program_dir(xla)
+    return program_dir(path)

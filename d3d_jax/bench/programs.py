@@ -25,6 +25,8 @@ import tempfile
 import time
 from pathlib import Path
 
+# JAX's compile events, named here rather than imported from bench.clock: the measuring process
+# imports d3d_jax from the checkout it measures (--compare-with), which may predate any new name
 EVENTS = {"/jax/core/compile/jaxpr_trace_duration": "trace_s",
           "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower_s",
           "/jax/core/compile/backend_compile_duration": "compile_s"}

@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from d3d_jax import compile_cache
 from d3d_jax.config import ConfigError
 from d3d_jax.config.flags import (add_auto_flags, add_config_arguments, add_model_flags, config_flag, declared,
                                   load_command_config)
@@ -149,19 +150,13 @@ def load(cfg: ServeConfig):
                   where=f"--drafter {m.drafter}")
     dcfg = decoder_config(cfg, target.config, drafter.config if drafter is not None else None)
     try:
-        decoder = SpecDecoder(target, drafter, dcfg, program_dir=program_dir(cfg.server.compile_cache))
+        decoder = SpecDecoder(target, drafter, dcfg,
+                              program_dir=compile_cache.program_dir(cfg.server.compile_cache))
     except ValueError as e:  # the decoder checks its arguments with ValueError
         if isinstance(e, UsageError):
             raise
         raise UsageError(str(e)) from None
     return decoder, tokenizer, eos_ids, target
-
-
-def program_dir(compile_cache: str | None) -> str | None:
-    """The decoder's program store beside the XLA cache (None when the cache is off)."""
-    if not compile_cache or compile_cache.lower() == "none":
-        return None
-    return os.path.join(compile_cache, "programs")
 
 
 def make_service(decoder, tokenizer, eos_ids, *, model_name: str, mode: str, api_key: str | None = None,
@@ -278,15 +273,6 @@ def warmup_in_background(svc, prompt_lengths, max_tokens: int | None = None,
     thread = threading.Thread(target=run, name="d3d-warmup", daemon=True)
     thread.start()
     return thread
-
-
-def enable_compile_cache(path: str | None) -> None:
-    """Persistent XLA compilation cache: every program compiled once is loaded from ``path``
-    on the next start (JAX keys entries by program, backend and flags)."""
-    from d3d_jax import compile_cache
-
-    if not compile_cache.is_off(path):
-        compile_cache.enable(path)  # the one cache every command shares
 
 
 def _http_protocol():
@@ -413,7 +399,7 @@ def main(args) -> None:
     logging.basicConfig(level=srv.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     t_start = time.perf_counter()
     sock = bind(srv.host, srv.port)  # --port 0: a free port, printed below
-    enable_compile_cache(srv.compile_cache)  # before anything compiles
+    compile_cache.enable(srv.compile_cache)  # before anything compiles
     api_key = srv.api_key or os.environ.get("D3D_API_KEY") or None
     decoder, tokenizer, eos_ids, target = load(cfg)
     svc = make_service(decoder, tokenizer, eos_ids,
