@@ -146,7 +146,7 @@ class Strategy:
         return admit_rows(state, rows, index, count,
                           prefill=prefill or (lambda r: self._prefill_parts(t_leaves, d_leaves, r)),
                           insert=insert or (lambda st, parts, slot: self.home.insert(st, *parts, slot)),
-                          buckets=cfg.prompt_buckets, cache_len=cfg.max_cache_len)
+                          cache_len=cfg.max_cache_len)
 
     def admit(self, carry: Carry, params, rows: RowInput, index, count) -> Carry:
         """Prefill and insert ``count`` rows (one dispatch per device slice)."""
@@ -201,8 +201,7 @@ class Strategy:
     def warm_up(self, carry: Carry, params, widths: tuple[int, ...]) -> Carry:
         """Compile admission and the round of each window width in ``widths`` (no-op rounds: no
         row takes part)."""
-        n = self.ctx.config.num_slots
-        carry = self.admit(carry, params, self._dummy_rows(n), np.full((n,), n, np.int32), 0)
+        carry = self.warm_admission(carry, params)
         for width in widths:
             carry = self._noop(carry, params, width)
         jax.block_until_ready(carry)
@@ -212,12 +211,19 @@ class Strategy:
         """One round over a window of ``rows`` rows in which no row takes part (compiles it)."""
         raise NotImplementedError
 
-    def _dummy_rows(self, n: int) -> RowInput:
+    def warm_admission(self, carry: Carry, params) -> Carry:
+        """Compile the admission of every prompt bucket (no row admitted)."""
+        n = self.ctx.config.num_slots
+        for width in self.ctx.config.prompt_buckets:
+            carry = self.admit(carry, params, self._dummy_rows(n, width), np.full((n,), n, np.int32), 0)
+        return carry
+
+    def _dummy_rows(self, n: int, width: int) -> RowInput:
         cfg, zeros = self.ctx.config, np.zeros((n,), np.int32)
         data = None
         if self.ctx.drafter is not None:
             data = self.ctx.drafter.request_data([Request([0], 1)] * n, cfg.max_cache_len)
-        return RowInput(np.zeros((n, cfg.max_cache_len), np.int32), zeros + 1, zeros, zeros,
+        return RowInput(np.zeros((n, width), np.int32), zeros + 1, zeros, zeros,
                         zeros + 1, np.full((n, MAX_STOP_IDS), -1, np.int32),
                         np.zeros((n, MAX_STOP_IDS), bool),
                         SamplingParams.stack([SamplingParams()] * n), data)
