@@ -367,7 +367,7 @@ def test_one_admission_dispatch_for_eight_arrivals(setup, monkeypatch):
         for slot, out in dec.step().items():
             if out.finished:
                 dec.free(slot)
-    assert calls == [8, 1] and dec.strategy.compiled >= {("plain", 1)}
+    assert calls[-1] == 1 and len(calls) == len(per_bucket) + 1 and dec.strategy.compiled >= {("plain", 1)}
 
 
 def test_costs_of_widths_not_yet_served_follow_the_served_ones():
@@ -509,6 +509,45 @@ def test_start_up_times_each_program_after_a_lead_in_round(setup, monkeypatch):
     assert len(st.policy.geometries) >= 3
     for g in st.policy.geometries:
         assert st.policy.costs.get(g.label, 1) == pytest.approx(0.005, abs=0.003), g.label
+
+
+def test_start_up_times_are_kept_with_the_programs_and_read_by_the_next_start(setup, monkeypatch, tmp_path):
+    """A start times every (geometry, width) once and keeps the times in the program store; the
+    next start of the same decoder reads them and times nothing; one asking for a width never
+    timed, or finding the note damaged, times again."""
+    import time as clock
+
+    from d3d_jax.decoding.auto import COSTS_NOTE
+
+    cfg = DecoderConfig(mode="auto", num_slots=2, max_cache_len=CACHE, block_size=BLOCK)
+    runs: list[str] = []
+
+    def start(widths):
+        dec = SpecDecoder(setup["target"], setup["drafter_model"], cfg, program_dir=tmp_path)
+        st = dec.strategy
+
+        def run(carry, params, label, start, lo, hi, rows):  # each geometry its own time
+            clock.sleep(0.001 * len(label) * rows)
+            runs.append(label)
+            return carry, {}
+
+        monkeypatch.setattr(st, "_run", run)
+        dec._ensure_state()
+        runs.clear()
+        dec.carry = st.warm_up(dec.carry, dec._params, widths)
+        return dec, dict(st.policy.costs.calibrated), len(runs)
+
+    first, costs, n_first = start((1,))
+    keys = len(first.strategy.geometry)
+    assert keys >= 3 and set(costs) == {(g, 1) for g in first.strategy.geometry}
+    assert n_first > keys  # compiled, then timed
+    _, again, n_again = start((1,))
+    assert again == costs and n_again == keys  # compiled (or read) only: no timed round
+    _, wider, n_wider = start((1, 2))
+    assert n_wider > 2 * keys and set(wider) == {(g, w) for g in first.strategy.geometry for w in (1, 2)}
+    (first.programs.dir / f"{COSTS_NOTE}.json").write_text("{not json")
+    _, _, n_damaged = start((1,))
+    assert n_damaged > keys
 
 
 def test_a_prompt_the_drafter_cannot_predict_judges_its_request_at_admission():
