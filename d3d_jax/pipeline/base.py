@@ -130,7 +130,8 @@ class Pipeline:
                # The small model only seeds drafters; once they exist it is not needed (nor shipped).
                ("3-pretrain-small", lambda: (self.model_dir("small") / "config.json").exists()
                 or not drafters.small_needed(self), lambda: pretraining.pretrain(self, "small", c.small)),
-               # The training split is not shipped: once every drafter exists only dev is needed.
+               # The training split ships (a drafter retrains without regenerating); once every
+               # drafter exists only dev is needed, so a checkout without it runs nothing here.
                ("4-regenerate", lambda: self.regen_split("dev").exists()
                 and (self.regen_split("train").exists() or drafters.all_trained(self)),
                 lambda: regeneration.regenerate(self))]
