@@ -47,7 +47,7 @@ from d3d_jax.decoding.drafting import as_drafter
 from d3d_jax.decoding.placement import RowPlacement, placer, resolve_slices
 from d3d_jax.decoding.programs import ProgramStore, decoder_salt
 from d3d_jax.decoding.strategies import LOGPROB_KEYS, Context
-from d3d_jax.decoding.verify import SamplingParams
+from d3d_jax.decoding.verify import GREEDY, SamplingParams
 
 __all__ = ["SpecDecoder", "DecoderConfig", "Request", "Prefix", "StepOutput", "RequestError",
            "SlotError", "SamplingParams"]
@@ -414,9 +414,10 @@ class SpecDecoder:
                         np.asarray([i.request.max_new_tokens for i in infos]),
                         np.asarray([i.n_out for i in infos]))
         bound = int(max(live.max_new - live.n_out))  # every round commits >= 1 token per row
+        greedy = all(i.request.sampling == GREEDY for i in infos)  # the loop without sampling code
         self.carry, timings = self.strategy.run_until_done(
             self.carry, self._params, 0, self.placement.size, live=live, max_rounds=bound,
-            hook=hook, timer=timer, step=self._step_until_done)
+            hook=hook, timer=timer, step=self._step_until_done, greedy=greedy)
         self._stale = True  # which slots finished: read when next needed
         return timings
 
