@@ -48,8 +48,8 @@ def _decoder(s, mode, **kw) -> SpecDecoder:
     """One decoder per (mode, options) for the whole module: compiled once."""
     key = (mode, tuple(sorted(kw.items())))
     if key not in s["decoders"]:
-        cfg = DecoderConfig(mode=mode, num_slots=SLOTS, max_cache_len=CACHE, block_size=BLOCK,
-                            branch_positions=BLOCK, branch_fanout=2, **kw)
+        # async derives C = min(12, B) = B and F = 2
+        cfg = DecoderConfig(mode=mode, num_slots=SLOTS, max_cache_len=CACHE, block_size=BLOCK, **kw)
         s["decoders"][key] = SpecDecoder(s["target"], None if mode == "plain" else s["drafter"], cfg)
     dec = s["decoders"][key]
     dec.free(dec.active_slots())
@@ -186,8 +186,7 @@ def test_insert_into_busy_slot_is_a_clear_error(setup):
 ])
 def test_config_errors_name_the_key(kw, key):
     with pytest.raises(ConfigError, match=key):
-        DecoderConfig(**{**dict(num_slots=2, max_cache_len=CACHE, block_size=BLOCK,
-                                branch_positions=BLOCK), **kw}).validate()
+        DecoderConfig(**{**dict(num_slots=2, max_cache_len=CACHE, block_size=BLOCK), **kw}).validate()
 
 
 def test_request_errors_name_the_problem(setup):

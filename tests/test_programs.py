@@ -38,8 +38,7 @@ from d3d_jax.decoding.decoder import DecoderConfig, Request, SpecDecoder
 mode, directory, slots = sys.argv[1], sys.argv[2], int(sys.argv[3])
 prompts, max_new = json.loads(sys.argv[4]), json.loads(sys.argv[5])
 target, drafter = tiny_pair(%(vocab)d, %(mask)d)
-cfg = DecoderConfig(mode=mode, num_slots=slots, max_cache_len=%(cache)d, block_size=%(block)d,
-                    branch_positions=%(block)d, branch_fanout=2)
+cfg = DecoderConfig(mode=mode, num_slots=slots, max_cache_len=%(cache)d, block_size=%(block)d)
 dec = SpecDecoder(target, drafter, cfg, program_dir=directory)
 tokens, _ = serve(dec, [Request(p, n) for p, n in zip(prompts, max_new)], [0, 0, 2])
 print(json.dumps(dict(tokens=[tokens[i] for i in range(len(prompts))], counts=dec.programs.counts,

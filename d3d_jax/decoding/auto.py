@@ -31,6 +31,7 @@ from d3d_jax.decoding import window as W
 from d3d_jax.decoding.async_core import V_HIT, V_MISS, AsyncCore, handoff
 from d3d_jax.decoding.async_strategy import windowed_side
 from d3d_jax.decoding.auto_gate import Gate
+from d3d_jax.decoding.branches import BranchLayout
 from d3d_jax.decoding.drafting import prefill_scored
 from d3d_jax.decoding.auto_policy import (MIN_ROUNDS_TO_SET_ASIDE, REJUDGE_AFTER, Acceptance, Geometry,
                                           Policy, Pool, geometric_rate)
@@ -66,7 +67,7 @@ class AutoStrategy(Strategy):
         self.cores = {"plain": ctx.core(1, False)}
         self.cores.update({f"sync/{b}": ctx.core(b, True) for b in cfg.auto_sync_blocks})
         self.async_cores = {f"async/{c}x{f}": AsyncCore(self.target_core, ctx.drafter,
-                                                        dataclasses.replace(cfg.layout, positions=c, fanout=f))
+                                                        BranchLayout(cfg.block_size, c, f))
                             for c, f in cfg.auto_async}
         geoms = [Geometry(label, core.width) for label, core in self.cores.items()]
         geoms += [Geometry(label, cfg.block_size) for label in self.async_cores]

@@ -37,6 +37,7 @@ import numpy as np
 from flax import nnx
 
 from d3d_jax.config import ConfigError
+from d3d_jax.config.decoding import check_drafter
 from d3d_jax.decoding import metrics as M
 from d3d_jax.decoding import window as W
 from d3d_jax.decoding.async_loop import LiveRows
@@ -114,10 +115,7 @@ class SpecDecoder:
         self.config = cfg = config
         target = _unstacked(target)  # one module per layer: no weight slices per step (qwen3 doc)
         vocab = target.config.vocab_size
-        if cfg.mode == "plain" and drafter is not None:
-            raise ConfigError("drafter: mode plain takes no drafter")
-        if cfg.mode != "plain" and drafter is None:
-            raise ConfigError(f"drafter: mode {cfg.mode} needs a drafter")
+        check_drafter(cfg.mode, drafter is not None)
         if any(int(t) >= vocab for t in cfg.eos_token_ids):
             raise ConfigError(f"decoder.eos_token_ids: ids must be < vocab_size {vocab}")
         self.drafter = as_drafter(drafter, vocab)

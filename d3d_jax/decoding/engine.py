@@ -17,12 +17,11 @@ import dataclasses
 import time
 from typing import Callable, Sequence
 
-from d3d_jax.config.decoding import DEFAULT_BLOCK_SIZE
+from d3d_jax.config.decoding import DEFAULT_BLOCK_SIZE, MODES
 from d3d_jax.decoding import metrics as M
 from d3d_jax.decoding.core import MAX_STOP_IDS
 from d3d_jax.decoding.decoder import SpecDecoder
-from d3d_jax.decoding.decoder_config import (MODES, DecoderConfig, Request, decoder_config,
-                                             prompt_problem)
+from d3d_jax.decoding.decoder_config import DecoderConfig, Request, decoder_config, prompt_problem
 from d3d_jax.decoding.drafting import ModelDrafter, ReplayDrafter, as_drafter
 from d3d_jax.decoding.verify import SamplingParams
 
@@ -38,28 +37,23 @@ class GenerationOutput:
 
 
 def make_decoder(target, drafter=None, *, mode: str = "plain", num_slots: int = 1,
-                 max_cache_len: int, block_size: int = DEFAULT_BLOCK_SIZE, mask_token_id: int | None = None,
+                 max_cache_len: int, block_size: int | None = None, mask_token_id: int | None = None,
                  program_dir: str | None = None, **fields) -> SpecDecoder:
     """A decoder for :func:`generate`.  ``drafter`` (modes other than plain): a Qwen3 drafter (its
     ``mask_token_id`` from the argument or its config) or any
     :class:`~d3d_jax.decoding.drafting.Drafter`.  ``fields``: more
     :class:`~d3d_jax.decoding.decoder_config.DecoderConfig` fields (``branch_positions``,
-    ``sample_drafts``, ``acceptance_rule``, ...; None takes the default).  ``program_dir``: keep
-    the compiled programs there across processes (:mod:`d3d_jax.compile_cache`)."""
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {'|'.join(MODES)}, got {mode!r}")
-    if mode == "plain" and drafter is not None:
-        raise ValueError("mode='plain' takes no drafter")
-    if mode != "plain" and drafter is None:
-        raise ValueError(f"mode={mode!r} needs a drafter")
-    if mode != "plain":
+    ``sample_drafts``, ``acceptance_rule``, ...; None is derived, as ``block_size``).
+    ``program_dir``: keep the compiled programs there across processes
+    (:mod:`d3d_jax.compile_cache`).  The decoder checks the mode against the drafter."""
+    if drafter is not None:
         drafter = as_drafter(drafter, target.config.vocab_size, mask_token_id)
     known = {f.name for f in dataclasses.fields(DecoderConfig)}
     unknown = sorted(set(fields) - known)
     if unknown:
         raise ValueError(f"unknown decoder options: {unknown} (DecoderConfig fields: {sorted(known)})")
     cfg = decoder_config(mode, num_slots=int(num_slots), max_cache_len=int(max_cache_len),
-                         block_size=int(block_size), **fields)
+                         block_size=block_size, **fields)
     return SpecDecoder(target, drafter, cfg, program_dir=program_dir)
 
 
