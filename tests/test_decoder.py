@@ -18,7 +18,8 @@ import pytest
 from d3d_jax.bench.generator import Generator
 from d3d_jax.config import ConfigError
 from d3d_jax.decoding import async_loop
-from d3d_jax.decoding.decoder import DecoderConfig, Request, RequestError, SlotError, SpecDecoder
+from d3d_jax.decoding.decoder import (DecoderConfig, Request, RequestError, SlotError, SpecDecoder,
+                                     slots_in_use)
 from d3d_jax.decoding.verify import SamplingParams
 from tiny_models import serve, tiny_pair
 
@@ -52,7 +53,7 @@ def _decoder(s, mode, **kw) -> SpecDecoder:
         cfg = DecoderConfig(mode=mode, num_slots=SLOTS, max_cache_len=CACHE, block_size=BLOCK, **kw)
         s["decoders"][key] = SpecDecoder(s["target"], None if mode == "plain" else s["drafter"], cfg)
     dec = s["decoders"][key]
-    dec.free(dec.active_slots())
+    dec.free(range(SLOTS))
     return dec
 
 
@@ -80,7 +81,7 @@ def test_continuous_batching_equals_solo_greedy(setup, mode):
     for i in (0, 2, 3, 4, 5):
         assert reasons[i] == "length"
         assert tokens[i] == s["solo"][i][: MAX_NEW[i]], (mode, i)
-    assert dec.active_slots() == [] and dec.free_slots() == list(range(SLOTS))
+    assert slots_in_use(dec) == []
 
 
 def test_eos_and_stop_per_request(setup):
@@ -318,3 +319,19 @@ def test_async_rounds_only_dispatch(setup, monkeypatch):
     results = dec.results(range(SLOTS))
     assert [r["token_ids"] for r in results] == [s["solo"][i][:20] for i in range(SLOTS)]
     assert sum(r["misses"] for r in results) > 0  # misses happened, yet no extra dispatch
+
+
+def test_the_decoder_and_the_serving_fake_keep_the_contract(setup):
+    """SpecDecoder is the contract's members and ``run_until_done`` (its own loop) and nothing
+    more public; the serving tests' fake has every member the scheduler and server use."""
+    import inspect
+
+    from d3d_jax.decoding.contract import Decoder
+    from serve_fake import FakeConfig, FakeDecoder
+
+    dec = _decoder(setup, "sync")
+    assert isinstance(dec, Decoder) and isinstance(FakeDecoder(FakeConfig()), Decoder)
+    contract = {n for n in vars(Decoder) if not n.startswith("_")} | set(Decoder.__annotations__)
+    public = {n for n, _ in inspect.getmembers(SpecDecoder) if not n.startswith("_")}
+    assert public == contract - {"config", "vocab_size", "programs"} | {"run_until_done"}
+    assert len(public) <= 10

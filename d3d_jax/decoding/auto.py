@@ -59,6 +59,7 @@ def offline_tau(drafter_dir) -> float | None:
 class AutoStrategy(Strategy):
     mode = "auto"
     drafter_in_state = True
+    loops = False
 
     def __init__(self, ctx: Context):
         super().__init__(ctx)
@@ -275,11 +276,6 @@ class AutoStrategy(Strategy):
         self.gate.observe(self.policy.bucket(sum(p.hi - p.lo for p in parts)),
                           any(self.geometry[p.label].width > 1 for p in parts),
                           sum(int(np.sum(o["count"])) for o in host_outs), None if fresh else wall)
-
-    def run_until_done(self, carry: Carry, params, lo: int, hi: int, *, step, **_):
-        """Rounds chosen one at a time: the decoder's own :meth:`step` loop (``step()`` returns
-        the carry once every row is done)."""
-        return step(), {}
 
     # ------------------------------------------------------------ start-up
     def warm_up(self, carry: Carry, params, widths: tuple[int, ...]) -> Carry:

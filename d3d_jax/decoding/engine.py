@@ -122,16 +122,17 @@ def generate(decoder: SpecDecoder, prompts: Sequence[Sequence[int]], *,
              sampling: SamplingParams = SamplingParams(), max_new_tokens: int = 128,
              eos_token_ids: Sequence[int] = (), stop_token_ids: Sequence[int] = (),
              seed: int = 0, row_seeds: Sequence[int] | None = None, hook: Callable | None = None,
-             timer=None, clock: Callable | None = None) -> list[GenerationOutput]:
+             loop: Callable | None = None, clock: Callable | None = None) -> list[GenerationOutput]:
     """Generate for every prompt with ``decoder``; outputs in prompt order.
 
     ``row_seeds``: one int in [0, 2**31) per prompt; prompt i then samples with
     ``fold_in(key(seed), row_seeds[i])`` instead of ``fold_in(key(seed), i)``, so its randomness
     does not depend on which other prompts share the call (data regeneration resumes with it).
     ``hook`` (async): sees every round's device arrays; a hook with ``finish()`` adds what it
-    returns to each batch's metrics (``d3d_jax.bench.timeline.AsyncTimeline``).  ``timer``
-    (plain/sync): rounds driven from the host with drafting and verifying timed apart
-    (``d3d_jax.bench.clock.PhaseTimer``).  ``clock``: a context manager factory whose
+    returns to each batch's metrics (``d3d_jax.bench.timeline.AsyncTimeline``).  ``loop``
+    (plain/sync): drives each batch's rounds instead of the on-device loop
+    (:meth:`SpecDecoder.run_until_done`; ``d3d_jax.bench.phased`` times drafting and verifying
+    apart).  ``clock``: a context manager factory whose
     ``.seconds`` is compile time to leave out of the decode time
     (``d3d_jax.bench.clock.CompileClock``)."""
     prompts = _check_call(decoder, prompts, sampling, max_new_tokens, eos_token_ids,
@@ -139,22 +140,21 @@ def generate(decoder: SpecDecoder, prompts: Sequence[Sequence[int]], *,
     index = list(range(len(prompts))) if row_seeds is None else [int(s) for s in row_seeds]
     requests = [Request(p, int(max_new_tokens), sampling, tuple(stop_token_ids), int(seed),
                         index[i], tuple(eos_token_ids)) for i, p in enumerate(prompts)]
-    decoder.free(decoder.active_slots())
+    decoder.free(range(decoder.config.num_slots))  # a failed earlier call may have left some
     bsz, outputs, sync_before = decoder.config.num_slots, [], [0]
     for bi, start in enumerate(range(0, len(requests), bsz)):
-        outputs += _run_batch(decoder, requests[start: start + bsz], bi, hook, timer, clock,
+        outputs += _run_batch(decoder, requests[start: start + bsz], bi, hook, loop, clock,
                               sync_before)
     return outputs
 
 
-def _run_batch(dec: SpecDecoder, requests: list[Request], batch_index: int, hook, timer, clock,
+def _run_batch(dec: SpecDecoder, requests: list[Request], batch_index: int, hook, loop, clock,
                sync_before: list) -> list[GenerationOutput]:
     slots = list(range(len(requests)))
     with (clock() if clock is not None else contextlib.nullcontext()) as clk:
         t0, c0 = time.perf_counter(), time.process_time()
         dec.insert(dec.prefill(requests), slots)
-        timings = dec.run_until_done(hook=hook, timer=timer)
-        dec.wait()
+        timings = dec.run_until_done(hook=hook, loop=loop)
         compile_s = getattr(clk, "seconds", 0.0)
         wall = time.perf_counter() - t0 - compile_s
         cpu = time.process_time() - c0 - compile_s
