@@ -114,21 +114,3 @@ class Context:
         from d3d_jax.io.checkpoint import load_model
 
         return load_model(str(path), dtype="float32")
-
-    def ship_tokenizer(self, model_dir: Path) -> None:
-        """The tokenizer beside the weights, so every command takes the model dir alone."""
-        for f in self.tokenizer_dir.iterdir():
-            if f.is_file():
-                shutil.copy2(f, model_dir / f.name)
-
-    @staticmethod
-    def store_compact(hf_dir: Path) -> None:
-        """Re-save a model in bfloat16 (half the shipped size; every stage runs it in float32)."""
-        from d3d_jax.io.checkpoint import load_model
-        from d3d_jax.io.hf import save_qwen3
-
-        model = load_model(str(hf_dir))
-        extra = {k: getattr(model.config, k) for k in ("mask_token_id", "block_size")
-                 if getattr(model.config, k) is not None}
-        save_qwen3(model, hf_dir, dtype="bfloat16", extra_config=extra)
-

@@ -43,7 +43,7 @@ def train_drafter(p: Context, v: C.DrafterVariantConfig) -> None:
                                     eval_every=max(25, steps // 30))  # the dev-loss curve
     dest = p.drafter_dir(v.name)
     shutil.copytree(hf_dir, dest, dirs_exist_ok=True)
-    p.store_compact(dest)  # pruning starts from the run's float32 export (float32_export)
+    runs.store_compact(dest)  # pruning starts from the run's float32 export (float32_export)
     tau = runs.offline_tau(p, p.load(dest))  # of the weights as stored
     write_json({"variant": dataclasses.asdict(v), "steps": steps, "seed": seed,
                 "init_from": str(init_dir or "random"), "final_loss": losses[-1] if losses else None,

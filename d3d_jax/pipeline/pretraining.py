@@ -59,7 +59,9 @@ def pretrain(p: Context, name: str, stage: C.PretrainStageConfig) -> None:
     dest = p.model_dir(name)
     shutil.copytree(hf_dir, dest, dirs_exist_ok=True)
     if name == "target":
-        p.store_compact(dest)  # shipped in bfloat16, run in float32 (Context.load)
-        p.ship_tokenizer(dest)
+        runs.store_compact(dest)  # shipped in bfloat16, run in float32 (Context.load)
+        for f in p.tokenizer_dir.iterdir():  # beside the weights: every command takes the model dir alone
+            if f.is_file():
+                shutil.copy2(f, dest / f.name)
     write_json({"steps": stage.steps, "final_loss": losses[-1] if losses else None,
                 "loss_every_25": losses[::25]}, dest / "pretrain_log.json")

@@ -1,5 +1,6 @@
 """What the training stages share: one training-loop run under the work dir (resumed if
-interrupted), its loss curve, the drafters' data and offline τ on the dev split."""
+interrupted), its loss curve, the drafters' data, offline τ on the dev split and the bfloat16
+copy that ships."""
 
 from __future__ import annotations
 
@@ -118,3 +119,14 @@ def offline_tau(ctx: Context, model, batches: list[dict] | None = None) -> dict:
     parts = [sums(model, {k: jax.numpy.asarray(v) for k, v in b.items()})
              for b in (dev_batches(ctx) if batches is None else batches)]
     return obj.summarize_tau(obj.pool_tau_sums(parts))
+
+
+def store_compact(hf_dir: Path) -> None:
+    """Re-save a trained model in bfloat16 (half the shipped size; every stage runs it in float32)."""
+    from d3d_jax.io.checkpoint import load_model
+    from d3d_jax.io.hf import save_qwen3
+
+    model = load_model(str(hf_dir))
+    extra = {k: getattr(model.config, k) for k in ("mask_token_id", "block_size")
+             if getattr(model.config, k) is not None}
+    save_qwen3(model, hf_dir, dtype="bfloat16", extra_config=extra)
