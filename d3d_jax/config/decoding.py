@@ -12,6 +12,7 @@ program passes (EOS ids, benchmark hooks): it inherits the fields, their checks 
 from __future__ import annotations
 
 import dataclasses
+import numbers
 
 from d3d_jax.config.base import DTYPES, TEXT, _require, between, one_of
 from d3d_jax.config.limits import MAX_BLOCK_SIZE, MAX_CACHE_LEN, MAX_SLOTS, require_int
@@ -61,7 +62,7 @@ def _given(value, default):
 
 def _int(value) -> int:
     """``value`` if an int, else 0: deriving never raises, so :meth:`DecoderSettings.validate` names a bad B."""
-    return value if isinstance(value, int) and not isinstance(value, bool) else 0
+    return int(value) if isinstance(value, numbers.Integral) and not isinstance(value, bool) else 0
 
 
 @dataclasses.dataclass(frozen=True)
