@@ -393,6 +393,7 @@ class SpecDecoder:
         return timings
 
     def _loop_to_end(self, hook, loop):
+        """``(carry, timings)`` of the strategy's loop (or ``loop``) over the live rows' window."""
         running = self._running()
         rows = np.asarray([self.placement.row_of[s] for s in running])
         infos = [self._slots[s] for s in running]
