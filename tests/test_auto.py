@@ -4,11 +4,12 @@ References: each request decoded alone by plain decoding (test_engine checks pla
 transformers) for "lossless in every mix of modes"; a fresh drafter prefill of the committed
 tokens for "the drafter's cache stays exact across plain rounds"; closed forms for the policy's
 expected tokens; a brute-force list model for the placement's swaps; counted dispatches for
-"8 arrivals, one prefill".
+"8 arrivals, one prefill per prompt bucket".
 """
 
 from __future__ import annotations
 
+import collections
 import itertools
 import math
 import random
@@ -27,7 +28,7 @@ from d3d_jax.decoding.placement import RowPlacement
 from tiny_models import serve, tiny_pair
 
 VOCAB, MASK, BLOCK, CACHE, SLOTS = 32, 31, 4, 96, 3
-LENGTHS = (1, 9, 4, 7, 2, 5)
+LENGTHS = (1, 9, 4, 7, 2, 21)  # two prompt buckets (16, 32)
 MAX_NEW = (30, 14, 26, 12, 20, 28)
 
 
@@ -337,9 +338,10 @@ def test_placement_keeps_live_rows_packed_in_class_order():
 
 
 def test_one_admission_dispatch_for_eight_arrivals(setup, monkeypatch):
-    """8 requests arriving together are prefilled in ONE dispatch (each at its own length
-    bucket), and each then decodes exactly its solo output; a round over 1 live row in 8 slots
-    runs the 1-row program."""
+    """8 requests arriving together are prefilled in one dispatch per prompt-length bucket
+    among them (not one per request), and each then decodes exactly its solo output; a round
+    over 1 live row in 8 slots runs the 1-row program."""
+    from d3d_jax.decoding.decoder_config import prompt_bucket
     from d3d_jax.serving.scheduler import Scheduler
 
     s = setup
@@ -354,7 +356,9 @@ def test_one_admission_dispatch_for_eight_arrivals(setup, monkeypatch):
         k = i % 6
         sched.submit(Request(s["prompts"][k], 6 + i, index=i), lambda ev, i=i: got[i].extend(ev.token_ids))
     sched.run_until_idle(timeout_s=300)
-    assert calls == [8]
+    per_bucket = collections.Counter(prompt_bucket(len(s["prompts"][i % 6]), CACHE) for i in range(8))
+    assert len(per_bucket) > 1  # the prompts span buckets: the grouping is exercised
+    assert calls == [per_bucket[b] for b in sorted(per_bucket)]
     for i in range(8):
         assert got[i] == s["solo"][i % 6][: 6 + i], i
     assert ("plain", 8) in dec.strategy.compiled
@@ -363,7 +367,7 @@ def test_one_admission_dispatch_for_eight_arrivals(setup, monkeypatch):
         for slot, out in dec.step().items():
             if out.finished:
                 dec.free(slot)
-    assert calls == [8, 1] and dec.strategy.compiled >= {("plain", 1)}
+    assert calls[-1] == 1 and len(calls) == len(per_bucket) + 1 and dec.strategy.compiled >= {("plain", 1)}
 
 
 def test_costs_of_widths_not_yet_served_follow_the_served_ones():
@@ -505,6 +509,45 @@ def test_start_up_times_each_program_after_a_lead_in_round(setup, monkeypatch):
     assert len(st.policy.geometries) >= 3
     for g in st.policy.geometries:
         assert st.policy.costs.get(g.label, 1) == pytest.approx(0.005, abs=0.003), g.label
+
+
+def test_start_up_times_are_kept_with_the_programs_and_read_by_the_next_start(setup, monkeypatch, tmp_path):
+    """A start times every (geometry, width) once and keeps the times in the program store; the
+    next start of the same decoder reads them and times nothing; one asking for a width never
+    timed, or finding the note damaged, times again."""
+    import time as clock
+
+    from d3d_jax.decoding.auto import COSTS_NOTE
+
+    cfg = DecoderConfig(mode="auto", num_slots=2, max_cache_len=CACHE, block_size=BLOCK)
+    runs: list[str] = []
+
+    def start(widths):
+        dec = SpecDecoder(setup["target"], setup["drafter_model"], cfg, program_dir=tmp_path)
+        st = dec.strategy
+
+        def run(carry, params, label, start, lo, hi, rows):  # each geometry its own time
+            clock.sleep(0.001 * len(label) * rows)
+            runs.append(label)
+            return carry, {}
+
+        monkeypatch.setattr(st, "_run", run)
+        dec._ensure_state()
+        runs.clear()
+        dec.carry = st.warm_up(dec.carry, dec._params, widths)
+        return dec, dict(st.policy.costs.calibrated), len(runs)
+
+    first, costs, n_first = start((1,))
+    keys = len(first.strategy.geometry)
+    assert keys >= 3 and set(costs) == {(g, 1) for g in first.strategy.geometry}
+    assert n_first > keys  # compiled, then timed
+    _, again, n_again = start((1,))
+    assert again == costs and n_again == keys  # compiled (or read) only: no timed round
+    _, wider, n_wider = start((1, 2))
+    assert n_wider > 2 * keys and set(wider) == {(g, w) for g in first.strategy.geometry for w in (1, 2)}
+    (first.programs.dir / f"{COSTS_NOTE}.json").write_text("{not json")
+    _, _, n_damaged = start((1,))
+    assert n_damaged > keys
 
 
 def test_a_prompt_the_drafter_cannot_predict_judges_its_request_at_admission():

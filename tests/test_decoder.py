@@ -122,6 +122,25 @@ def test_mixed_sampling_in_one_batch_equals_each_alone(setup, mode):
     assert other_seed[0] != together[1]
 
 
+@pytest.mark.parametrize("mode", ["plain", "sync"])
+def test_an_all_greedy_batch_runs_the_loop_that_holds_no_sampling_code(setup, mode):
+    """``generate``'s on-device loop for a batch of plain greedy requests is a program of its
+    own (no sampling, logit processing nor logprobs in it) and decodes the solo greedy outputs;
+    one request asking for logprobs takes the general loop, which decodes the same tokens."""
+    from d3d_jax.decoding.engine import generate as decode
+
+    s = setup
+    cfg = DecoderConfig(mode=mode, num_slots=SLOTS, max_cache_len=CACHE, block_size=BLOCK)
+    dec = SpecDecoder(s["target"], None if mode == "plain" else s["drafter"], cfg)
+    loop = f"{dec.strategy.label}/loop"
+    greedy = [o.token_ids for o in decode(dec, s["prompts"][:SLOTS], max_new_tokens=8)]
+    assert greedy == [r[:8] for r in s["solo"][:SLOTS]]
+    assert {p for p, _ in dec.strategy.compiled} & {loop, loop + "/greedy"} == {loop + "/greedy"}
+    general = decode(dec, s["prompts"][:SLOTS], max_new_tokens=8, sampling=SamplingParams(logprobs=0))
+    assert [o.token_ids for o in general] == greedy
+    assert loop in {p for p, _ in dec.strategy.compiled}
+
+
 def _row(dec, slot):
     """Every per-row field of ``slot`` (caches up to their valid length)."""
     st = jax.device_get(dec.carry.state)

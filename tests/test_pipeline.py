@@ -104,7 +104,7 @@ def test_mini_pipeline_end_to_end(tmp_path, capsys):
     run(again, evaluate=False)
     assert again.timings == {}
     assert capsys.readouterr().out.count("output exists, skipped") == 6 + len(cfg.drafters)  # stages 1-7
-    # A fresh clone has no training split (not shipped): with every drafter built, nothing reruns.
+    # Without the training split (deleted to save space), with every drafter built, nothing reruns.
     (out / "data/regenerated_train.jsonl").unlink()
     fresh = Context(cfg, work_dir=str(tmp_path / "work"))
     run(fresh, evaluate=False)

@@ -145,16 +145,18 @@ def test_a_decoder_that_cannot_be_keyed_keeps_nothing(tmp_path):
 
 
 @pytest.mark.slow
-def test_server_warm_start_reads_programs_and_first_request_compiles_nothing(tmp_path):
+@pytest.mark.parametrize("mode", ["sync", "auto"])
+def test_server_warm_start_reads_programs_and_first_request_compiles_nothing(tmp_path, mode):
     """Two starts of ``infer/serve.py`` on one cache directory: the second reads the 1-row
     round before READY (nothing compiled) and the rest in the background; its first request
-    writes no file under the cache (no compile anywhere), and its text equals the first start's."""
+    writes no file under the cache (no compile anywhere), and its text equals the first start's.
+    Auto's warm start times nothing: its round costs are the note its cold start kept."""
     from d3d_jax.bench.serve import ServerProcess
 
     demo = ROOT / "artifacts" / "demo"
     cache = tmp_path / "cache"
     argv = ["--target", str(demo / "models" / "target"), "--drafter", str(demo / "drafters" / "small"),
-            "--tokenizer", str(demo / "tokenizer"), "--dtype", "float32", "--mode", "sync",
+            "--tokenizer", str(demo / "tokenizer"), "--dtype", "float32", "--mode", mode,
             "--num-slots", "2", "--max-model-len", "128", "--warmup-max-prompt", "16",
             "--compile-cache", str(cache)]
     files = lambda: {p for p in cache.rglob("*") if p.is_file()}  # noqa: E731
@@ -165,7 +167,7 @@ def test_server_warm_start_reads_programs_and_first_request_compiles_nothing(tmp
         req = urllib.request.Request(url + "/v1/completions", body, {"Content-Type": "application/json"})
         return json.loads(urllib.request.urlopen(req, timeout=300).read())["choices"][0]["text"]
 
-    texts, logs = [], []
+    texts, logs, notes = [], [], []
     for _ in range(2):
         server = ServerProcess(argv, timeout_s=900)
         try:
@@ -174,6 +176,7 @@ def test_server_warm_start_reads_programs_and_first_request_compiles_nothing(tmp
             written = files() - before
             server.log.flush()
             logs.append(Path(server.log.name).read_text())
+            notes.append({p: p.stat().st_mtime_ns for p in cache.rglob("auto_round_costs.json")})
         finally:
             server.stop()
     assert texts[0] == texts[1] and texts[0]
@@ -181,6 +184,7 @@ def test_server_warm_start_reads_programs_and_first_request_compiles_nothing(tmp
     assert "wider windows read in the background" in warm_log, warm_log[-3000:]
     assert "'compiled': 0," in warm_log and "'loaded': 0," not in warm_log, warm_log[-3000:]
     assert not written, sorted(map(str, written))
+    assert len(notes[0]) == (mode == "auto") and notes[1] == notes[0]  # auto: timed once, then read
 
 
 def test_programs_by_argument_types_and_a_second_store_reads_them(tmp_path):

@@ -2,15 +2,15 @@
 in ONE dispatch (issue 26 item 7).
 
 The program loops over the admitted rows on the device (a ``fori_loop`` with a traced count, so
-one program serves 1 or 32 arrivals).  Each row is prefilled at its own prompt-length bucket
-(:func:`~d3d_jax.decoding.decoder_config.prompt_buckets`, one ``lax.switch`` branch per bucket:
-a short prompt never pays for a long one) and written into the state in place.  One program per
-decoder side, compiled once: no compile per arrival count or prompt length.
+one program serves 1 or 32 arrivals).  Its rows share one prompt-length bucket
+(:func:`~d3d_jax.decoding.decoder_config.prompt_buckets`): the decoder admits each bucket's rows
+in a dispatch of their own, so a short prompt never pays for a long one, and a program holds one
+prefill, not one branch per bucket (those were most of a small model's first compile).  One
+program per decoder side and bucket, compiled when first used: none per arrival count.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Callable
 
 import jax
@@ -23,10 +23,6 @@ from d3d_jax.model.kv_cache import KVCache
 def row_at(rows: RowInput, i: jax.Array) -> RowInput:
     """Row ``i`` of every per-row input (a batch of one)."""
     return jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, i, 1, axis=0), rows)
-
-
-def cut_prompt(rows: RowInput, length: int) -> RowInput:
-    return dataclasses.replace(rows, prompt=rows.prompt[:, :length])
 
 
 def pad_caches(tree, length: int):
@@ -42,21 +38,14 @@ def pad_caches(tree, length: int):
 
 
 def admit(tree, rows: RowInput, index: jax.Array, count: jax.Array, *, prefill: Callable,
-          insert: Callable, buckets: tuple[int, ...], cache_len: int):
+          insert: Callable, cache_len: int):
     """``tree`` with rows ``index[:count]`` filled by ``insert(tree, prefill(row), slot [1])``.
 
-    ``prefill(row)`` gets one request cut to its prompt bucket; its caches are padded to
-    ``cache_len`` so every bucket's branch returns one shape (the write happens outside the
-    switch, in place, never inside a branch, where XLA would copy the state first)."""
-    edges = jnp.asarray(buckets, jnp.int32)
-
-    def branch(length):
-        return lambda r: pad_caches(prefill(cut_prompt(r, length)), cache_len)
+    ``prefill(row)`` gets one request at the rows' prompt width (their bucket); its caches are
+    padded to ``cache_len``, the state's length, and written in place."""
 
     def body(i, t):
-        r = row_at(rows, i)
-        k = jnp.minimum(jnp.searchsorted(edges, r.prompt_len[0]), len(buckets) - 1)
-        parts = jax.lax.switch(k, [branch(b) for b in buckets], r)
+        parts = pad_caches(prefill(row_at(rows, i)), cache_len)
         return insert(t, parts, jax.lax.dynamic_slice_in_dim(index, i, 1))
 
     return jax.lax.fori_loop(0, count, body, tree)

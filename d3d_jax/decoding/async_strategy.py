@@ -58,7 +58,7 @@ class AsyncStrategy(Strategy):
         side = admit_rows(side, rows, index, count,
                           prefill=lambda r: self.acore.prefill_drafter(dp, r),
                           insert=lambda s, new, slot: self.acore.insert(s, new, slot)[0],
-                          buckets=cfg.prompt_buckets, cache_len=cfg.max_cache_len)
+                          cache_len=cfg.max_cache_len)
         return side, handoff(side.block, side.draft_len)
 
     def admit(self, carry: Carry, params, rows, index, count) -> Carry:

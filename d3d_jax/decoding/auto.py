@@ -13,13 +13,15 @@ Every geometry is a round program over the same state (one device slice):
 
 Every round verifies exactly, so outputs are plain decoding's whatever the mix (greedy: token for
 token; sampling: the same keyed draws).  Each (geometry, window width) is one program; all are
-compiled and timed at :meth:`AutoStrategy.warm_up` (start-up), or lazily when first run.
+compiled and timed at :meth:`AutoStrategy.warm_up` (start-up; the times kept in the program
+store, so a restart reads them), or lazily when first run.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import time
 from pathlib import Path
 
@@ -42,6 +44,8 @@ DEFAULT_PRIOR_TAU = 2.0  # a drafter of unknown quality: barely better than noth
 CALIBRATION_ROUNDS = 5  # timing passes over the programs at start-up, interleaved (after the compiles)
 # rounds per program per pass, back to back after one untimed lead-in (why: docs/design/auto.md, start-up timing)
 CALIBRATION_RUN = 2
+# the start-up times, kept beside the programs they timed: a restart reads them, not re-times
+COSTS_NOTE = "auto_round_costs"
 
 
 def offline_tau(drafter_dir) -> float | None:
@@ -280,18 +284,49 @@ class AutoStrategy(Strategy):
     # ------------------------------------------------------------ start-up
     def warm_up(self, carry: Carry, params, widths: tuple[int, ...]) -> Carry:
         """Compile every (geometry, width) program and time it: the costs' starting point (an
-        untimed width is scaled from the nearest timed one, or timed when first run).  The timed
+        untimed width is scaled from the nearest timed one, or timed when first run).  The times
+        are kept in the program store; a start that finds them for every program (same decoder,
+        model, devices and code) reads them instead of timing again.  The timed
         rounds are interleaved (``CALIBRATION_RUN`` of each program per pass after an untimed
         lead-in, ``CALIBRATION_ROUNDS`` passes, the median kept), so a change of load on the
         machine moves every geometry's time alike and leaves their ratios, which are what the
         choice weighs, as they are."""
-        n = self.ctx.config.num_slots
-        carry = self.admit(carry, params, self._dummy_rows(n), np.full((n,), n, np.int32), 0)
+        carry = self.warm_admission(carry, params)
         keys = [(label, width) for width in widths for label in self.geometry]
         for label, width in keys:
             self.note((label, width))
             carry, _ = self._run(carry, params, label, 0, 0, 0, width)  # compiles
         jax.block_until_ready(carry)
+        saved = self._saved_costs()
+        if all(key in saved for key in keys):  # timed by an earlier start with these programs
+            for (label, width), seconds in saved.items():
+                self.policy.costs.calibrate(label, width, seconds)
+            return carry
+        carry, times = self._time_rounds(carry, params, keys)
+        for (label, width), seconds in times.items():
+            self.policy.costs.calibrate(label, width, seconds)
+        self.ctx.programs.write_note(COSTS_NOTE, {"rounds": [
+            {"geometry": label, "rows": width, "seconds": seconds}
+            for (label, width), seconds in sorted({**saved, **times}.items())]})
+        return carry
+
+    def _saved_costs(self) -> dict[tuple[str, int], float]:
+        """Start-up round times an earlier start kept in the program store (same decoder, model,
+        devices and code: the store's salt), for the geometries this decoder has."""
+        note = self.ctx.programs.read_note(COSTS_NOTE) or {}
+        out = {}
+        for r in note.get("rounds", []) if isinstance(note.get("rounds"), list) else []:
+            try:
+                key, seconds = (str(r["geometry"]), int(r["rows"])), float(r["seconds"])
+            except (KeyError, TypeError, ValueError):
+                return {}  # not a note this code wrote: time again
+            if key[0] in self.geometry and 0 < seconds < math.inf:
+                out[key] = seconds
+        return out
+
+    def _time_rounds(self, carry: Carry, params, keys: list) -> tuple[Carry, dict]:
+        """The median time of each (geometry, width)'s no-op round, interleaved (the docstring
+        of :meth:`warm_up`)."""
         times: dict = {key: [] for key in keys}
         for _ in range(CALIBRATION_ROUNDS):
             for label, width in keys:
@@ -302,6 +337,4 @@ class AutoStrategy(Strategy):
                     carry, _ = self._run(carry, params, label, 0, 0, 0, width)
                 jax.block_until_ready(carry)
                 times[(label, width)].append((time.perf_counter() - t0) / CALIBRATION_RUN)
-        for (label, width), ts in times.items():
-            self.policy.costs.calibrate(label, width, float(np.median(ts)))
-        return carry
+        return carry, {key: float(np.median(ts)) for key, ts in times.items()}

@@ -228,10 +228,13 @@ class DecodeCore:
         return out, dataclasses.replace(state, drafter_state=dstate)
 
     def verify(self, target_params, state: DecodeState, fed: jax.Array, compared: jax.Array,
-               draft_probs=None):
+               draft_probs=None, sampling: SamplingParams | None = None):
         """Target forward over ``[anchor, fed]`` (cache span bucketed by the active rows), each
         row's logit processors (bias, min_tokens, penalties: :func:`verify.adjust_logits`), the
-        rule on ``compared``; returns ``(accepted, next_token, cache, logprobs)``."""
+        rule on ``compared``; returns ``(accepted, next_token, cache, logprobs)``.  ``sampling``
+        (default: the rows' own) may be :data:`verify.GREEDY`, static, when every row is greedy
+        with no processor: the program then holds no sampling code at all."""
+        sampling = state.sampling if sampling is None else sampling
         target = nnx.merge(self.target_graphdef, target_params)
         s = state.anchor_pos
         anchor = jnp.take_along_axis(state.seq, s[:, None], axis=1)
@@ -246,15 +249,15 @@ class DecodeCore:
         logits, write = kvc.call_with_span(forward, needed, cache_in,
                                            jnp.concatenate([anchor, fed], axis=1), pos)
         cache = write.apply(cache_in)
-        logits = V.adjust_logits(logits, state.sampling, state.seq, state.prompt_len, s,
+        logits = V.adjust_logits(logits, sampling, state.seq, state.prompt_len, s,
                                  state.n_out, state.stop_ids, fed)
         accepted, next_token = self.rule(logits, compared, draft_probs, s, state.row_keys,
-                                         state.sampling)
+                                         sampling)
         if self.override is not None:
             accepted, next_token = self.override.accept(accepted, next_token, s, state.row_keys,
                                                         self.width)
         logprobs = V.emitted_logprobs(logits, emitted_tokens(fed, accepted, next_token),
-                                      state.sampling)
+                                      sampling)
         return accepted, next_token, cache, logprobs
 
     def commit(self, state: DecodeState, fed: jax.Array, accepted: jax.Array,
@@ -296,18 +299,19 @@ class DecodeCore:
             logprobs = (jnp.zeros((b, w)), jnp.zeros((b, w, n), jnp.int32), jnp.zeros((b, w, n)))
         return state, RoundResult(emitted, n_emit, finish, jnp.where(active, accepted, 0), *logprobs)
 
-    def round(self, target_params, drafter_params, state: DecodeState
-              ) -> tuple[DecodeState, RoundResult]:
-        """Plain (no drafter) or sync: draft, verify, commit."""
+    def round(self, target_params, drafter_params, state: DecodeState,
+              sampling: SamplingParams | None = None) -> tuple[DecodeState, RoundResult]:
+        """Plain (no drafter) or sync: draft, verify (``sampling``: :meth:`verify`'s), commit."""
         if self.drafter is None:
             draft = DraftOutput(jnp.zeros((state.seq.shape[0], self.width - 1), jnp.int32), None, None)
         else:
             draft, state = self.draft(drafter_params, state)
         accepted, next_token, cache, logprobs = self.verify(target_params, state, draft.drafts,
-                                                            draft.drafts, draft.probs)
+                                                            draft.drafts, draft.probs, sampling)
         return self.commit(state, draft.drafts, accepted, next_token, cache, logprobs)
 
-    def run_until_done(self, target_params, drafter_params, state: DecodeState) -> DecodeState:
+    def run_until_done(self, target_params, drafter_params, state: DecodeState,
+                       sampling: SamplingParams | None = None) -> DecodeState:
         """Rounds in a ``lax.while_loop`` on the device until every row is done."""
         # every round commits >= 1 token per active row, so this many rounds always suffice
         limit = jnp.max(jnp.where(state.done, 0, state.max_new - state.n_out))
@@ -318,6 +322,6 @@ class DecodeCore:
 
         def body(carry):
             i, st = carry
-            return i + 1, self.round(target_params, drafter_params, st)[0]
+            return i + 1, self.round(target_params, drafter_params, st, sampling)[0]
 
         return jax.lax.while_loop(cond, body, (jnp.int32(0), state))[1]

@@ -44,12 +44,12 @@ from d3d_jax.decoding import window as W
 from d3d_jax.decoding.async_loop import LiveRows
 from d3d_jax.decoding.core import FINISH_REASONS, MAX_STOP_IDS, RowInput
 from d3d_jax.decoding.decoder_config import (DecoderConfig, Request, RequestError, SlotError,
-                                             StepOutput, request_problem)
+                                             StepOutput, prompt_bucket, request_problem)
 from d3d_jax.decoding.drafting import as_drafter
 from d3d_jax.decoding.placement import RowPlacement, placer, resolve_slices
 from d3d_jax.decoding.programs import ProgramStore, decoder_salt
 from d3d_jax.decoding.strategies import LOGPROB_KEYS, Context
-from d3d_jax.decoding.verify import SamplingParams
+from d3d_jax.decoding.verify import GREEDY, SamplingParams
 
 __all__ = ["SpecDecoder", "DecoderConfig", "Request", "Prefix", "StepOutput", "RequestError",
            "SlotError", "SamplingParams"]
@@ -233,11 +233,12 @@ class SpecDecoder:
         if self.carry is None:
             self.carry = self.strategy.init(self.config.num_slots)
 
-    def _row_input(self, requests: Sequence[Request]) -> RowInput:
-        """Host arrays for every slot's row (rows past the requests repeat the first: unused)."""
+    def _row_input(self, requests: Sequence[Request], width: int) -> RowInput:
+        """Host arrays for every slot's row, prompts ``width`` wide (their bucket); rows past the
+        requests repeat the first (unused)."""
         n, cap = self.config.num_slots, self.config.max_cache_len
         reqs = [requests[r] if r < len(requests) else requests[0] for r in range(n)]
-        prompt = np.zeros((n, cap), np.int32)
+        prompt = np.zeros((n, width), np.int32)
         stop_ids = np.full((n, MAX_STOP_IDS), -1, np.int32)
         stop_is_eos = np.zeros((n, MAX_STOP_IDS), bool)
         for r, req in enumerate(reqs):
@@ -267,13 +268,18 @@ class SpecDecoder:
                 self._row_ops(run)
 
     def _admit(self, run: list[tuple]) -> None:
-        live = [(s, row) for _, s, row in run if s in self._slots]
-        if not live:
-            return
-        rows = self._row_input([self._slots[s].request for s, _ in live])
-        index = np.full((self.config.num_slots,), self.config.num_slots, np.int32)
-        index[: len(live)] = [row for _, row in live]
-        self.carry = self.strategy.admit(self.carry, self._params, rows, index, len(live))
+        """One dispatch per prompt bucket among the admitted rows (a program each, compiled when
+        a bucket is first used)."""
+        by_bucket: dict[int, list[tuple[int, int]]] = {}
+        for _, s, row in run:
+            if s in self._slots:
+                width = prompt_bucket(len(self._slots[s].request.prompt), self.config.max_cache_len)
+                by_bucket.setdefault(width, []).append((s, row))
+        for width, live in sorted(by_bucket.items()):
+            rows = self._row_input([self._slots[s].request for s, _ in live], width)
+            index = np.full((self.config.num_slots,), self.config.num_slots, np.int32)
+            index[: len(live)] = [row for _, row in live]
+            self.carry = self.strategy.admit(self.carry, self._params, rows, index, len(live))
 
     def _row_ops(self, run: list[tuple]) -> None:
         for k in range(0, len(run), OPS_PER_DISPATCH):
@@ -403,8 +409,9 @@ class SpecDecoder:
         bound = int(max(live.max_new - live.n_out))  # every round commits >= 1 token per row
         if loop is not None:
             return loop(self.strategy, self.carry, self._params, 0, self.placement.size, bound)
+        greedy = all(i.request.sampling == GREEDY for i in infos)  # the loop without sampling code
         return self.strategy.run_until_done(self.carry, self._params, 0, self.placement.size, live=live,
-                                            max_rounds=bound, hook=hook)
+                                            max_rounds=bound, hook=hook, greedy=greedy)
 
     def warm_up(self, widths: Sequence[int] | None = None) -> float:
         """Compile (or read from the program store; auto also times) the admission, row-ops and

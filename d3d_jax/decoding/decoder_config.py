@@ -14,10 +14,9 @@ from d3d_jax.decoding.core import MAX_STOP_IDS
 from d3d_jax.decoding.verify import SamplingParams
 
 MIN_PROMPT_BUCKET = 16
-# Each bucket is a prefill branch in the admission program.  Growing by 4 halved them (a 4-layer
-# model's admission compiled in 1.6 s instead of 2.5) but padded a 32-token prompt to 64: its
-# prefill took 6.5 ms instead of 4.8, paid by every request, while a compile is paid once per
-# machine (the compile cache).  So by 2.
+# Each bucket is an admission program of its own, compiled when a prompt first needs it.
+# Growing by 4 would halve them but pad a 32-token prompt to 64 (its prefill 6.5 ms, not 4.8),
+# paid by every request, while a compile is paid once per machine (the compile cache).  So by 2.
 PROMPT_BUCKET_GROWTH = 2
 
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import json
 import logging
 import os
 import pickle
@@ -280,6 +281,32 @@ class ProgramStore:
             if entry.key_text not in self._by_text and self._fetch(entry.name, entry.key_text, entry) is not None:
                 n += 1
         return n
+
+    def read_note(self, name: str) -> dict | None:
+        """A JSON note kept beside this salt's programs (None: absent, unreadable or no store).
+        What a decoder measured on this machine with these very programs (auto's round costs)."""
+        if not self.enabled:
+            return None
+        try:
+            data = json.loads((self.dir / f"{name}.json").read_text())
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError) as e:  # damaged: measured again, like a damaged program
+            log.warning("program store: note %s unreadable (%s); measuring again", name, e)
+            return None
+        return data if isinstance(data, dict) else None
+
+    def write_note(self, name: str, data: dict) -> None:
+        """Keep ``data`` as note ``name`` (atomically; a read-only store logs and keeps none)."""
+        if not self.enabled:
+            return
+        path = self.dir / f"{name}.json"
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+        try:
+            tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
+            os.replace(tmp, path)
+        except OSError as e:
+            log.warning("program store: note %s not kept (%s)", name, e.strerror or e)
 
     def stored(self) -> int:
         """Entries on disk for this salt."""

@@ -29,7 +29,7 @@ from d3d_jax.decoding.admission import admit as admit_rows
 from d3d_jax.decoding.core import MAX_STOP_IDS, DecodeCore, DecodeState, RoundResult, RowInput
 from d3d_jax.decoding.decoder_config import Request
 from d3d_jax.decoding.programs import ProgramStore
-from d3d_jax.decoding.verify import SamplingParams
+from d3d_jax.decoding.verify import GREEDY, SamplingParams
 
 
 @jax.tree_util.register_dataclass
@@ -127,6 +127,8 @@ class Strategy:
         self._admit = self.jit(self._admit_fn, donate_argnums=2)
         self._ops = self.jit(lambda st, ops, n: W.apply_row_ops(st, ops, n, mark_done),
                              name="row_ops", donate_argnums=0)
+        self._read_rows = self.jit(lambda fields, rows: {k: v[rows] for k, v in fields.items()},
+                                   name="read_rows")
 
     def jit(self, fn, name: str | None = None, **kw):
         """``jax.jit`` through the decoder's program store (kept on disk when it has a directory)."""
@@ -149,7 +151,7 @@ class Strategy:
         return admit_rows(state, rows, index, count,
                           prefill=prefill or (lambda r: self._prefill_parts(t_leaves, d_leaves, r)),
                           insert=insert or (lambda st, parts, slot: self.home.insert(st, *parts, slot)),
-                          buckets=cfg.prompt_buckets, cache_len=cfg.max_cache_len)
+                          cache_len=cfg.max_cache_len)
 
     def admit(self, carry: Carry, params, rows: RowInput, index, count) -> Carry:
         """Prefill and insert ``count`` rows (one dispatch per device slice)."""
@@ -162,13 +164,20 @@ class Strategy:
         return dataclasses.replace(carry, state=self._ops(carry.state, self.ctx.t_put(ops), count))
 
     def row_results(self, carry: Carry, rows: np.ndarray) -> dict:
-        """Device arrays of rows ``rows``: tokens, lengths, finish, histogram (and async counts)."""
-        st = carry.state
-        out = dict(seq=st.seq[rows], prompt_len=st.prompt_len[rows], n_out=st.n_out[rows],
-                   finish=st.finish[rows], accept_hist=st.accept_hist[rows])
-        if carry.side is not None and getattr(carry.side, "hits", None) is not None:
-            out.update(hits=carry.side.hits[rows], misses=carry.side.misses[rows],
-                       sync_drafts=carry.side.sync_drafts)
+        """Host arrays of rows ``rows``: tokens, lengths, finish, histogram (and async counts),
+        read by one program whatever the number of rows (eager indexing compiled a gather, a
+        broadcast and a select per field at a decoder's first results)."""
+        st, side = carry.state, carry.side
+        padded = np.zeros((self.ctx.config.num_slots,), np.int32)
+        padded[: len(rows)] = rows
+        reads = [dict(seq=st.seq, prompt_len=st.prompt_len, n_out=st.n_out, finish=st.finish,
+                      accept_hist=st.accept_hist)]
+        if getattr(side, "hits", None) is not None:  # async: its side may live on other devices
+            reads.append(dict(hits=side.hits, misses=side.misses))
+        out = {k: v[: len(rows)] for r in jax.device_get([self._read_rows(r, padded) for r in reads])
+               for k, v in r.items()}
+        if len(reads) > 1:
+            out["sync_drafts"] = jax.device_get(side.sync_drafts)
         return out
 
     # ------------------------------------------------------------ rounds
@@ -204,8 +213,7 @@ class Strategy:
     def warm_up(self, carry: Carry, params, widths: tuple[int, ...]) -> Carry:
         """Compile admission and the round of each window width in ``widths`` (no-op rounds: no
         row takes part)."""
-        n = self.ctx.config.num_slots
-        carry = self.admit(carry, params, self._dummy_rows(n), np.full((n,), n, np.int32), 0)
+        carry = self.warm_admission(carry, params)
         for width in widths:
             carry = self._noop(carry, params, width)
         jax.block_until_ready(carry)
@@ -215,12 +223,19 @@ class Strategy:
         """One round over a window of ``rows`` rows in which no row takes part (compiles it)."""
         raise NotImplementedError
 
-    def _dummy_rows(self, n: int) -> RowInput:
+    def warm_admission(self, carry: Carry, params) -> Carry:
+        """Compile the admission of every prompt bucket (no row admitted)."""
+        n = self.ctx.config.num_slots
+        for width in self.ctx.config.prompt_buckets:
+            carry = self.admit(carry, params, self._dummy_rows(n, width), np.full((n,), n, np.int32), 0)
+        return carry
+
+    def _dummy_rows(self, n: int, width: int) -> RowInput:
         cfg, zeros = self.ctx.config, np.zeros((n,), np.int32)
         data = None
         if self.ctx.drafter is not None:
             data = self.ctx.drafter.request_data([Request([0], 1)] * n, cfg.max_cache_len)
-        return RowInput(np.zeros((n, cfg.max_cache_len), np.int32), zeros + 1, zeros, zeros,
+        return RowInput(np.zeros((n, width), np.int32), zeros + 1, zeros, zeros,
                         zeros + 1, np.full((n, MAX_STOP_IDS), -1, np.int32),
                         np.zeros((n, MAX_STOP_IDS), bool),
                         SamplingParams.stack([SamplingParams()] * n), data)
@@ -235,7 +250,7 @@ class CoreStrategy(Strategy):
         self.core = self.home
         self.label = self.mode if self.mode == "plain" else f"sync/{ctx.config.block_size}"
         self._round = self.jit(self._round_fn, static_argnames="rows", donate_argnums=2)
-        self._loop = self.jit(self._loop_fn, static_argnames="rows", donate_argnums=2)
+        self._loop = self.jit(self._loop_fn, static_argnames=("rows", "greedy"), donate_argnums=2)
         # the round in two programs, for a benchmark that times them apart (d3d_jax.bench.phased)
         self.draft = self.jit(self._draft_fn, static_argnames="rows", donate_argnums=1)
         self.verify = self.jit(self._verify_fn, static_argnames="rows", donate_argnums=1)
@@ -244,10 +259,13 @@ class CoreStrategy(Strategy):
         tp, dp = self.ctx.tp(t_leaves), self.ctx.dp(d_leaves)
         return windowed(lambda v: self.core.round(tp, dp, v), rows, state, start, lo, hi)
 
-    def _loop_fn(self, t_leaves, d_leaves, state, start, lo, hi, *, rows):
+    def _loop_fn(self, t_leaves, d_leaves, state, start, lo, hi, *, rows, greedy):
+        """``greedy``: every row is greedy with no logit processor nor logprobs, and the loop
+        holds no sampling code (a third of a small model's loop compile)."""
         tp, dp = self.ctx.tp(t_leaves), self.ctx.dp(d_leaves)
-        return windowed(lambda v: (self.core.run_until_done(tp, dp, v), None), rows, state,
-                        start, lo, hi)[0]
+        sampling = GREEDY if greedy else None
+        return windowed(lambda v: (self.core.run_until_done(tp, dp, v, sampling), None), rows,
+                        state, start, lo, hi)[0]
 
     def dispatch(self, carry, params, groups, rows_info):
         lo, hi = groups[0][0], groups[-1][1]
@@ -262,12 +280,14 @@ class CoreStrategy(Strategy):
         state, _ = self._round(*params, carry.state, 0, 0, 0, rows=rows)
         return dataclasses.replace(carry, state=state)
 
-    def run_until_done(self, carry: Carry, params, lo: int, hi: int, **_) -> tuple[Carry, dict]:
-        """The core's on-device loop over the window."""
+    def run_until_done(self, carry: Carry, params, lo: int, hi: int, *, greedy: bool = False,
+                       **_) -> tuple[Carry, dict]:
+        """The core's on-device loop over the window; ``greedy``: its rows are all plain greedy
+        requests (:meth:`_loop_fn`)."""
         start, rows = self.ctx.window(lo, hi)
-        self.note((self.label + "/loop", rows))
+        self.note((self.label + ("/loop/greedy" if greedy else "/loop"), rows))
         return dataclasses.replace(carry, state=self._loop(*params, carry.state, start, lo, hi,
-                                                           rows=rows)), {}
+                                                           rows=rows, greedy=greedy)), {}
 
     def _draft_fn(self, d_leaves, state, start, lo, hi, *, rows):
         dp = self.ctx.dp(d_leaves)

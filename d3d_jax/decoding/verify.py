@@ -222,7 +222,11 @@ def adjust_logits(logits: jax.Array, sampling: SamplingParams, seq: jax.Array, p
     Slot k decides position ``s+k+1``; the tokens before it are the committed ones (``seq``
     through ``anchor_pos`` = s; output = positions ``prompt_len .. s``) plus ``fed[:, :k]``: the
     drafts a slot is reached through are accepted whenever it is reached.  Rows that use none of
-    these pay nothing when no row does (``lax.cond``)."""
+    these pay nothing when no row does (``lax.cond``), and a program given :data:`GREEDY` itself
+    (every row greedy, no processor) holds none of them."""
+    if sampling is GREEDY:
+        return logits.astype(jnp.float32)
+
     def adjust(x):
         b, w, v = x.shape
         rows = jnp.arange(b)[:, None]
@@ -254,7 +258,8 @@ def emitted_logprobs(logits: jax.Array, emitted: jax.Array, sampling: SamplingPa
                      num_top: int = MAX_TOP_LOGPROBS):
     """Per slot: the log-probability of ``emitted [b, W]`` under the request's processed
     distribution (what it was sampled from; greedy rows at temperature 1), and the ``num_top``
-    most likely tokens with theirs.  Computed only when some row asked (``sampling.logprobs``)."""
+    most likely tokens with theirs.  Computed only when some row asked (``sampling.logprobs``;
+    never in a program given :data:`GREEDY` itself)."""
     b, w, v = logits.shape
     k = min(num_top, v)
 
@@ -268,6 +273,8 @@ def emitted_logprobs(logits: jax.Array, emitted: jax.Array, sampling: SamplingPa
         return (jnp.zeros((b, w), jnp.float32), jnp.zeros((b, w, k), jnp.int32),
                 jnp.zeros((b, w, k), jnp.float32))
 
+    if sampling is GREEDY:
+        return none(logits)
     return jax.lax.cond(jnp.any(sampling.logprobs >= 0), compute, none, logits)
 
 

@@ -34,7 +34,8 @@ def stages(ctx: Context) -> list[Stage]:
            # The small model only seeds drafters; once they exist it is not needed (nor shipped).
            Stage("3-pretrain-small", lambda x: (x.model_dir("small") / "config.json").exists()
                  or not drafters.small_needed(x), functools.partial(pretraining.pretrain, name="small", stage=c.small)),
-           # The training split is not shipped: once every drafter exists only dev is needed.
+           # The training split ships (a drafter retrains without regenerating); once every
+           # drafter exists only dev is needed, so a checkout without it runs nothing here.
            Stage("4-regenerate", lambda x: x.regen_split("dev").exists()
                  and (x.regen_split("train").exists() or drafters.all_trained(x)), regeneration.regenerate)]
     out += [Stage(f"5-drafter-{v.name}", _exists(lambda x, v=v: x.drafter_dir(v.name) / "result.json"),

@@ -208,11 +208,11 @@ def _warmup_request(svc, n: int, max_tokens: int | None):
 def warm_up_decoder(decoder: Decoder, all_widths: bool = True) -> bool:
     """Compile (or read) the decoder's programs: with ``all_widths=False`` and a program store
     that holds the 1-row round, only that round, admission and row ops (a request's programs);
-    the other widths are read after ``READY`` (:func:`warmup_in_background`).  Auto always
-    warms every width: it times them.  Returns True when widths were left for the background."""
+    the other widths are read after ``READY`` (:func:`warmup_in_background`); auto too, its
+    round times read from the store (its cold start timed every width and kept them there).
+    Returns True when widths were left for the background."""
     store = decoder.programs
-    partial = (not all_widths and store is not None and store.enabled
-               and decoder.config.mode != "auto" and store.stored() > 0)
+    partial = not all_widths and store is not None and store.enabled and store.stored() > 0
     if partial:
         before = store.counts["compiled"]
         decoder.warm_up(decoder.config.buckets[:1])
