@@ -25,7 +25,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
               "async vs sync vs plain (tokens/s, τ, hit rate); C×F sweep, speedup/hit rate vs budget PNG"),
     "regenerate": ("d3d_jax.bench.regenerate",
                    "regeneration tokens/s at batch 1 vs 8 (tiny target), the data-regeneration path"),
-    "first-block": ("d3d_jax.bench.first_block",
+    "first-block": ("d3d_jax.pipeline.first_block",
                     "offline τ on first blocks: a demo drafter fine-tuned with / without data.first_block_anchor"),
     "serve": ("d3d_jax.bench.serve",
               "concurrent clients against the real server: tokens/s, TTFT, TPOT, mode mix per mode (Table 2)"),

@@ -283,6 +283,7 @@ def main(argv=None):
 
     from d3d_jax import compile_cache
     from d3d_jax.bench.clock import CompileClock
+    from d3d_jax.bench.phased import host_loop
 
     g, m = cfg.generate, cfg.models
     programs = compile_cache.enable(args.compile_cache)  # before anything compiles
@@ -304,14 +305,10 @@ def main(argv=None):
         dec = engine.make_decoder(target, drafter, mode=settings.mode, num_slots=settings.num_slots,
                                   max_cache_len=cache_len, block_size=settings.block_size, mask_token_id=mask,
                                   program_dir=programs, **options)
-        timer = None
-        if loop == "host" and settings.mode in ("plain", "sync"):
-            from d3d_jax.bench.clock import PhaseTimer
-
-            timer = PhaseTimer()
         outs = engine.generate(dec, prompts, sampling=engine.SamplingParams(g.temperature, g.top_p, g.top_k),
                                max_new_tokens=g.max_new_tokens, eos_token_ids=eos,
-                               stop_token_ids=list(g.stop_ids), seed=g.seed, timer=timer, clock=CompileClock)
+                               stop_token_ids=list(g.stop_ids), seed=g.seed,
+                               loop=host_loop(settings.mode) if loop == "host" else None, clock=CompileClock)
     except UsageError:
         raise
     except ValueError as e:  # the engine checks its arguments with ValueError

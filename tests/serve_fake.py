@@ -1,4 +1,5 @@
-"""A deterministic toy decoder implementing the DECODER_API.md contract, for the serving tests.
+"""A deterministic toy decoder implementing the decoder contract (``d3d_jax.decoding.contract``),
+for the serving tests.
 
 Its "language model" is a hash of (previous token, position, seed); :func:`reference` decodes one
 request alone, token by token, as the independent reference.  ``step`` commits 1 token (plain) or
@@ -82,8 +83,12 @@ def fake_scores(ids, top):
 
 
 class FakeDecoder:
+    programs = None  # no compiled programs to keep
+
     def __init__(self, config: FakeConfig, vocab: int = 2048, step_delay_s: float = 0.0):
         self.config, self.vocab, self.step_delay_s = config, vocab, step_delay_s
+        self.vocab_size = vocab
+        self.warm_ups = 0
         self._slots: dict[int, dict] = {}
         self.steps = self.prefills = self.max_active = 0
         self.rounds_total = self.tokens_total = 0
@@ -120,6 +125,14 @@ class FakeDecoder:
 
     def free(self, slot: int) -> None:
         self._slots.pop(slot, None)
+
+    def warm_up(self, widths=None) -> float:
+        self.warm_ups += 1
+        return 0.0
+
+    def results(self, slots) -> list[dict]:
+        return [dict(token_ids=list(self._slots[s]["out"]), finish_reason=None, accept_hist=None)
+                for s in slots]
 
     def free_slots(self) -> list[int]:
         return [s for s in range(self.config.num_slots) if s not in self._slots]

@@ -22,7 +22,7 @@ from d3d_jax.bench.generator import Generator
 from d3d_jax.decoding.async_replay import CostedReplayDrafter
 from d3d_jax.decoding.auto_gate import Gate
 from d3d_jax.decoding.auto_policy import Acceptance, Geometry, Plan, Policy, Pool, geometric_rate
-from d3d_jax.decoding.decoder import DecoderConfig, Request, SpecDecoder
+from d3d_jax.decoding.decoder import DecoderConfig, Request, SpecDecoder, load_weights, slots_in_use
 from d3d_jax.decoding.drafting import ModelDrafter
 from d3d_jax.decoding.placement import RowPlacement
 from tiny_models import serve, tiny_pair
@@ -97,7 +97,7 @@ def test_auto_greedy_equals_plain_in_every_mix_of_modes(setup, monkeypatch):
     assert all(sum(m.values()) == r for m, r in zip(mixed, (mm["rounds"] for mm in metrics.values())))
     seen = set().union(*mixed)
     assert seen == {"plain", "sync/4", "async/4x2"}, seen
-    assert max(m.get("async/4x2", 0) for m in mixed) > 0 and dec.active_slots() == []
+    assert max(m.get("async/4x2", 0) for m in mixed) > 0 and slots_in_use(dec) == []
     assert sum(m["accept_hist"][1:] != [0] * (BLOCK - 1) for m in metrics.values()) >= 3  # drafts accepted
 
 
@@ -118,14 +118,14 @@ def test_the_drafter_cache_stays_exact_across_plain_rounds(setup, monkeypatch):
             dec.step()
         dec._drain()
         assert_cache_equals_prefill(dec, s["drafter_model"])
-    dec.free(dec.active_slots())
+    dec.free(slots_in_use(dec))
 
 
 def assert_cache_equals_prefill(dec, drafter_model):
     st = jax.device_get(dec.carry.state)
     cache = st.drafter_state["cache"]  # the costed replay drafter's real model cache
     md = ModelDrafter(drafter_model)
-    for slot in dec.active_slots():
+    for slot in slots_in_use(dec):
         row = dec.placement.row_of[slot]
         n = int(cache.lengths[row])
         assert n >= int(st.prompt_len[row]) + 8  # the plain rounds' tokens were caught up
@@ -143,7 +143,7 @@ def test_mixed_quality_useless_requests_get_plain_rounds(setup, monkeypatch):
     good = [0, 2, 4]
     cont = [s["solo"][i] if i in good else s["solo"][(i + 3) % 6][::-1] for i in range(6)]
     # the same drafter structure as the fixture's: the decoder is rebound, nothing recompiles
-    dec.load(s["target"], CostedReplayDrafter(cont, VOCAB, s["drafter_model"], error_rate=0.25,
+    load_weights(dec, s["target"], CostedReplayDrafter(cont, VOCAB, s["drafter_model"], error_rate=0.25,
                                               hit_rate=0.6, seed=1, mask_token_id=MASK))
     policy = dec.strategy.policy
     ungate(dec, monkeypatch)  # the device's costs are set below: the wall clock is not that device
@@ -165,7 +165,7 @@ def test_mixed_quality_useless_requests_get_plain_rounds(setup, monkeypatch):
     reqs = [Request(p, n, index=i) for i, (p, n) in enumerate(zip(s["prompts"], MAX_NEW))]
     metrics = {}
     tokens, _ = serve(dec, reqs, schedule=[0] * 6, metrics=metrics, pick=0)
-    dec.load(s["target"], s["drafter"])
+    load_weights(dec, s["target"], s["drafter"])
     for i in range(6):
         assert tokens[i] == s["solo"][i][: MAX_NEW[i]], i
         modes = metrics[i]["modes"]
@@ -361,9 +361,9 @@ def test_one_admission_dispatch_for_eight_arrivals(setup, monkeypatch):
     assert calls == [per_bucket[b] for b in sorted(per_bucket)]
     for i in range(8):
         assert got[i] == s["solo"][i % 6][: 6 + i], i
-    assert ("plain", 8) in dec.compiled_programs
+    assert ("plain", 8) in dec.strategy.compiled
     dec.insert(dec.prefill(Request(s["prompts"][0], 3)), 5)
-    while dec.active_slots():
+    while slots_in_use(dec):
         for slot, out in dec.step().items():
             if out.finished:
                 dec.free(slot)
@@ -635,7 +635,7 @@ def test_auto_reads_each_request_s_prompt_score_with_its_first_round(setup, monk
         info = dec._slots[slot]
         assert info.stats["prompt"] == pytest.approx(float(want[0]), abs=1e-6)
         assert info.stats["acceptance"].prompt == pytest.approx(float(want[0]), abs=1e-6)
-    dec.free(dec.active_slots())
+    dec.free(slots_in_use(dec))
 
 
 def _pool_with_prompt_ref(ref: float) -> Pool:

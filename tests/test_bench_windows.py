@@ -8,11 +8,10 @@ from d3d_jax.bench import windows
 
 
 class FakeDecoder:
+    carry = None  # no device state to wait for
+
     def __init__(self, finish_at: int | None):
         self.calls, self.finish_at = 0, finish_at
-
-    def wait(self):
-        pass
 
     def step(self):
         self.calls += 1

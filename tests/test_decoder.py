@@ -18,7 +18,8 @@ import pytest
 from d3d_jax.bench.generator import Generator
 from d3d_jax.config import ConfigError
 from d3d_jax.decoding import async_loop
-from d3d_jax.decoding.decoder import DecoderConfig, Request, RequestError, SlotError, SpecDecoder
+from d3d_jax.decoding.decoder import (DecoderConfig, Request, RequestError, SlotError, SpecDecoder,
+                                     slots_in_use)
 from d3d_jax.decoding.verify import SamplingParams
 from tiny_models import serve, tiny_pair
 
@@ -48,11 +49,11 @@ def _decoder(s, mode, **kw) -> SpecDecoder:
     """One decoder per (mode, options) for the whole module: compiled once."""
     key = (mode, tuple(sorted(kw.items())))
     if key not in s["decoders"]:
-        cfg = DecoderConfig(mode=mode, num_slots=SLOTS, max_cache_len=CACHE, block_size=BLOCK,
-                            branch_positions=BLOCK, branch_fanout=2, **kw)
+        # async derives C = min(12, B) = B and F = 2
+        cfg = DecoderConfig(mode=mode, num_slots=SLOTS, max_cache_len=CACHE, block_size=BLOCK, **kw)
         s["decoders"][key] = SpecDecoder(s["target"], None if mode == "plain" else s["drafter"], cfg)
     dec = s["decoders"][key]
-    dec.free(dec.active_slots())
+    dec.free(range(SLOTS))
     return dec
 
 
@@ -80,7 +81,7 @@ def test_continuous_batching_equals_solo_greedy(setup, mode):
     for i in (0, 2, 3, 4, 5):
         assert reasons[i] == "length"
         assert tokens[i] == s["solo"][i][: MAX_NEW[i]], (mode, i)
-    assert dec.active_slots() == [] and dec.free_slots() == list(range(SLOTS))
+    assert slots_in_use(dec) == []
 
 
 def test_eos_and_stop_per_request(setup):
@@ -134,10 +135,10 @@ def test_an_all_greedy_batch_runs_the_loop_that_holds_no_sampling_code(setup, mo
     loop = f"{dec.strategy.label}/loop"
     greedy = [o.token_ids for o in decode(dec, s["prompts"][:SLOTS], max_new_tokens=8)]
     assert greedy == [r[:8] for r in s["solo"][:SLOTS]]
-    assert {p for p, _ in dec.compiled_programs} & {loop, loop + "/greedy"} == {loop + "/greedy"}
+    assert {p for p, _ in dec.strategy.compiled} & {loop, loop + "/greedy"} == {loop + "/greedy"}
     general = decode(dec, s["prompts"][:SLOTS], max_new_tokens=8, sampling=SamplingParams(logprobs=0))
     assert [o.token_ids for o in general] == greedy
-    assert loop in {p for p, _ in dec.compiled_programs}
+    assert loop in {p for p, _ in dec.strategy.compiled}
 
 
 def _row(dec, slot):
@@ -205,8 +206,7 @@ def test_insert_into_busy_slot_is_a_clear_error(setup):
 ])
 def test_config_errors_name_the_key(kw, key):
     with pytest.raises(ConfigError, match=key):
-        DecoderConfig(**{**dict(num_slots=2, max_cache_len=CACHE, block_size=BLOCK,
-                                branch_positions=BLOCK), **kw}).validate()
+        DecoderConfig(**{**dict(num_slots=2, max_cache_len=CACHE, block_size=BLOCK), **kw}).validate()
 
 
 def test_request_errors_name_the_problem(setup):
@@ -338,3 +338,19 @@ def test_async_rounds_only_dispatch(setup, monkeypatch):
     results = dec.results(range(SLOTS))
     assert [r["token_ids"] for r in results] == [s["solo"][i][:20] for i in range(SLOTS)]
     assert sum(r["misses"] for r in results) > 0  # misses happened, yet no extra dispatch
+
+
+def test_the_decoder_and_the_serving_fake_keep_the_contract(setup):
+    """SpecDecoder is the contract's members and ``run_until_done`` (its own loop) and nothing
+    more public; the serving tests' fake has every member the scheduler and server use."""
+    import inspect
+
+    from d3d_jax.decoding.contract import Decoder
+    from serve_fake import FakeConfig, FakeDecoder
+
+    dec = _decoder(setup, "sync")
+    assert isinstance(dec, Decoder) and isinstance(FakeDecoder(FakeConfig()), Decoder)
+    contract = {n for n in vars(Decoder) if not n.startswith("_")} | set(Decoder.__annotations__)
+    public = {n for n, _ in inspect.getmembers(SpecDecoder) if not n.startswith("_")}
+    assert public == contract - {"config", "vocab_size", "programs"} | {"run_until_done"}
+    assert len(public) <= 10

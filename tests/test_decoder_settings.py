@@ -160,3 +160,21 @@ def test_serve_generate_and_eval_build_the_same_decoder(tmp_path, flags):
     assert cfg.prior_tau == (3.5 if cfg.mode == "auto" else None)
     if "--auto-async" in flags:
         assert cfg.auto_async == ()  # 'none': auto without async geometries
+
+
+@pytest.mark.parametrize("given", [{"mode": "async", "block_size": 8}, {"mode": "async", "branch_fanout": 3},
+                                   {"mode": "auto", "block_size": 4}, {"mode": "sync"}, {"mode": "plain"}, {}])
+def test_the_decoder_config_derives_what_the_settings_derive(given):
+    """A DecoderConfig a program builds and the settings a command resolves fill every field left
+    None alike: the derived defaults are written once."""
+    import dataclasses
+
+    from d3d_jax.config.decoding import DEFAULT_CACHE_LEN, DEFAULT_NUM_SLOTS
+    from d3d_jax.decoding.decoder_config import DecoderConfig
+
+    settings = DecoderSettings(**given).resolved(has_drafter=given.get("mode") != "plain",
+                                                 num_slots=DEFAULT_NUM_SLOTS, max_cache_len=DEFAULT_CACHE_LEN)
+    config = DecoderConfig(**given)
+    for f in dataclasses.fields(DecoderSettings):
+        assert getattr(config, f.name) == getattr(settings, f.name), f.name
+    assert (config.mode == "async") == (config.branch_positions is not None)

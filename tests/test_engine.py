@@ -158,7 +158,7 @@ def test_bad_inputs_fail_clearly(greedy_setup):
         (dict(sampling=SamplingParams(temperature=1.0, top_p=1.5)), "top_p must be in (0, 1]"),
         (dict(sampling=SamplingParams(temperature=1.0, top_k=-1)), "top_k must be an integer >= 0"),
         (dict(mode="sync"), "needs a drafter"),
-        (dict(mode="beam"), "mode must be one of"),
+        (dict(mode="beam"), "decoder.mode: must be one of"),
         (dict(max_new_tokens=0), "max_new_tokens must be >= 1"),
         (dict(prompts=[[VOCAB]]), "outside the vocabulary"),
         (dict(prompts=[]), "prompts is empty"),

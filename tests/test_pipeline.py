@@ -39,11 +39,11 @@ def test_quick_variant_shortens_every_stage_and_leaves_the_artifacts():
 
 @pytest.mark.slow
 def test_mini_pipeline_end_to_end(tmp_path, capsys):
-    from d3d_jax.pipeline import Pipeline
+    from d3d_jax.pipeline import Context, missing, run
 
     out = tmp_path / "artifacts"
     cfg = load_config(PipelineConfig, [MINI], [f"out_dir={out}"])
-    report = Pipeline(cfg, work_dir=str(tmp_path / "work")).run()
+    report = run(Context(cfg, work_dir=str(tmp_path / "work")))
     # Every stage left its output.
     for p in ("tokenizer/tokenizer.json", "models/target/config.json", "models/small/config.json",
               "data/regenerated_train.jsonl", "data/regenerated_dev.jsonl", "drafters/small/result.json",
@@ -99,15 +99,15 @@ def test_mini_pipeline_end_to_end(tmp_path, capsys):
     assert "| overlap |" in printed
     # A rerun skips every build stage.
     capsys.readouterr()
-    again = Pipeline(cfg, work_dir=str(tmp_path / "work"))
-    assert again.missing() == []
-    again.run(evaluate=False)
+    again = Context(cfg, work_dir=str(tmp_path / "work"))
+    assert missing(again) == []
+    run(again, evaluate=False)
     assert again.timings == {}
     assert capsys.readouterr().out.count("output exists, skipped") == 6 + len(cfg.drafters)  # stages 1-7
     # Without the training split (deleted to save space), with every drafter built, nothing reruns.
     (out / "data/regenerated_train.jsonl").unlink()
-    fresh = Pipeline(cfg, work_dir=str(tmp_path / "work"))
-    fresh.run(evaluate=False)
+    fresh = Context(cfg, work_dir=str(tmp_path / "work"))
+    run(fresh, evaluate=False)
     assert fresh.timings == {}
 
 
@@ -119,12 +119,12 @@ def test_shipped_artifacts_are_every_stage_of_demo_yaml_and_the_results_describe
     results.json reports the drafters, pruning and online τ that ship beside it."""
     from pathlib import Path
 
-    from d3d_jax.pipeline import Pipeline
+    from d3d_jax.pipeline import Context, missing
     from d3d_jax.pipeline.prune import pruned_names
 
     cfg = load_config(PipelineConfig, [DEMO], [])
-    p = Pipeline(cfg, work_dir=str(tmp_path / "fresh-clone-work"))
-    assert p.missing() == []
+    p = Context(cfg, work_dir=str(tmp_path / "fresh-clone-work"))
+    assert missing(p) == []
     for name in cfg.eval_drafters:  # the benchmark times these: their weights ship
         assert (p.drafter_dir(name) / "model.safetensors").exists(), name
     results = json.loads((Path(cfg.out_dir) / "eval/results.json").read_text())
@@ -149,7 +149,7 @@ def test_a_signal_stopped_training_stage_exits_128_plus_signal_and_says_how_to_r
     from types import SimpleNamespace
 
     from d3d_jax.cli import run_cli
-    from d3d_jax.pipeline.base import StageStopped, finished
+    from d3d_jax.pipeline.runs import StageStopped, finished
 
     finished(SimpleNamespace(stop_signal=None, step=8), "drafter_x", 8, tmp_path)  # ran to the end
     with pytest.raises(StageStopped, match=r"'drafter_x' stopped by signal 15 at step 3 of 8, .*rerun") as e:

@@ -38,8 +38,7 @@ from d3d_jax.decoding.decoder import DecoderConfig, Request, SpecDecoder
 mode, directory, slots = sys.argv[1], sys.argv[2], int(sys.argv[3])
 prompts, max_new = json.loads(sys.argv[4]), json.loads(sys.argv[5])
 target, drafter = tiny_pair(%(vocab)d, %(mask)d)
-cfg = DecoderConfig(mode=mode, num_slots=slots, max_cache_len=%(cache)d, block_size=%(block)d,
-                    branch_positions=%(block)d, branch_fanout=2)
+cfg = DecoderConfig(mode=mode, num_slots=slots, max_cache_len=%(cache)d, block_size=%(block)d)
 dec = SpecDecoder(target, drafter, cfg, program_dir=directory)
 tokens, _ = serve(dec, [Request(p, n) for p, n in zip(prompts, max_new)], [0, 0, 2])
 print(json.dumps(dict(tokens=[tokens[i] for i in range(len(prompts))], counts=dec.programs.counts,
@@ -269,3 +268,21 @@ def test_an_executable_from_jaxs_cache_is_compiled_afresh_before_it_is_stored(tm
     assert second["counts"]["cache_answered"] == 1 and second["counts"]["stored"] == 1
     third = run()
     assert third["out"] == want and third["counts"]["loaded"] == 1
+
+
+def test_device_ids_keep_the_executables_device_order():
+    """The store records a program's devices through JAX's public ``runtime_executable()``; a
+    JAX upgrade that reorders or drops ``local_devices()`` would load programs on the wrong
+    devices, so the order of a non-sorted mesh is pinned here."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from d3d_jax.decoding.programs import device_ids
+
+    devs = jax.devices()
+    assert len(devs) >= 4, "conftest asks for 8 CPU devices"
+    order = [devs[i] for i in (3, 1, 2, 0)]
+    x = jax.device_put(jnp.ones(8), NamedSharding(Mesh(np.array(order), ("x",)), PartitionSpec("x")))
+    compiled = jax.jit(lambda v: v * 2).lower(x).compile()
+    assert device_ids(compiled) == [d.id for d in order]

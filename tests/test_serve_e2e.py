@@ -82,7 +82,7 @@ def _stream_chat(client, text: str) -> str:
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["plain", "sync", "async"])
 def test_openai_streams_equal_generate_py_alone_and_16_at_once(reference, models, mode):
-    from d3d_jax.decoding.decoder import DecoderConfig, SpecDecoder
+    from d3d_jax.decoding.decoder import DecoderConfig, SpecDecoder, slots_in_use
     from d3d_jax.io.hf import eos_token_ids
     from d3d_jax.serving.app import create_app
     from d3d_jax.serving.server import ServerThread, make_service
@@ -102,7 +102,7 @@ def test_openai_streams_equal_generate_py_alone_and_16_at_once(reference, models
             together = list(pool.map(lambda t: _stream_chat(client, t), TEXTS))
         assert solo == expected
         assert together == solo
-        assert dec.free_slots() == list(range(4)) and svc.scheduler.num_queued == 0
+        assert slots_in_use(dec) == [] and svc.scheduler.num_queued == 0
     finally:
         srv.stop()
         svc.scheduler.stop()

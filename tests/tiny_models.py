@@ -55,9 +55,10 @@ def serve(dec, requests, schedule, cancel=None, metrics=None, pick: int = -1):
             if at == rnd and i in slot_of:
                 dec.free(slot_of.pop(i))
                 reasons[i] = "cancelled"
-        while queue and dec.free_slots():
+        free = [s for s in range(dec.config.num_slots) if s not in slot_of.values()]  # the caller's slots
+        while queue and free:
             i = queue.pop(0)
-            slot_of[i] = dec.free_slots()[pick]
+            slot_of[i] = free.pop(pick)
             dec.insert(dec.prefill(requests[i]), slot_of[i])
         outs = dec.step()
         for i, slot in list(slot_of.items()):

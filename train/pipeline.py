@@ -43,7 +43,7 @@ def main(argv=None) -> int:
     args = ap.parse_intermixed_args(argv)  # key=value before and after each --config
 
     from d3d_jax.config import PipelineConfig, load_config
-    from d3d_jax.pipeline import Pipeline
+    from d3d_jax import pipeline
 
     cfg = load_config(PipelineConfig, args.config, args.overrides)
     if args.quick:
@@ -52,8 +52,8 @@ def main(argv=None) -> int:
         print(f"[pipeline] --quick: every stage shortened, artifacts under {cfg.out_dir}", flush=True)
     t0 = time.time()
     work_dir = args.work_dir or os.path.join("runs", "pipeline", cfg.out_dir.strip("/").replace("/", "_"))
-    report = Pipeline(cfg, work_dir=work_dir, rebuild=args.rebuild,
-                      update_artifacts=args.update_artifacts).run(evaluate=not args.no_eval)
+    ctx = pipeline.Context(cfg, work_dir=work_dir, rebuild=args.rebuild, update_artifacts=args.update_artifacts)
+    report = pipeline.run(ctx, evaluate=not args.no_eval)
     print(f"[pipeline] total {time.time() - t0:.0f}s", flush=True)
     if report is not None and not report["all_outputs_equal_plain"]:
         print("[pipeline] ERROR: some speculative output differs from plain greedy decoding", flush=True)

@@ -4,7 +4,7 @@ JAX reports every trace, lowering and backend compile as a time span (``jax.moni
 the program store every executable it reads from disk.
 :class:`CompileClock` adds up the union of those spans while it is open (it listens only then:
 nothing is registered at import); a caller subtracts it from its wall time.
-:class:`PhaseTimer` is what ``engine.generate(timer=...)`` times drafting and verifying with.
+:class:`PhaseTimer` is what :mod:`d3d_jax.bench.phased` times drafting and verifying with.
 """
 
 from __future__ import annotations

@@ -26,9 +26,10 @@ class Generator:
                 block_size=16, max_cache_len=None, max_new_tokens=128, mask_token_id=None,
                 **fields):
         """The decoder for this shape; one built before for the same structure is rebound to
-        these weights (``load``: drafters that differ only in traced parameters share it)."""
+        these weights (``load_weights``: drafters that differ only in traced parameters share it)."""
         from flax import nnx
 
+        from d3d_jax.decoding.decoder import load_weights
         from d3d_jax.decoding.drafting import as_drafter
 
         cache = engine.cache_len_for(prompts, max_new_tokens, block_size, max_cache_len)
@@ -42,7 +43,7 @@ class Generator:
                 target, drafter, mode=mode, num_slots=slots, max_cache_len=cache,
                 block_size=block_size, **fields)
         else:
-            self.decoders[key].load(target, drafter)
+            load_weights(self.decoders[key], target, drafter)
         return self.decoders[key]
 
     def __call__(self, target, prompts, *, timeline: list | None = None, loop: str = "device",
@@ -54,9 +55,9 @@ class Generator:
 
             gen["hook"] = AsyncTimeline(dec.shared)
         if loop == "host":
-            from d3d_jax.bench.clock import PhaseTimer
+            from d3d_jax.bench.phased import host_loop
 
-            gen["timer"] = PhaseTimer()
+            gen["loop"] = host_loop(dec.config.mode)
         outs = engine.generate(dec, prompts, **gen)
         if timeline is not None:
             timeline += gen["hook"].rounds

@@ -47,7 +47,7 @@ class SimulationError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class SimulatedAcceptance:
-    """A benchmark-only ``acceptance_override`` (see DECODER_API.md): mean acceptance length
+    """A benchmark-only ``acceptance_override`` (a DecoderConfig field): mean acceptance length
     ``tau`` (τ = accepted drafts + 1, in [1, block size]) and async ``hit_rate`` in [0, 1]
     (None: the benchmark has no async rounds)."""
 

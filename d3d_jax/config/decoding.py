@@ -3,22 +3,39 @@
 ``infer/serve.py``, ``infer/generate.py`` and ``infer/bench.py eval`` take these fields from YAML
 (``configs/serve/*.yaml``), ``key=value`` overrides and their flags (``--mode`` is ``decoder.mode``,
 ``--block-size`` is ``decoder.block_size`` …).  A field left ``None`` is derived by
-:meth:`DecoderSettings.resolved`, the one place the derived defaults are written; the decoder
-itself (:class:`~d3d_jax.decoding.decoder_config.DecoderConfig`) takes these constants too.
+:meth:`DecoderSettings.derived`, the one place the derived defaults are written, and the rule tying
+a mode to a drafter is :func:`check_drafter`.  The decoder's own config
+(:class:`~d3d_jax.decoding.decoder_config.DecoderConfig`) is these settings plus what only a
+program passes (EOS ids, benchmark hooks): it inherits the fields, their checks and their defaults.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import numbers
 
 from d3d_jax.config.base import DTYPES, TEXT, _require, between, one_of
-from d3d_jax.config.limits import MAX_BLOCK_SIZE, MAX_CACHE_LEN, MAX_SLOTS
+from d3d_jax.config.limits import MAX_BLOCK_SIZE, MAX_CACHE_LEN, MAX_SLOTS, require_int
 
 MODES = ("plain", "sync", "async", "auto")
 DEFAULT_BLOCK_SIZE = 16  # B when neither the settings nor the drafter's config give one (the paper's)
 DEFAULT_BRANCH_POSITIONS = 12  # C (spec §5: the paper's optimum with F = 2), capped at B
 DEFAULT_BRANCH_FANOUT = 2  # F
 MAX_BRANCH_FANOUT = 64
+MAX_DEVICES = 1 << 16
+DEFAULT_NUM_SLOTS = 8  # rows of a decoder built without a command's own number (a library user's)
+DEFAULT_CACHE_LEN = 1024  # KV slots per row of such a decoder
+AUTO_SYNC_BLOCKS = (4, 8, 16)  # auto: sync block sizes b (<= block_size; the drafter trains at 16)
+AUTO_ASYNC_GEOMETRIES = ((4, 2), (12, 2))  # auto: async (C, F) menu
+ASYNC_ONLY = ("branch_positions", "branch_fanout", "target_devices", "drafter_devices")
+AUTO_ONLY = ("auto_sync_blocks", "auto_async", "prior_tau")
+
+
+def check_drafter(mode: str, has_drafter: bool, key: str = "decoder.mode") -> None:
+    """The one rule tying a mode to a drafter: every mode but plain drafts, plain takes none."""
+    _require(mode == "plain" or has_drafter, key,
+             f"{mode} needs --drafter (models.drafter): every mode but plain needs a drafter")
+    _require(mode != "plain" or not has_drafter, key, "plain takes no drafter: --drafter given with --mode plain")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,6 +54,15 @@ class ModelPaths:
         _require(self.target is not None, f"{prefix}.target", "is required (--target PATH)")
         _require(self.dtype is None or self.dtype in DTYPES, f"{prefix}.dtype",
                  f"must be one of {'|'.join(DTYPES)}, got {self.dtype!r}")
+
+
+def _given(value, default):
+    return default if value is None else value
+
+
+def _int(value) -> int:
+    """``value`` if an int, else 0: deriving never raises, so :meth:`DecoderSettings.validate` names a bad B."""
+    return int(value) if isinstance(value, numbers.Integral) and not isinstance(value, bool) else 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,53 +97,66 @@ class DecoderSettings:
     # each field's valid values, checked by config.base.check_fields for every loader
     BOUNDS = dict(mode=one_of(*MODES), block_size=between(2, MAX_BLOCK_SIZE), num_slots=between(1, MAX_SLOTS),
                   max_cache_len=between(2, MAX_CACHE_LEN), branch_positions=between(1, MAX_BLOCK_SIZE),
-                  branch_fanout=between(1, MAX_BRANCH_FANOUT), target_devices=between(1, 1 << 16),
-                  drafter_devices=between(1, 1 << 16), row_buckets=between(1, MAX_SLOTS),
+                  branch_fanout=between(1, MAX_BRANCH_FANOUT), target_devices=between(1, MAX_DEVICES),
+                  drafter_devices=between(1, MAX_DEVICES), row_buckets=between(1, MAX_SLOTS),
                   auto_sync_blocks=between(1, MAX_BLOCK_SIZE), auto_async=between(1, MAX_BLOCK_SIZE),
                   prior_tau=between(1, MAX_BLOCK_SIZE))
+    _RANGES = (("block_size", 2, MAX_BLOCK_SIZE), ("num_slots", 1, MAX_SLOTS), ("max_cache_len", 2, MAX_CACHE_LEN),
+               ("branch_positions", 1, MAX_BLOCK_SIZE), ("branch_fanout", 1, MAX_BRANCH_FANOUT),
+               ("target_devices", 1, MAX_DEVICES), ("drafter_devices", 1, MAX_DEVICES))
 
     def validate(self, prefix: str = "decoder") -> None:
         _require(self.mode is None or self.mode in MODES, f"{prefix}.mode",
                  f"must be one of {'|'.join(MODES)}, got {self.mode!r}")
-        for key, lo, hi in (("block_size", 2, MAX_BLOCK_SIZE), ("num_slots", 1, MAX_SLOTS),
-                            ("max_cache_len", 2, MAX_CACHE_LEN), ("branch_positions", 1, MAX_BLOCK_SIZE),
-                            ("branch_fanout", 1, None), ("target_devices", 1, None),
-                            ("drafter_devices", 1, None)):
+        for key, lo, hi in self._RANGES:
             value = getattr(self, key)
-            _require(value is None or (value >= lo and (hi is None or value <= hi)), f"{prefix}.{key}",
-                     f"must be in [{lo}, {hi if hi is not None else '∞'}], got {value}")
+            if value is not None and not (key.endswith("_devices") and isinstance(value, tuple)):  # a program's device list
+                require_int(value, f"{prefix}.{key}", lo, hi)
         if self.block_size is not None and self.branch_positions is not None:
             _require(self.branch_positions <= self.block_size, f"{prefix}.branch_positions",
                      f"C = {self.branch_positions} exceeds block_size {self.block_size}")
-        if self.mode is not None and self.mode != "async":
-            for key in ("branch_positions", "branch_fanout", "target_devices", "drafter_devices"):
-                _require(getattr(self, key) is None, f"{prefix}.{key}",
-                         f"is for mode async only: it needs --mode async (mode is {self.mode})")
-        if self.mode is not None and self.mode != "auto":
-            for key in ("auto_sync_blocks", "auto_async", "prior_tau"):
-                _require(getattr(self, key) is None, f"{prefix}.{key}",
-                         f"is for mode auto only: it needs --mode auto (mode is {self.mode})")
+        for only, keys in (("async", ASYNC_ONLY), ("auto", AUTO_ONLY)):
+            if self.mode is not None and self.mode != only:
+                for key in keys:
+                    _require(getattr(self, key) is None, f"{prefix}.{key}",
+                             f"is for mode {only} only: it needs --mode {only} (mode is {self.mode})")
         _require(not (self.sample_drafts and self.mode in ("plain", "async", "auto")), f"{prefix}.sample_drafts",
-                 f"is for mode sync only (mode is {self.mode})")
+                 f"is for mode sync only: async and auto draft the drafter's argmax (mode is {self.mode})")
         _require(all(b >= 1 for b in self.row_buckets), f"{prefix}.row_buckets",
                  f"widths must be >= 1, got {self.row_buckets}")
 
-    def resolved(self, *, has_drafter: bool, drafter_block_size: int | None = None,
-                 num_slots: int | None = None, max_cache_len: int | None = None) -> "DecoderSettings":
-        """These settings with every derived default filled in (``prior_tau`` excepted: it is read
-        from the drafter's files, :func:`~d3d_jax.decoding.decoder_config.decoder_config_for`).
+    def derived(self, *, has_drafter: bool, drafter_block_size: int | None = None,
+                num_slots: int | None = None, max_cache_len: int | None = None) -> dict:
+        """The fields these settings leave to be derived, filled in: the one place the derived
+        defaults are written (``prior_tau`` excepted: it is read from the drafter's files,
+        :func:`~d3d_jax.decoding.settings.decoder_config_for`).  Fields another mode reads stay None.
 
         ``num_slots`` / ``max_cache_len``: the command's own value where the settings give none."""
-        mode = self.mode or ("auto" if has_drafter else "plain")
-        _require(mode == "plain" or has_drafter, "decoder.mode", f"{mode} needs --drafter (models.drafter)")
-        _require(mode != "plain" or not has_drafter, "decoder.mode", "plain takes no drafter: --drafter given with --mode plain")
-        block = self.block_size or drafter_block_size or DEFAULT_BLOCK_SIZE
-        fields = dict(mode=mode, block_size=block, num_slots=self.num_slots or num_slots,
-                      max_cache_len=self.max_cache_len or max_cache_len)
+        mode = _given(self.mode, "auto" if has_drafter else "plain")
+        b = _given(self.block_size, _given(drafter_block_size, DEFAULT_BLOCK_SIZE))
+        out = dict(mode=mode, block_size=b, num_slots=_given(self.num_slots, num_slots),
+                   max_cache_len=_given(self.max_cache_len, max_cache_len))
         if mode == "async":
-            fields.update(branch_positions=self.branch_positions or min(DEFAULT_BRANCH_POSITIONS, block),
-                          branch_fanout=self.branch_fanout or DEFAULT_BRANCH_FANOUT)
+            out.update(branch_positions=_given(self.branch_positions, min(DEFAULT_BRANCH_POSITIONS, _int(b))),
+                       branch_fanout=_given(self.branch_fanout, DEFAULT_BRANCH_FANOUT))
+        if mode == "auto":
+            sync = self.auto_sync_blocks
+            if sync is None:
+                sync = sorted({x for x in AUTO_SYNC_BLOCKS if x < _int(b)} | {_int(b)})
+            geoms = self.auto_async
+            if geoms is None:
+                geoms = sorted({(min(c, _int(b)), f) for c, f in AUTO_ASYNC_GEOMETRIES}) if _int(b) >= 3 else ()
+            out.update(auto_sync_blocks=tuple(int(x) for x in sync),
+                       auto_async=tuple((int(c), int(f)) for c, f in geoms))
+        return out
+
+    def resolved(self, *, has_drafter: bool, drafter_block_size: int | None = None,
+                 num_slots: int | None = None, max_cache_len: int | None = None) -> "DecoderSettings":
+        """These settings with every derived default filled in (:meth:`derived`), checked, the
+        mode against the drafter too."""
+        fields = self.derived(has_drafter=has_drafter, drafter_block_size=drafter_block_size,
+                              num_slots=num_slots, max_cache_len=max_cache_len)
+        check_drafter(fields["mode"], has_drafter)
         out = dataclasses.replace(self, **fields)
         out.validate()
         return out
-

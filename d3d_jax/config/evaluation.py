@@ -12,11 +12,10 @@ import dataclasses
 
 from d3d_jax.config.base import TEXT, _require, between, checked, one_of
 from d3d_jax.config.limits import INT32_MAX, MAX_BLOCK_SIZE, MAX_CACHE_LEN, MAX_SLOTS
-from d3d_jax.config.decoding import DEFAULT_BLOCK_SIZE, MODES, DecoderSettings, ModelPaths
+from d3d_jax.config.decoding import ASYNC_ONLY, AUTO_ONLY, DEFAULT_BLOCK_SIZE, MODES, DecoderSettings, ModelPaths
 
 TEMPLATES = ("standard", "plain")
-ASYNC_OPTIONS = ("branch_positions", "branch_fanout", "target_devices", "drafter_devices")
-AUTO_OPTIONS = ("auto_sync_blocks", "auto_async", "prior_tau")
+ASYNC_OPTIONS, AUTO_OPTIONS = ASYNC_ONLY, AUTO_ONLY  # the fields only that mode reads
 
 
 @dataclasses.dataclass
@@ -103,11 +102,9 @@ class EvalConfig:
 
     def mode_settings(self, mode: str, drafter_block_size: int | None) -> DecoderSettings:
         """The decoder settings of one mode of the run, derived defaults filled in."""
-        keep = {"plain": (), "sync": ("sample_drafts",), "auto": ("auto_sync_blocks", "auto_async", "prior_tau"),
-                "async": ("branch_positions", "branch_fanout", "target_devices", "drafter_devices")}[mode]
-        only = {k: None for k in ("branch_positions", "branch_fanout", "target_devices", "drafter_devices",
-                                  "auto_sync_blocks", "auto_async", "prior_tau") if k not in keep}
-        if "sample_drafts" not in keep:
+        keep = {"async": ASYNC_ONLY, "auto": AUTO_ONLY}.get(mode, ())
+        only = {k: None for k in ASYNC_ONLY + AUTO_ONLY if k not in keep}
+        if mode != "sync":
             only["sample_drafts"] = False
         return dataclasses.replace(self.decoder, mode=mode, **only).resolved(
             has_drafter=mode != "plain", drafter_block_size=drafter_block_size)

@@ -33,6 +33,7 @@ from d3d_jax.decoding import window as W
 from d3d_jax.decoding.async_core import V_HIT, V_MISS, AsyncCore, handoff
 from d3d_jax.decoding.async_strategy import windowed_side
 from d3d_jax.decoding.auto_gate import Gate
+from d3d_jax.decoding.branches import BranchLayout
 from d3d_jax.decoding.drafting import prefill_scored
 from d3d_jax.decoding.auto_policy import (MIN_ROUNDS_TO_SET_ASIDE, REJUDGE_AFTER, Acceptance, Geometry,
                                           Policy, Pool, geometric_rate)
@@ -62,6 +63,7 @@ def offline_tau(drafter_dir) -> float | None:
 class AutoStrategy(Strategy):
     mode = "auto"
     drafter_in_state = True
+    loops = False
 
     def __init__(self, ctx: Context):
         super().__init__(ctx)
@@ -70,7 +72,7 @@ class AutoStrategy(Strategy):
         self.cores = {"plain": ctx.core(1, False)}
         self.cores.update({f"sync/{b}": ctx.core(b, True) for b in cfg.auto_sync_blocks})
         self.async_cores = {f"async/{c}x{f}": AsyncCore(self.target_core, ctx.drafter,
-                                                        dataclasses.replace(cfg.layout, positions=c, fanout=f))
+                                                        BranchLayout(cfg.block_size, c, f))
                             for c, f in cfg.auto_async}
         geoms = [Geometry(label, core.width) for label, core in self.cores.items()]
         geoms += [Geometry(label, cfg.block_size) for label in self.async_cores]
@@ -278,11 +280,6 @@ class AutoStrategy(Strategy):
         self.gate.observe(self.policy.bucket(sum(p.hi - p.lo for p in parts)),
                           any(self.geometry[p.label].width > 1 for p in parts),
                           sum(int(np.sum(o["count"])) for o in host_outs), None if fresh else wall)
-
-    def run_until_done(self, carry: Carry, params, lo: int, hi: int, *, step, **_):
-        """Rounds chosen one at a time: the decoder's own :meth:`step` loop (``step()`` returns
-        the carry once every row is done)."""
-        return step(), {}
 
     # ------------------------------------------------------------ start-up
     def warm_up(self, carry: Carry, params, widths: tuple[int, ...]) -> Carry:

@@ -3,10 +3,11 @@
 ``SpecDecoder(target, drafter, config)`` splits and places the parameters once, flattens them to
 leaf lists once, and holds one round *strategy* (plain, sync, async or auto:
 :mod:`~d3d_jax.decoding.strategies`) that owns its jitted programs.  The decoder keeps the slots,
-their placement on device rows and the contract (JetStream's prefill / insert / generate)::
+their placement on device rows and the contract (:class:`~d3d_jax.decoding.contract.Decoder`,
+JetStream's prefill / insert / generate; the caller picks free slots)::
 
     dec = SpecDecoder(target, drafter, DecoderConfig(mode="sync", num_slots=8, ...))
-    dec.insert(dec.prefill(Request(prompt=[1, 2, 3], max_new_tokens=64)), dec.free_slots()[0])
+    dec.insert(dec.prefill(Request(prompt=[1, 2, 3], max_new_tokens=64)), slot)
     outs = dec.step()                         # one round for every active slot
     dec.free(slot)                            # finished or cancelled
     dec.run_until_done()                      # or: every active slot to its end
@@ -37,6 +38,7 @@ import numpy as np
 from flax import nnx
 
 from d3d_jax.config import ConfigError
+from d3d_jax.config.decoding import check_drafter
 from d3d_jax.decoding import metrics as M
 from d3d_jax.decoding import window as W
 from d3d_jax.decoding.async_loop import LiveRows
@@ -114,17 +116,15 @@ class SpecDecoder:
         self.config = cfg = config
         target = _unstacked(target)  # one module per layer: no weight slices per step (qwen3 doc)
         vocab = target.config.vocab_size
-        if cfg.mode == "plain" and drafter is not None:
-            raise ConfigError("drafter: mode plain takes no drafter")
-        if cfg.mode != "plain" and drafter is None:
-            raise ConfigError(f"drafter: mode {cfg.mode} needs a drafter")
+        check_drafter(cfg.mode, drafter is not None)
         if any(int(t) >= vocab for t in cfg.eos_token_ids):
             raise ConfigError(f"decoder.eos_token_ids: ids must be < vocab_size {vocab}")
         self.drafter = as_drafter(drafter, vocab)
         self.vocab_size = vocab
         self._trees = [None, None]
         self.strategy = _strategy(self._context(target, program_dir))
-        self.load(target, drafter)
+        self.programs: ProgramStore = self.strategy.ctx.programs  # read-only: the contract's view
+        self._bind(nnx.state(target), drafter)
         self.placement = RowPlacement(cfg.num_slots)
         self._slots: dict[int, SlotInfo] = {}
         self.carry = None
@@ -132,7 +132,7 @@ class SpecDecoder:
         self._pending: collections.deque[_Round] = collections.deque()
         self._last_read, self._busy = 0.0, False  # the last read; whether a request ran on after it
         self._tally: dict[str, collections.Counter] = {}  # per geometry: rounds, tokens, predicted
-        self._stale = False  # after run_until_done: host counts lag the device
+        self._stale = False  # after an on-device loop: host counts lag the device
 
     def _context(self, target, program_dir) -> Context:
         cfg = self.config
@@ -151,17 +151,10 @@ class SpecDecoder:
         self.shared = ctx.shared
         return ctx
 
-    @property
-    def programs(self) -> ProgramStore:
-        return self.strategy.ctx.programs
-
     # ------------------------------------------------------------ weights
-    def load(self, target, drafter=None) -> None:
-        """(Re)bind weights: same structure as at construction (no recompile)."""
-        self.load_params(nnx.state(_unstacked(target)), drafter)
-
-    def load_params(self, target_params, drafter=None) -> None:
-        """:meth:`load` from the target's parameters (``nnx.state``) instead of the module."""
+    def _bind(self, target_params, drafter=None) -> None:
+        """Bind the target's parameters (``nnx.state``) and the drafter: the structure this
+        decoder was built for (:func:`load_weights`)."""
         t_leaves, t_tree = jax.tree.flatten(self._t_place(target_params))
         if self._trees[0] is not None and t_tree != self._trees[0]:
             raise ConfigError("target: its structure differs from the one this decoder was built for")
@@ -177,13 +170,6 @@ class SpecDecoder:
             self.drafter = d
         self._trees = [t_tree, d_tree]
         self._params = (t_leaves, d_leaves)
-
-    def unload(self) -> None:
-        """Drop parameters and state (memory), keep the compiled programs; :meth:`load` rebinds."""
-        self._params = None
-        self.carry = None
-        self.placement = RowPlacement(self.config.num_slots)
-        self._slots, self._queue, self._pending = {}, [], collections.deque()
 
     # ------------------------------------------------------------ requests and slots
     def validate_request(self, request: Request) -> None:
@@ -209,7 +195,7 @@ class SpecDecoder:
         busy = [s for s in slots if s in self._slots]
         if busy:
             raise SlotError(f"slot {busy[0]} is busy with an active request: free it first "
-                            f"(free slots: {self.free_slots()})")
+                            f"(in use: {slots_in_use(self)})")
         for s, req in zip(slots, prefix.requests):
             self._slots[s] = SlotInfo(req, np.zeros(self.config.width, np.int64))
             row = self.placement.size
@@ -229,12 +215,6 @@ class SpecDecoder:
 
     def _queue_swaps(self, swaps) -> None:
         self._queue += [("op", a, b, W.OP_SWAP) for a, b in swaps]
-
-    def active_slots(self) -> list[int]:
-        return sorted(self._slots)
-
-    def free_slots(self) -> list[int]:
-        return [s for s in range(self.config.num_slots) if s not in self._slots]
 
     def _slot_list(self, slot) -> list[int]:
         slots = [int(s) for s in (slot if isinstance(slot, Sequence) else [slot])]
@@ -399,36 +379,39 @@ class SpecDecoder:
         while self._pending:
             self._read(self._pending.popleft())
 
-    def run_until_done(self, hook=None, timer=None) -> dict:
-        """Decode every active slot to the end: plain/sync in one on-device loop (``timer``: a
-        host loop that times drafting and verifying apart), async by rounds that only dispatch
-        (``hook`` sees each), auto by :meth:`step`.  Returns the strategy's timings."""
+    def run_until_done(self, hook=None, loop=None) -> dict:
+        """Decode every active slot to the end and wait for it: plain/sync in one on-device
+        loop, async by rounds that only dispatch (``hook`` sees each), auto by :meth:`step` (it
+        picks each round's geometry on the host).  ``loop(strategy, carry, params, lo, hi,
+        max_rounds) -> (carry, timings)`` replaces a plain/sync strategy's own loop (the
+        benchmarks' phase-timed one, :mod:`d3d_jax.bench.phased`).  Returns the timings."""
         self._drain()
         self._flush()
-        running = self._running()
-        if not running:
+        if not self._running():
             return {}
+        if not self.strategy.loops:
+            while self._running():
+                self.step()
+            return {}
+        self.carry, timings = self._loop_to_end(hook, loop)
+        self._stale = True  # which slots finished: read when next needed
+        jax.block_until_ready(self.carry)
+        return timings
+
+    def _loop_to_end(self, hook, loop):
+        """``(carry, timings)`` of the strategy's loop (or ``loop``) over the live rows' window."""
+        running = self._running()
         rows = np.asarray([self.placement.row_of[s] for s in running])
         infos = [self._slots[s] for s in running]
         live = LiveRows(rows, np.asarray([len(i.request.prompt) - 1 for i in infos]),
                         np.asarray([i.request.max_new_tokens for i in infos]),
                         np.asarray([i.n_out for i in infos]))
         bound = int(max(live.max_new - live.n_out))  # every round commits >= 1 token per row
+        if loop is not None:
+            return loop(self.strategy, self.carry, self._params, 0, self.placement.size, bound)
         greedy = all(i.request.sampling == GREEDY for i in infos)  # the loop without sampling code
-        self.carry, timings = self.strategy.run_until_done(
-            self.carry, self._params, 0, self.placement.size, live=live, max_rounds=bound,
-            hook=hook, timer=timer, step=self._step_until_done, greedy=greedy)
-        self._stale = True  # which slots finished: read when next needed
-        return timings
-
-    def _step_until_done(self):
-        while self._running():
-            self.step()
-        return self.carry
-
-    def wait(self) -> None:
-        """Block until everything dispatched so far has run."""
-        jax.block_until_ready(self.carry)
+        return self.strategy.run_until_done(self.carry, self._params, 0, self.placement.size, live=live,
+                                            max_rounds=bound, hook=hook, greedy=greedy)
 
     def warm_up(self, widths: Sequence[int] | None = None) -> float:
         """Compile (or read from the program store; auto also times) the admission, row-ops and
@@ -446,11 +429,6 @@ class SpecDecoder:
         on-device loop's), tokens committed and, auto, the tokens its choice predicted; of the
         timed one-part rounds, their seconds and, auto, the seconds its choice predicted."""
         return {label: dict(t) for label, t in sorted(self._tally.items())}
-
-    @property
-    def compiled_programs(self) -> list[tuple[str, int]]:
-        """The (geometry, window rows) round programs run so far: one compile each."""
-        return sorted(self.strategy.compiled)
 
     # ------------------------------------------------------------ results
     def _row_results(self, slots: Sequence[int]) -> dict:
@@ -507,3 +485,13 @@ class SpecDecoder:
                     rounds=info.rounds, n_out=info.n_out, modes=dict(info.modes),
                     hits=info.hits if async_counts else None,
                     misses=info.misses if async_counts else None)
+
+
+def load_weights(decoder: SpecDecoder, target, drafter=None) -> None:
+    """(Re)bind ``decoder``'s weights: the structure it was built for (no recompile)."""
+    decoder._bind(nnx.state(_unstacked(target)), drafter)
+
+
+def slots_in_use(decoder: SpecDecoder) -> list[int]:
+    """The slots holding a request.  A caller that inserts knows its own; tools and tests ask."""
+    return sorted(decoder._slots)

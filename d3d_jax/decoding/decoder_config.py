@@ -7,14 +7,12 @@ import dataclasses
 from typing import Any, Callable, Sequence
 
 from d3d_jax.config import ConfigError
-# the decoder defaults are written once, in the settings every command reads
-from d3d_jax.config.decoding import DEFAULT_BLOCK_SIZE, DEFAULT_BRANCH_FANOUT, DEFAULT_BRANCH_POSITIONS, MODES
+# the decoder's fields, checks and defaults are written once, in the settings every command reads
+from d3d_jax.config.decoding import DEFAULT_CACHE_LEN, DEFAULT_NUM_SLOTS, DecoderSettings
 from d3d_jax.decoding import branches as br
 from d3d_jax.decoding.core import MAX_STOP_IDS
 from d3d_jax.decoding.verify import SamplingParams
 
-AUTO_SYNC_BLOCKS = (4, 8, 16)  # auto: sync block sizes b (<= block_size; the drafter trains at 16)
-AUTO_ASYNC_GEOMETRIES = ((4, 2), (12, 2))  # auto: async (C, F) menu
 MIN_PROMPT_BUCKET = 16
 # Each bucket is an admission program of its own, compiled when a prompt first needs it.
 # Growing by 4 would halve them but pad a 32-token prompt to 64 (its prefill 6.5 ms, not 4.8),
@@ -55,51 +53,27 @@ def _devices(value):
 
 
 @dataclasses.dataclass(frozen=True)
-class DecoderConfig:
-    """Static description of a decoder: changing any field builds (and compiles) another one."""
+class DecoderConfig(DecoderSettings):
+    """Static description of a decoder: changing any field builds (and compiles) another one.
 
-    mode: str = "sync"  # "plain" | "sync" | "async" | "auto" (picks one of the others per round)
-    num_slots: int = 8  # fixed number of rows; requests join and leave between rounds
-    max_cache_len: int = 1024  # KV slots per row: prompt + max_new_tokens + block_size must fit
-    block_size: int = DEFAULT_BLOCK_SIZE  # B: tokens verified per round (plain decoding verifies 1); auto: the largest
-    branch_positions: int | None = None  # async: C, rejection slots 1..C-1 branch (min(12, B))
-    branch_fanout: int = DEFAULT_BRANCH_FANOUT  # async: F alternatives per rejection slot
+    The person's fields, their checks and their derived defaults are :class:`DecoderSettings`'
+    (a field left None is derived as every command derives it: mode auto, B = 16, C = min(12, B),
+    ...); this adds what only a program passes."""
+
     eos_token_ids: tuple[int, ...] = ()  # finish reason "eos"; a request may override them
-    target_devices: Any = None  # async: device list or count (None: both share one device)
-    drafter_devices: Any = None  # async: device list or count, disjoint from the target's
     # benchmark only: an object with accept(...) (and hit(...) for async) applied after the real
     # rule; None costs nothing.  See d3d_jax.bench.simulate.
     acceptance_override: Any = None
-    sample_drafts: bool = False  # sync: sample drafts from q (sampling rows) instead of argmax
     acceptance_rule: Callable | None = None  # experiments: replaces verify.default_rule
-    # window widths (rows) a round may run over; () = powers of two up to num_slots, which is
-    # always one: a round over n live requests costs the smallest width >= n, whatever num_slots
-    row_buckets: tuple[int, ...] = ()
-    # auto's menu: sync block sizes b and async (C, F); None: the defaults that fit block_size
-    auto_sync_blocks: tuple[int, ...] | None = None
-    auto_async: tuple[tuple[int, int], ...] | None = None
-    # auto: the drafter's offline τ (of a block of max(16, block_size), as trained), the prior
-    # of every request's acceptance
-    prior_tau: float | None = None
 
     def __post_init__(self):
-        if self.branch_positions is None:  # the default C fits every block size
-            object.__setattr__(self, "branch_positions",
-                               min(DEFAULT_BRANCH_POSITIONS, int(self.block_size)))
-        # device lists become tuples so the config stays hashable
-        object.__setattr__(self, "target_devices", _devices(self.target_devices))
-        object.__setattr__(self, "drafter_devices", _devices(self.drafter_devices))
-        object.__setattr__(self, "eos_token_ids", tuple(self.eos_token_ids))
-        object.__setattr__(self, "row_buckets", tuple(int(b) for b in self.row_buckets))
-        b = int(self.block_size)
-        sync = self.auto_sync_blocks
-        if sync is None:
-            sync = sorted({x for x in AUTO_SYNC_BLOCKS if x < b} | {b})
-        geoms = self.auto_async
-        if geoms is None:
-            geoms = sorted({(min(c, b), f) for c, f in AUTO_ASYNC_GEOMETRIES}) if b >= 3 else ()
-        object.__setattr__(self, "auto_sync_blocks", tuple(int(x) for x in sync))
-        object.__setattr__(self, "auto_async", tuple((int(c), int(f)) for c, f in geoms))
+        fields = self.derived(has_drafter=self.mode != "plain", num_slots=DEFAULT_NUM_SLOTS,
+                              max_cache_len=DEFAULT_CACHE_LEN)
+        # device lists and the rest become tuples so the config stays hashable
+        fields.update(target_devices=_devices(self.target_devices), drafter_devices=_devices(self.drafter_devices),
+                      eos_token_ids=tuple(self.eos_token_ids), row_buckets=tuple(int(b) for b in self.row_buckets))
+        for key, value in fields.items():
+            object.__setattr__(self, key, value)
 
     @property
     def width(self) -> int:
@@ -108,6 +82,7 @@ class DecoderConfig:
 
     @property
     def layout(self) -> br.BranchLayout:
+        """Async's branch pack (mode async only: the others leave C and F underived)."""
         return br.BranchLayout(self.block_size, self.branch_positions, self.branch_fanout)
 
     @property
@@ -120,13 +95,7 @@ class DecoderConfig:
         return prompt_buckets(self.max_cache_len)
 
     def validate(self) -> None:
-        if self.mode not in MODES:
-            raise ConfigError(f"decoder.mode: must be one of {'|'.join(MODES)}, got {self.mode!r}")
-        if int(self.num_slots) < 1:
-            raise ConfigError(f"decoder.num_slots: must be >= 1, got {self.num_slots}")
-        if self.mode != "plain" and int(self.block_size) < 2:
-            raise ConfigError(f"decoder.block_size: must be >= 2, got {self.block_size}")
-        self._validate_sizes()
+        super().validate("decoder")
         if self.mode == "async":
             self.layout.validate(prefix="decoder")
         if self.mode == "auto":
@@ -140,26 +109,11 @@ class DecoderConfig:
         if len(self.eos_token_ids) > MAX_STOP_IDS or any(int(t) < 0 for t in self.eos_token_ids):
             raise ConfigError(f"decoder.eos_token_ids: at most {MAX_STOP_IDS} ids >= 0, got "
                               f"{self.eos_token_ids}")
-        for key in ("target_devices", "drafter_devices"):
-            if getattr(self, key) is not None and self.mode != "async":
-                raise ConfigError(f"decoder.{key}: device slices are for mode async only")
-        if self.sample_drafts and self.mode in ("async", "auto"):
-            raise ConfigError(f"decoder.sample_drafts: mode {self.mode} drafts the drafter's argmax "
-                              "(point masses); sample_drafts is not supported")
         self._validate_override()
         try:
             hash(self)
         except TypeError as e:
             raise ConfigError(f"decoder: every field must be hashable ({e})") from None
-
-    def _validate_sizes(self) -> None:
-        """Sizes bounded by what a decoder can do (:mod:`d3d_jax.config.limits`, issue 21)."""
-        from d3d_jax.config.limits import MAX_BLOCK_SIZE, MAX_CACHE_LEN, MAX_SLOTS, require_int
-
-        require_int(self.num_slots, "decoder.num_slots", 1, MAX_SLOTS)
-        require_int(self.block_size, "decoder.block_size", 1, MAX_BLOCK_SIZE,
-                    " (B tokens are verified per round; τ <= B)")
-        require_int(self.max_cache_len, "decoder.max_cache_len", 2, MAX_CACHE_LEN)
 
     def _validate_auto(self) -> None:
         b = int(self.block_size)
@@ -191,9 +145,8 @@ class DecoderConfig:
 
 
 def decoder_config(mode: str, **fields) -> DecoderConfig:
-    """The one builder of a :class:`DecoderConfig` from command-line style options: a field
-    given as None takes the config's default (C = min(12, B), F = 2, ...)."""
-    return DecoderConfig(mode=mode, **{k: v for k, v in fields.items() if v is not None})
+    """A :class:`DecoderConfig` from command-line style options (a field given as None is derived)."""
+    return DecoderConfig(mode=mode, **fields)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -17,12 +17,11 @@ import dataclasses
 import time
 from typing import Callable, Sequence
 
-from d3d_jax.config.decoding import DEFAULT_BLOCK_SIZE
+from d3d_jax.config.decoding import DEFAULT_BLOCK_SIZE, MODES
 from d3d_jax.decoding import metrics as M
 from d3d_jax.decoding.core import MAX_STOP_IDS
 from d3d_jax.decoding.decoder import SpecDecoder
-from d3d_jax.decoding.decoder_config import (MODES, DecoderConfig, Request, decoder_config,
-                                             prompt_problem)
+from d3d_jax.decoding.decoder_config import DecoderConfig, Request, decoder_config, prompt_problem
 from d3d_jax.decoding.drafting import ModelDrafter, ReplayDrafter, as_drafter
 from d3d_jax.decoding.verify import SamplingParams
 
@@ -38,28 +37,23 @@ class GenerationOutput:
 
 
 def make_decoder(target, drafter=None, *, mode: str = "plain", num_slots: int = 1,
-                 max_cache_len: int, block_size: int = DEFAULT_BLOCK_SIZE, mask_token_id: int | None = None,
+                 max_cache_len: int, block_size: int | None = None, mask_token_id: int | None = None,
                  program_dir: str | None = None, **fields) -> SpecDecoder:
     """A decoder for :func:`generate`.  ``drafter`` (modes other than plain): a Qwen3 drafter (its
     ``mask_token_id`` from the argument or its config) or any
     :class:`~d3d_jax.decoding.drafting.Drafter`.  ``fields``: more
     :class:`~d3d_jax.decoding.decoder_config.DecoderConfig` fields (``branch_positions``,
-    ``sample_drafts``, ``acceptance_rule``, ...; None takes the default).  ``program_dir``: keep
-    the compiled programs there across processes (:mod:`d3d_jax.compile_cache`)."""
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {'|'.join(MODES)}, got {mode!r}")
-    if mode == "plain" and drafter is not None:
-        raise ValueError("mode='plain' takes no drafter")
-    if mode != "plain" and drafter is None:
-        raise ValueError(f"mode={mode!r} needs a drafter")
-    if mode != "plain":
+    ``sample_drafts``, ``acceptance_rule``, ...; None is derived, as ``block_size``).
+    ``program_dir``: keep the compiled programs there across processes
+    (:mod:`d3d_jax.compile_cache`).  The decoder checks the mode against the drafter."""
+    if drafter is not None:
         drafter = as_drafter(drafter, target.config.vocab_size, mask_token_id)
     known = {f.name for f in dataclasses.fields(DecoderConfig)}
     unknown = sorted(set(fields) - known)
     if unknown:
         raise ValueError(f"unknown decoder options: {unknown} (DecoderConfig fields: {sorted(known)})")
     cfg = decoder_config(mode, num_slots=int(num_slots), max_cache_len=int(max_cache_len),
-                         block_size=int(block_size), **fields)
+                         block_size=block_size, **fields)
     return SpecDecoder(target, drafter, cfg, program_dir=program_dir)
 
 
@@ -128,16 +122,17 @@ def generate(decoder: SpecDecoder, prompts: Sequence[Sequence[int]], *,
              sampling: SamplingParams = SamplingParams(), max_new_tokens: int = 128,
              eos_token_ids: Sequence[int] = (), stop_token_ids: Sequence[int] = (),
              seed: int = 0, row_seeds: Sequence[int] | None = None, hook: Callable | None = None,
-             timer=None, clock: Callable | None = None) -> list[GenerationOutput]:
+             loop: Callable | None = None, clock: Callable | None = None) -> list[GenerationOutput]:
     """Generate for every prompt with ``decoder``; outputs in prompt order.
 
     ``row_seeds``: one int in [0, 2**31) per prompt; prompt i then samples with
     ``fold_in(key(seed), row_seeds[i])`` instead of ``fold_in(key(seed), i)``, so its randomness
     does not depend on which other prompts share the call (data regeneration resumes with it).
     ``hook`` (async): sees every round's device arrays; a hook with ``finish()`` adds what it
-    returns to each batch's metrics (``d3d_jax.bench.timeline.AsyncTimeline``).  ``timer``
-    (plain/sync): rounds driven from the host with drafting and verifying timed apart
-    (``d3d_jax.bench.clock.PhaseTimer``).  ``clock``: a context manager factory whose
+    returns to each batch's metrics (``d3d_jax.bench.timeline.AsyncTimeline``).  ``loop``
+    (plain/sync): drives each batch's rounds instead of the on-device loop
+    (:meth:`SpecDecoder.run_until_done`; ``d3d_jax.bench.phased`` times drafting and verifying
+    apart).  ``clock``: a context manager factory whose
     ``.seconds`` is compile time to leave out of the decode time
     (``d3d_jax.bench.clock.CompileClock``)."""
     prompts = _check_call(decoder, prompts, sampling, max_new_tokens, eos_token_ids,
@@ -145,22 +140,21 @@ def generate(decoder: SpecDecoder, prompts: Sequence[Sequence[int]], *,
     index = list(range(len(prompts))) if row_seeds is None else [int(s) for s in row_seeds]
     requests = [Request(p, int(max_new_tokens), sampling, tuple(stop_token_ids), int(seed),
                         index[i], tuple(eos_token_ids)) for i, p in enumerate(prompts)]
-    decoder.free(decoder.active_slots())
+    decoder.free(range(decoder.config.num_slots))  # a failed earlier call may have left some
     bsz, outputs, sync_before = decoder.config.num_slots, [], [0]
     for bi, start in enumerate(range(0, len(requests), bsz)):
-        outputs += _run_batch(decoder, requests[start: start + bsz], bi, hook, timer, clock,
+        outputs += _run_batch(decoder, requests[start: start + bsz], bi, hook, loop, clock,
                               sync_before)
     return outputs
 
 
-def _run_batch(dec: SpecDecoder, requests: list[Request], batch_index: int, hook, timer, clock,
+def _run_batch(dec: SpecDecoder, requests: list[Request], batch_index: int, hook, loop, clock,
                sync_before: list) -> list[GenerationOutput]:
     slots = list(range(len(requests)))
     with (clock() if clock is not None else contextlib.nullcontext()) as clk:
         t0, c0 = time.perf_counter(), time.process_time()
         dec.insert(dec.prefill(requests), slots)
-        timings = dec.run_until_done(hook=hook, timer=timer)
-        dec.wait()
+        timings = dec.run_until_done(hook=hook, loop=loop)
         compile_s = getattr(clk, "seconds", 0.0)
         wall = time.perf_counter() - t0 - compile_s
         cpu = time.process_time() - c0 - compile_s

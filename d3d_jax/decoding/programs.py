@@ -95,6 +95,12 @@ def _leaf_type(x) -> tuple:
     return ("np", x.shape, str(x.dtype))
 
 
+def device_ids(compiled) -> list[int]:
+    """The ids of the devices ``compiled`` runs on, in its device assignment's order: what
+    ``deserialize_and_load(execution_devices=...)`` needs to load it on the same devices."""
+    return [d.id for d in compiled.runtime_executable().local_devices()]
+
+
 def _safe(name: str) -> str:
     """``name`` with every character that is not a letter or digit replaced by ``_``."""
     return "".join(c if c.isalnum() else "_" for c in name)
@@ -418,7 +424,7 @@ class Program:
         from jax.experimental.serialize_executable import serialize
 
         blob, in_tree, out_tree = serialize(compiled)
-        devices = [d.id for d in compiled._executable._unloaded_executable.device_list]
+        devices = device_ids(compiled)
         path = store._path(self.name, key_text)
         try:
             store._write(path, _Entry(self.name, key_text, blob, in_tree, out_tree, devices))

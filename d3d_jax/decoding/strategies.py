@@ -4,9 +4,10 @@ in :mod:`~d3d_jax.decoding.auto`).
 Every strategy works on the same slots and the same device state (:class:`Carry`) over the same
 :class:`~d3d_jax.decoding.core.DecodeCore` (and :class:`~d3d_jax.decoding.async_core.AsyncCore`),
 and owns its round: ``init`` (its state), ``admit`` (what prefill writes for it: one dispatch per
-device slice), ``dispatch`` (one round over windows of the live rows, dispatch only) and
-``run_until_done``.  The :class:`~d3d_jax.decoding.decoder.SpecDecoder` keeps the slots, the
-placement and the contract, and never asks which strategy it holds.
+device slice), ``dispatch`` (one round over windows of the live rows, dispatch only) and, where
+``loops``, ``run_until_done`` (rounds without the host choosing each).  The
+:class:`~d3d_jax.decoding.decoder.SpecDecoder` keeps the slots, the placement and the contract;
+it drives the rounds, and a strategy never calls back into it.
 
 A round's outcome is a list of :class:`Part` s (one per dispatched window), each with per-row
 device arrays in ``out`` (``tokens``, ``count``, ``finish``, ``accepted``, and whatever else a
@@ -114,6 +115,8 @@ class Strategy:
 
     mode = "?"
     drafter_in_state = False  # sync/auto: the drafter's state rides in DecodeState
+    # has run_until_done; auto does not: it picks each round on the host (the decoder steps it)
+    loops = True
 
     def __init__(self, ctx: Context):
         self.ctx = ctx
@@ -248,8 +251,9 @@ class CoreStrategy(Strategy):
         self.label = self.mode if self.mode == "plain" else f"sync/{ctx.config.block_size}"
         self._round = self.jit(self._round_fn, static_argnames="rows", donate_argnums=2)
         self._loop = self.jit(self._loop_fn, static_argnames=("rows", "greedy"), donate_argnums=2)
-        self._draft = self.jit(self._draft_fn, static_argnames="rows", donate_argnums=1)
-        self._verify = self.jit(self._verify_fn, static_argnames="rows", donate_argnums=1)
+        # the round in two programs, for a benchmark that times them apart (d3d_jax.bench.phased)
+        self.draft = self.jit(self._draft_fn, static_argnames="rows", donate_argnums=1)
+        self.verify = self.jit(self._verify_fn, static_argnames="rows", donate_argnums=1)
 
     def _round_fn(self, t_leaves, d_leaves, state, start, lo, hi, *, rows):
         tp, dp = self.ctx.tp(t_leaves), self.ctx.dp(d_leaves)
@@ -276,39 +280,14 @@ class CoreStrategy(Strategy):
         state, _ = self._round(*params, carry.state, 0, 0, 0, rows=rows)
         return dataclasses.replace(carry, state=state)
 
-    def run_until_done(self, carry: Carry, params, lo: int, hi: int, *, max_rounds: int = 0,
-                       timer=None, greedy: bool = False, **_) -> tuple[Carry, dict]:
-        """The core's on-device loop over the window (with ``timer``: :meth:`run_phased`);
-        ``greedy``: its rows are all plain greedy requests (:meth:`_loop_fn`)."""
-        if timer is not None:
-            return (self.run_phased(carry, params, lo, hi, max_rounds, timer),
-                    dict(dict(draft_s=0.0, verify_s=0.0), **timer.totals))
+    def run_until_done(self, carry: Carry, params, lo: int, hi: int, *, greedy: bool = False,
+                       **_) -> tuple[Carry, dict]:
+        """The core's on-device loop over the window; ``greedy``: its rows are all plain greedy
+        requests (:meth:`_loop_fn`)."""
         start, rows = self.ctx.window(lo, hi)
         self.note((self.label + ("/loop/greedy" if greedy else "/loop"), rows))
         return dataclasses.replace(carry, state=self._loop(*params, carry.state, start, lo, hi,
                                                            rows=rows, greedy=greedy)), {}
-
-    def run_phased(self, carry: Carry, params, lo: int, hi: int, rounds: int, timer):
-        """Rounds driven from the host, drafting and verifying timed apart by ``timer`` (its
-        ``phase(name)`` context; see :mod:`d3d_jax.bench.clock`).  Slower: a wait per phase."""
-        start, rows = self.ctx.window(lo, hi)
-        state = carry.state
-        for _ in range(rounds):
-            if bool(np.all(jax.device_get(state.done[start:start + rows]))):
-                break
-            state = self._phased_round(params, state, start, lo, hi, rows, timer)
-        return dataclasses.replace(carry, state=state)
-
-    def _phased_round(self, params, state, start, lo, hi, rows, timer):
-        t_leaves, d_leaves = params
-        drafts = probs = None
-        if self.core.drafter is not None:
-            with timer.phase("draft_s"):
-                state, drafts, probs = jax.block_until_ready(
-                    self._draft(d_leaves, state, start, lo, hi, rows=rows))
-        with timer.phase("verify_s"):
-            return jax.block_until_ready(self._verify(t_leaves, state, drafts, probs, start, lo,
-                                                      hi, rows=rows))
 
     def _draft_fn(self, d_leaves, state, start, lo, hi, *, rows):
         dp = self.ctx.dp(d_leaves)

@@ -7,19 +7,16 @@ from __future__ import annotations
 
 import json
 import time
-from typing import TYPE_CHECKING
 
 from d3d_jax.io.chat import chat_prompt_ids
 from d3d_jax.config.evaluation import EvalSettings
 from d3d_jax.bench.evaluation import runner as R
 from d3d_jax.bench.evaluation import benchmarks as B
 from d3d_jax.pipeline import measure, report
-
-if TYPE_CHECKING:
-    from d3d_jax.pipeline.base import Pipeline
+from d3d_jax.pipeline.context import Context
 
 
-def _hf_peer(p: Pipeline, suites: dict, results: dict, plain_runs: dict) -> None:
+def _hf_peer(p: Context, suites: dict, results: dict, plain_runs: dict) -> None:
     """transformers' assisted generation with the same target and drafter (AR assistant)."""
     from d3d_jax.bench.evaluation.assisted import hf_assisted_generation
 
@@ -34,7 +31,7 @@ def _hf_peer(p: Pipeline, suites: dict, results: dict, plain_runs: dict) -> None
         results[s]["hf_assisted"] = peer["hf_assisted"]
 
 
-def _table1(p: Pipeline, target, suites: dict, settings: EvalSettings) -> tuple[dict, dict]:
+def _table1(p: Context, target, suites: dict, settings: EvalSettings) -> tuple[dict, dict]:
     """Every eval drafter in every mode; the first also at the compared block sizes."""
     from d3d_jax.io.pairing import check_pairing
 
@@ -56,7 +53,7 @@ def _table1(p: Pipeline, target, suites: dict, settings: EvalSettings) -> tuple[
     return drafters, plain_runs
 
 
-def _built(p: Pipeline) -> dict:
+def _built(p: Context) -> dict:
     """What stages 5-7 measured once: per drafter its result.json, pruning's result, online τ."""
     c = p.cfg
     out = {"drafters": {v.name: json.loads((p.drafter_dir(v.name) / "result.json").read_text())
@@ -68,7 +65,7 @@ def _built(p: Pipeline) -> dict:
     return out
 
 
-def benchmark(p: Pipeline) -> dict:
+def benchmark(p: Context) -> dict:
     import jax
 
     c = p.cfg

@@ -1,5 +1,5 @@
-"""What every stage module and :class:`~d3d_jax.pipeline.base.Pipeline` share, kept apart from
-``base`` so that the stages, which ``base`` runs, never import ``base`` back (no import cycle)."""
+"""What every stage module and :class:`~d3d_jax.pipeline.context.Context` share: the log line,
+whole-or-nothing JSON writes and the dev split's size."""
 
 from __future__ import annotations
 

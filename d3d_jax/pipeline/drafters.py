@@ -6,27 +6,25 @@ from __future__ import annotations
 import dataclasses
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from d3d_jax import config as C
+from d3d_jax.pipeline import runs
 from d3d_jax.pipeline.common import log, write_json
-
-if TYPE_CHECKING:
-    from d3d_jax.pipeline.base import Pipeline
+from d3d_jax.pipeline.context import Context
 
 
-def small_needed(p: Pipeline) -> bool:
+def small_needed(p: Context) -> bool:
     return any(v.init in ("small", "random") and not (p.drafter_dir(v.name) / "result.json").exists()
                for v in p.cfg.drafters)
 
 
-def all_trained(p: Pipeline) -> bool:
+def all_trained(p: Context) -> bool:
     """Every drafter and the pruning stage are done: the training split is no longer needed."""
     return all((p.drafter_dir(v.name) / "result.json").exists() for v in p.cfg.drafters) and (
         not p.cfg.prune_drafter or (p.prune_dir / "result.json").exists())
 
 
-def train_drafter(p: Pipeline, v: C.DrafterVariantConfig) -> None:
+def train_drafter(p: Context, v: C.DrafterVariantConfig) -> None:
     from d3d_jax.config import load_model_config
 
     c = p.cfg
@@ -39,27 +37,27 @@ def train_drafter(p: Pipeline, v: C.DrafterVariantConfig) -> None:
     objective = C.ObjectiveConfig(kind="d3d", gamma=c.drafter_gamma, ar_weight=v.ar_weight)
     steps = v.steps or c.drafter_steps
     seed = c.seed if v.seed is None else v.seed
-    data = dataclasses.replace(p.drafter_data(), seed=seed)
-    hf_dir, losses = p.train_run(f"drafter_{v.name}", mc, data, objective, optim, steps,
-                                 init_from=str(init_dir) if init_dir else "", seed=seed,
-                                 eval_every=max(25, steps // 30))  # the dev-loss curve
+    data = dataclasses.replace(runs.drafter_data(p), seed=seed)
+    hf_dir, losses = runs.train_run(p, f"drafter_{v.name}", mc, data, objective, optim, steps,
+                                    init_from=str(init_dir) if init_dir else "", seed=seed,
+                                    eval_every=max(25, steps // 30))  # the dev-loss curve
     dest = p.drafter_dir(v.name)
     shutil.copytree(hf_dir, dest, dirs_exist_ok=True)
-    p.store_compact(dest)  # pruning starts from the run's float32 export (float32_export)
-    tau = p.offline_tau(p.load(dest))  # of the weights as stored
+    runs.store_compact(dest)  # pruning starts from the run's float32 export (float32_export)
+    tau = runs.offline_tau(p, p.load(dest))  # of the weights as stored
     write_json({"variant": dataclasses.asdict(v), "steps": steps, "seed": seed,
                 "init_from": str(init_dir or "random"), "final_loss": losses[-1] if losses else None,
-                "offline_tau_dev": tau, "curve": p.loss_curve(f"drafter_{v.name}")}, dest / "result.json")
+                "offline_tau_dev": tau, "curve": runs.loss_curve(p, f"drafter_{v.name}")}, dest / "result.json")
     log(f"drafter {v.name}: offline τ on dev = {tau['tau']:.3f}")
 
 
-def float32_export(p: Pipeline, name: str) -> Path | None:
+def float32_export(p: Context, name: str) -> Path | None:
     """Drafter ``name``'s float32 weights as its training run exported them (None if gone)."""
     hf = p.work / "runs" / f"drafter_{name}" / "export" / "hf"
     return hf if (hf / "model.safetensors").exists() else None
 
 
-def unship_weights(p: Pipeline) -> None:
+def unship_weights(p: Context) -> None:
     """Only the benchmark's drafters ship their weights: every other drafter's move to the work
     dir (its config, result and curves stay in out_dir), once stage 7 has measured it online."""
     for v in p.cfg.drafters:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -13,14 +12,12 @@ from d3d_jax.io.chat import chat_prompt_ids
 from d3d_jax.config.evaluation import EvalSettings
 from d3d_jax.bench.evaluation import runner as R
 from d3d_jax.bench.evaluation import benchmarks as B
-
-if TYPE_CHECKING:
-    from d3d_jax.pipeline.base import Pipeline
+from d3d_jax.pipeline.context import Context
 
 MAX_PROMPT_TOKENS = 384  # the benchmark's prompts; the cache holds them, the answer and 4 blocks
 
 
-def suites(p: Pipeline) -> dict[str, list[B.Sample]]:
+def suites(p: Context) -> dict[str, list[B.Sample]]:
     """Per benchmark, ``eval_samples`` held-out prompts of at most 384 tokens, spread in length."""
     c, tok = p.cfg, p.tokenizer()
     out = {}
@@ -38,7 +35,7 @@ def async_available() -> bool:
     return "async" in engine.MODES
 
 
-def eval_settings(p: Pipeline, has_async: bool) -> EvalSettings:
+def eval_settings(p: Context, has_async: bool) -> EvalSettings:
     import jax
 
     c = p.cfg
@@ -54,11 +51,11 @@ def eval_settings(p: Pipeline, has_async: bool) -> EvalSettings:
     return settings
 
 
-def decode_kwargs(p: Pipeline) -> dict:
+def decode_kwargs(p: Context) -> dict:
     return dict(eos_token_ids=p.eos_ids(), mask_token_id=p.special_ids()["mask"], encode_fn=chat_prompt_ids)
 
 
-def sync_against(p: Pipeline, target, drafter, suites_: dict, settings: EvalSettings, plain_runs: dict,
+def sync_against(p: Context, target, drafter, suites_: dict, settings: EvalSettings, plain_runs: dict,
                  block: int | None = None, drafter_share: bool = False) -> dict:
     """Per suite: ``drafter``'s sync summary against the shared plain runs (other drafters, other
     B), with the drafter's share of round time when asked."""
@@ -73,7 +70,7 @@ def sync_against(p: Pipeline, target, drafter, suites_: dict, settings: EvalSett
     return out
 
 
-def plain_runs(p: Pipeline, target, suites_: dict, settings: EvalSettings) -> dict:
+def plain_runs(p: Context, target, suites_: dict, settings: EvalSettings) -> dict:
     """Plain greedy decoding of every suite: what every speculative output must equal."""
     s_set = dataclasses.replace(settings, modes=("plain",))
     _, raw = R.evaluate(target, None, p.tokenizer(), suites_, s_set, **decode_kwargs(p))
@@ -113,7 +110,7 @@ def forward_ms(cfg, tokens: int, context: int, cache_len: int, repeats: int = 30
     return 1e3 * float(np.median(times))
 
 
-def drafter_latency(p: Pipeline, depths: list[int], block: int, context: int = 320) -> dict:
+def drafter_latency(p: Context, depths: list[int], block: int, context: int = 320) -> dict:
     """The target-initialised drafter's drafting forward at each depth, the small drafter's, and
     the target's plain step (one token) as the unit, all over the same cache."""
     from d3d_jax.config import load_model_config

@@ -10,19 +10,16 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from d3d_jax.pipeline import measure
 from d3d_jax.pipeline.common import log, write_json
+from d3d_jax.pipeline.context import Context
 from d3d_jax.pipeline.prune import pruned_names
-
-if TYPE_CHECKING:
-    from d3d_jax.pipeline.base import Pipeline
 
 KEPT = ("tau", "rounds", "new_tokens", "equals_plain", "mismatched_outputs", "accept_histogram")
 
 
-def candidates(p: Pipeline) -> dict[str, Path | None]:
+def candidates(p: Context) -> dict[str, Path | None]:
     """Every drafter's weights (None where they are gone, as in a fresh clone)."""
     out: dict[str, Path | None] = {v.name: p.weights_dir(v.name) for v in p.cfg.drafters}
     for name, export in pruned_names(p).items():
@@ -31,19 +28,19 @@ def candidates(p: Pipeline) -> dict[str, Path | None]:
     return out
 
 
-def _existing(p: Pipeline) -> dict:
+def _existing(p: Context) -> dict:
     if not p.online_path.exists():
         return {}
     return json.loads(p.online_path.read_text()).get("drafters", {})
 
 
-def measured(p: Pipeline) -> bool:
+def measured(p: Context) -> bool:
     """Done when every drafter whose weights exist has a row (none can be added without them)."""
     have = _existing(p)
     return p.online_path.exists() and all(n in have or w is None for n, w in candidates(p).items())
 
 
-def measure_online(p: Pipeline) -> None:
+def measure_online(p: Context) -> None:
     c = p.cfg
     have = _existing(p)
     todo = {n: w for n, w in candidates(p).items() if n not in have and w is not None}

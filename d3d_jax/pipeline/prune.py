@@ -7,19 +7,17 @@ from __future__ import annotations
 
 import dataclasses
 import shutil
-from typing import TYPE_CHECKING
 
 from d3d_jax import config as C
+from d3d_jax.pipeline import runs
 from d3d_jax.pipeline.common import DEV_BATCHES, write_json
+from d3d_jax.pipeline.context import Context
 from d3d_jax.pipeline.drafters import float32_export
-
-if TYPE_CHECKING:
-    from d3d_jax.pipeline.base import Pipeline
 
 RULES = ("acceptance", "shortgpt")
 
 
-def prune_run_config(p: Pipeline) -> C.PruneRunConfig:
+def prune_run_config(p: Context) -> C.PruneRunConfig:
     c = p.cfg
     src = float32_export(p, c.prune_drafter) or p.weights_dir(c.prune_drafter)
     if src is None:
@@ -32,7 +30,7 @@ def prune_run_config(p: Pipeline) -> C.PruneRunConfig:
                             tau_measure="offline", export_rounds=True),
         mesh=C.MeshConfig(data=1, fsdp=1, tensor=1), num_devices=1,
         # every τ of the report on the same 1024 dev anchors as the drafters' result.json
-        data=dataclasses.replace(p.drafter_data(), dev_batches=DEV_BATCHES),
+        data=dataclasses.replace(runs.drafter_data(p), dev_batches=DEV_BATCHES),
         objective=C.ObjectiveConfig(kind="d3d", gamma=c.drafter_gamma, ar_weight=1.0),
         optim=C.OptimConfig(name="adamw", learning_rate=c.drafter_learning_rate * 0.3,
                             final_learning_rate=c.drafter_learning_rate * 0.03, warmup_steps=5),
@@ -41,7 +39,7 @@ def prune_run_config(p: Pipeline) -> C.PruneRunConfig:
                             out_dir=str(work / "train")))
 
 
-def prune(p: Pipeline) -> None:
+def prune(p: Context) -> None:
     from d3d_jax.training import prune_run
 
     run_cfg = prune_run_config(p)
@@ -77,7 +75,7 @@ def summarize(report: dict, c: C.PipelineConfig) -> dict:
             "stopped": report["stopped"], "depths": depths, "wall_s": report["wall_s"]}
 
 
-def pruned_names(p: Pipeline) -> dict[str, str | None]:
+def pruned_names(p: Context) -> dict[str, str | None]:
     """``{"<source>_<rule>_<depth>": export dir or None}`` for stage 7 and the report."""
     import json
 

@@ -3,16 +3,13 @@
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from d3d_jax import config as C
 from d3d_jax import demo
 from d3d_jax.pipeline.common import log
-
-if TYPE_CHECKING:
-    from d3d_jax.pipeline.base import Pipeline
+from d3d_jax.pipeline.context import Context
 
 
 def regen_prompt_pairs(cfg: C.PipelineConfig) -> list[dict]:
@@ -29,7 +26,7 @@ def regen_prompt_pairs(cfg: C.PipelineConfig) -> list[dict]:
     return pairs
 
 
-def regenerate(p: Pipeline) -> None:
+def regenerate(p: Context) -> None:
     from d3d_jax.training import regenerate as regen
 
     c = p.cfg

@@ -5,15 +5,12 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from d3d_jax.bench.evaluation import benchmarks as B
 from d3d_jax.bench.evaluation import plots
-
-if TYPE_CHECKING:
-    from d3d_jax.pipeline.base import Pipeline
+from d3d_jax.pipeline.context import Context
 
 
 def flattening(curve: list[dict], steps: int) -> float | None:
@@ -170,7 +167,7 @@ def dev_curves_plot(built: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def write(p: Pipeline, out: dict, suites: list[str]) -> dict:
+def write(p: Context, out: dict, suites: list[str]) -> dict:
     c, eval_dir = p.cfg, p.eval_dir
     methods = ("plain", "sync", *(f"sync_b{b}" for b in c.eval_compare_blocks), "async", "hf_assisted")
     tables = [B.table1(d["results"], methods=methods,

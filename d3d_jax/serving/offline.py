@@ -6,10 +6,11 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from d3d_jax.decoding.contract import Decoder
 from d3d_jax.serving.scheduler import Event, Scheduler
 
 
-def generate(decoder, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, sampling=None,
+def generate(decoder: Decoder, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, sampling=None,
              seed: int = 0, stop_token_ids: Sequence[int] = (), request_cls=None,
              timeout_s: float | None = None) -> list:
     """One :class:`~d3d_jax.decoding.engine.GenerationOutput` per prompt, in order.

@@ -1,11 +1,12 @@
-"""Continuous batching around one :class:`~d3d_jax.decoding.decoder.SpecDecoder`.
+"""Continuous batching around one :class:`~d3d_jax.decoding.contract.Decoder` (a ``SpecDecoder``).
 
 One thread owns the decoder (JAX calls release the GIL, so the HTTP event loop stays responsive).
 Each round it
 
 1. frees the slots of cancelled requests (client gone, stop string matched) and drops cancelled
    requests still in the queue — a cancel takes effect at the next round;
-2. admits queued requests into free slots (``prefill`` + ``insert``; first come, first served);
+2. admits queued requests into the slots it holds no request in (``prefill`` + ``insert``; first
+   come, first served);
 3. runs ``step()`` once for all active slots and hands each request its new tokens;
 4. frees the slots whose request finished.
 
@@ -25,6 +26,7 @@ import threading
 import time
 from typing import Any, Callable
 
+from d3d_jax.decoding.contract import Decoder
 from d3d_jax.serving.metrics import ServerMetrics
 
 log = logging.getLogger("d3d_jax.serving")
@@ -84,13 +86,13 @@ def _request_metrics(h: Handle, slot_metrics: dict | None) -> dict:
 
 
 class Scheduler:
-    def __init__(self, decoder, *, metrics: ServerMetrics | None = None, max_queue: int = 4096,
+    def __init__(self, decoder: Decoder, *, metrics: ServerMetrics | None = None, max_queue: int = 4096,
                  idle_wait_s: float = 0.05):
         self.decoder = decoder
         self.metrics = metrics or ServerMetrics()
         self.max_queue = max_queue
         self.idle_wait_s = idle_wait_s
-        self.num_slots = len(decoder.free_slots()) + len(decoder.active_slots())
+        self.num_slots = int(decoder.config.num_slots)
         self._queue: collections.deque[Handle] = collections.deque()
         self._active: dict[int, Handle] = {}  # slot -> handle (scheduler thread only)
         self._cv = threading.Condition()
@@ -200,8 +202,7 @@ class Scheduler:
             return True
         self.step_error = None
         self._deliver(outs, time.perf_counter() - t0)
-        if hasattr(self.decoder, "decisions"):  # a fresh copy each round: /metrics reads it
-            self.metrics.decisions = self.decoder.decisions()
+        self.metrics.decisions = self.decoder.decisions()  # a fresh copy each round: /metrics reads it
         return True
 
     def _reap_cancelled(self) -> None:
@@ -217,7 +218,7 @@ class Scheduler:
                 self.metrics.record_request("cancelled")
 
     def _admit(self) -> None:
-        free = list(self.decoder.free_slots())
+        free = [s for s in range(self.num_slots) if s not in self._active]  # the caller owns its slots
         while free:
             with self._cv:
                 if not self._queue:
@@ -258,11 +259,11 @@ class Scheduler:
             if out.token_ids:
                 h.t_first = h.t_first or time.perf_counter()
                 h.n_out += len(out.token_ids)
-            lps = getattr(out, "logprobs", None)
             if out.finished:
-                self._finish(slot, out.finish_reason or "length", token_ids=list(out.token_ids), logprobs=lps)
+                self._finish(slot, out.finish_reason or "length", token_ids=list(out.token_ids),
+                             logprobs=out.logprobs)
             elif out.token_ids and not h.cancelled:
-                self._send(h, Event(list(out.token_ids), logprobs=lps))
+                self._send(h, Event(list(out.token_ids), logprobs=out.logprobs))
         if per_row:
             self.metrics.record_round(len(per_row), tokens, accepted, hits, misses, seconds,
                                       per_row=per_row)

@@ -30,6 +30,7 @@ from d3d_jax.config import ConfigError
 from d3d_jax.config.flags import (add_auto_flags, add_config_arguments, add_model_flags, config_flag, declared,
                                   load_command_config)
 from d3d_jax.config.serve import MAX_CACHE_LEN, NUM_SLOTS, ServeConfig
+from d3d_jax.decoding.contract import Decoder
 from d3d_jax.serving import protocol as P
 
 log = logging.getLogger("d3d_jax.serving")
@@ -159,7 +160,7 @@ def load(cfg: ServeConfig):
     return decoder, tokenizer, eos_ids, target
 
 
-def make_service(decoder, tokenizer, eos_ids, *, model_name: str, mode: str, api_key: str | None = None,
+def make_service(decoder: Decoder, tokenizer, eos_ids, *, model_name: str, mode: str, api_key: str | None = None,
                  max_body_bytes: int = 1 << 20, max_prompt_tokens: int | None = None,
                  default_max_tokens: int = 256, max_queue: int = 4096, request_cls=None,
                  target=None, score_prompt=None, vllm_metrics: bool = False):
@@ -174,11 +175,11 @@ def make_service(decoder, tokenizer, eos_ids, *, model_name: str, mode: str, api
     cfg = decoder.config
     limits = P.Limits(context_len=cfg.max_cache_len - cfg.block_size, max_body_bytes=max_body_bytes,
                       max_prompt_tokens=max_prompt_tokens, default_max_tokens=default_max_tokens,
-                      vocab_size=getattr(decoder, "vocab_size", None) or len(tokenizer))
+                      vocab_size=decoder.vocab_size)
     if target is not None and score_prompt is None:
         from d3d_jax.serving.scoring import PromptScorer
 
-        score_prompt = PromptScorer(target, limits.context_len, programs=getattr(decoder, "programs", None))
+        score_prompt = PromptScorer(target, limits.context_len, programs=decoder.programs)
     scheduler = Scheduler(decoder, max_queue=max_queue, metrics=ServerMetrics(vllm_names=vllm_metrics))
     return Service(scheduler=scheduler, tokenizer=tokenizer,
                    model_name=model_name, limits=limits, eos_token_ids=tuple(eos_ids),
@@ -204,15 +205,13 @@ def _warmup_request(svc, n: int, max_tokens: int | None):
     return dataclasses.replace(svc.build(params, [1] * n, seed=0), warmup=True)
 
 
-def warm_up_decoder(decoder, all_widths: bool = True) -> bool:
+def warm_up_decoder(decoder: Decoder, all_widths: bool = True) -> bool:
     """Compile (or read) the decoder's programs: with ``all_widths=False`` and a program store
     that holds the 1-row round, only that round, admission and row ops (a request's programs);
     the other widths are read after ``READY`` (:func:`warmup_in_background`); auto too, its
     round times read from the store (its cold start timed every width and kept them there).
     Returns True when widths were left for the background."""
-    if not hasattr(decoder, "warm_up"):
-        return False
-    store = getattr(decoder, "programs", None)
+    store = decoder.programs
     partial = not all_widths and store is not None and store.enabled and store.stored() > 0
     if partial:
         before = store.counts["compiled"]
@@ -414,7 +413,7 @@ def main(args) -> None:
     if now:
         t0 = time.perf_counter()
         deferred = warmup(svc, now, all_widths=srv.warmup_wait)
-        store = getattr(decoder, "programs", None)
+        store = decoder.programs
         log.warning("warm-up (prompts of %s tokens%s) took %.1f s%s", now,
                     ", wider windows read in the background" if deferred else "", time.perf_counter() - t0,
                     f"; program store {store.counts}" if store is not None and store.enabled else "")

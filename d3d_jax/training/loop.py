@@ -41,6 +41,7 @@ from d3d_jax.parallel import sharding as shd
 from d3d_jax.parallel.distributed import maybe_initialize_distributed
 from d3d_jax.training import data as data_lib
 from d3d_jax.training import objectives as obj
+from d3d_jax.training import schedule
 from d3d_jax.io import records
 from d3d_jax.training import step as step_lib
 from d3d_jax.training.checkpoints import StopSignals, TrainCheckpointer, run_settings, trim_metrics
@@ -259,7 +260,7 @@ class Trainer:
                 self.state = {**self.state,
                               "step": jax.device_put(np.int32(self.step), self.state_sharding["step"])}
                 msg = nonfinite_message(step, lines, self.cfg.data.train_path, self.checkpointer)
-                self._write_metrics({"step": step, "stopped": msg})
+                self.write_metrics({"step": step, "stopped": msg})
                 raise NonFiniteError(msg)
 
     def evaluate(self, batches: Iterable[dict] | None = None) -> dict:
@@ -288,7 +289,7 @@ class Trainer:
         return out
 
     # ---- the loop ------------------------------------------------------------------------------
-    def _write_metrics(self, record: dict) -> None:
+    def write_metrics(self, record: dict) -> None:
         if jax.process_index() != 0:
             return
         from d3d_jax.io.atomic import writing
@@ -306,65 +307,41 @@ class Trainer:
 
     def fit(self, until: int | None = None) -> list[dict]:
         """Train to step ``until`` (default ``train.steps``); returns this call's per-step metrics.
+        After each step the events it triggers run (:mod:`~d3d_jax.training.schedule`).
 
         SIGTERM / SIGINT (a preempted VM, Ctrl-C) end the current step, save it and return early
         with ``self.stop_signal`` set."""
         tc = self.cfg.train
         until = tc.steps if until is None else min(until, tc.steps)
         if self.step == 0 and self.data_stats:
-            self._write_metrics({"step": 0, "data_stats": self.data_stats})
+            self.write_metrics({"step": 0, "data_stats": self.data_stats})
         bar = None
         if tc.progress_bar and jax.process_index() == 0:
             from tqdm import tqdm
             bar = tqdm(total=until, initial=self.step, desc="train", file=sys.stderr, dynamic_ncols=True)
-        tokens_per_step = self.cfg.data.batch_size * self.cfg.data.packed_length
-        pending: list[tuple[int, dict]] = []
-        records: list[dict] = []
-        t_last, steps_since = time.time(), 0
-        stop = StopSignals().install()
+        run = schedule.FitRun(until, self.cfg.data.batch_size * self.cfg.data.packed_length,
+                              StopSignals().install(), bar)
         try:
             while self.step < until:
                 metrics = self.train_step(next(self.train_iter))
                 self.checkpointer.raise_if_failed()  # a failed async save stops the run here, in one line
-                steps_since += 1
-                pending.append((self.step, metrics))
-                done = self.step == until
-                stopping = stop.should_stop(self.step)
-                if done or stopping or any(n and self.step % n == 0 for n in (
-                        tc.log_every, tc.eval_every, tc.checkpoint_every)):
+                run.pending.append((self.step, metrics))
+                run.steps_since += 1
+                events = schedule.due(self, run)
+                if events:
                     self.check_finite()  # before anything is logged, evaluated or saved
-                if done or stopping or (tc.log_every and self.step % tc.log_every == 0):
-                    fetched = jax.device_get(pending)
-                    dt = time.time() - t_last
-                    new = [{"step": s, **{k: float(v) for k, v in m.items()}} for s, m in fetched]
-                    new[-1]["tokens_per_s"] = tokens_per_step * steps_since / max(dt, 1e-9)
-                    for r in new:
-                        self._write_metrics(r)
-                    records.extend(new)
-                    rec = new[-1]
-                    if bar is not None:
-                        bar.set_postfix(loss=f"{rec['loss']:.4f}", tok_s=f"{rec['tokens_per_s']:.0f}")
-                    pending, t_last, steps_since = [], time.time(), 0
                 if bar is not None:
                     bar.update(1)
-                if self.dev_batches and (done or (tc.eval_every and self.step % tc.eval_every == 0)):
-                    ev = self.evaluate()
-                    self._write_metrics({"step": self.step, **ev})
-                    self.log(f"step {self.step}: " + ", ".join(
-                        f"{k}={v:.4f}" for k, v in ev.items() if isinstance(v, float)))
-                if done or stopping or (tc.checkpoint_every and self.step % tc.checkpoint_every == 0):
-                    self.save_checkpoint()
-                if stopping:
-                    self.stop_signal = stop.signum
-                    self.log(f"{stop.name}: saved a checkpoint at step {self.step} and stopped; "
-                             f"rerun the same command to resume")
+                for name in events:
+                    schedule.EVENTS[name](self, run)
+                if "stop" in events:
                     break
         finally:
-            stop.uninstall()
+            run.stop.uninstall()
             if bar is not None:
                 bar.close()
-        self.history.extend(records)
-        return records
+        self.history.extend(run.records)
+        return run.records
 
     # ---- outputs -------------------------------------------------------------------------------
     def model(self) -> Qwen3:

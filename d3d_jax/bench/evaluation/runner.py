@@ -110,7 +110,8 @@ def make_runner(target, drafter, settings: EvalSettings, eos_token_ids: Sequence
 
 
 def _batch_one_generate(target, drafter, settings, eos_token_ids, mask_token_id, decoders, extra) -> Callable:
-    from d3d_jax.bench.clock import CompileClock, PhaseTimer
+    from d3d_jax.bench.clock import CompileClock
+    from d3d_jax.bench.phased import host_loop
     from d3d_jax.bench.timeline import AsyncTimeline
     from d3d_jax.decoding import engine
 
@@ -125,10 +126,9 @@ def _batch_one_generate(target, drafter, settings, eos_token_ids, mask_token_id,
                 **{**mode_fields(settings, mode), **extra})
         dec = decoders[key]
         hook = AsyncTimeline(dec.shared) if mode == "async" and settings.async_timeline else None
-        timer = PhaseTimer() if timed and mode in ("plain", "sync") else None
         return engine.generate(dec, prompts, max_new_tokens=settings.max_new_tokens,
-                               eos_token_ids=tuple(eos_token_ids), hook=hook, timer=timer,
-                               clock=CompileClock)
+                               eos_token_ids=tuple(eos_token_ids), hook=hook,
+                               loop=host_loop(mode) if timed else None, clock=CompileClock)
 
     return fn
 

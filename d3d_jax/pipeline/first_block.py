@@ -23,6 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
+from d3d_jax.pipeline import runs
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -39,7 +41,7 @@ def first_block_batches(pipe) -> list[dict]:
     """Every dev response's first block (anchor = last prompt token), one block per row."""
     from d3d_jax.training import data as D
 
-    dc = pipe.drafter_data()
+    dc = runs.drafter_data(pipe)
     examples, _ = D.load_examples(dc.dev_path, pipe.tokenizer(), dc)
     rows = []
     for ex in examples:
@@ -80,17 +82,17 @@ def finetune(pipe, drafter_dir: Path, name: str, steps: int, seed: int, first_bl
     shutil.rmtree(pipe.work / "runs" / name, ignore_errors=True)
     mc = pipe.model_config(C.load_model_config(str(drafter_dir)), mask_token_id=pipe.special_ids()["mask"],
                             block_size=c.block_size)
-    data = dataclasses.replace(pipe.drafter_data(), seed=seed, first_block_anchor=first_block_anchor)
+    data = dataclasses.replace(runs.drafter_data(pipe), seed=seed, first_block_anchor=first_block_anchor)
     optim = C.OptimConfig(name="adamw", learning_rate=c.drafter_learning_rate,
                           final_learning_rate=c.drafter_learning_rate * 0.1, warmup_steps=20)
     objective = C.ObjectiveConfig(kind="d3d", gamma=c.drafter_gamma, ar_weight=1.0)
-    hf_dir, _ = pipe.train_run(name, mc, data, objective, optim, steps, init_from=str(drafter_dir), seed=seed)
+    hf_dir, _ = runs.train_run(pipe, name, mc, data, objective, optim, steps, init_from=str(drafter_dir), seed=seed)
     return hf_dir
 
 
 def evaluate(pipe, model, first_batches: list[dict], dev_batches: list[dict]) -> dict:
     per_block = per_block_tau(model, first_batches, pipe.cfg.block_size)
-    overall = pipe.offline_tau(model, dev_batches)
+    overall = runs.offline_tau(pipe, model, dev_batches)
     return {"tau_first_block": float(per_block.mean()), "tau_all_anchors": overall["tau"],
             "first_blocks": int(per_block.size), "anchors": overall["anchors"], "per_block": per_block.tolist()}
 
@@ -98,20 +100,20 @@ def evaluate(pipe, model, first_batches: list[dict], dev_batches: list[dict]) ->
 def main(args) -> dict:
     from d3d_jax import config as C
     from d3d_jax.io.checkpoint import load_model
-    from d3d_jax.pipeline import Pipeline
+    from d3d_jax.pipeline import Context
 
     cfg = C.load_config(C.PipelineConfig, [args.pipeline_config], [])
-    pipe = Pipeline(cfg, work_dir=args.work_dir)
+    pipe = Context(cfg, work_dir=args.work_dir)
     drafter_dir = pipe.drafter_dir(args.drafter)
     first = first_block_batches(pipe)
-    dev = pipe.dev_batches(first_block_anchor=False)  # anchors inside the response, as before the option
-    runs = {"shipped": evaluate(pipe, load_model(str(drafter_dir)), first, dev)}
+    dev = runs.dev_batches(pipe, first_block_anchor=False)  # anchors inside the response, as before the option
+    results = {"shipped": evaluate(pipe, load_model(str(drafter_dir)), first, dev)}
     for seed in (int(s) for s in args.seeds.split(",")):
         for on in (False, True):
             name = f"{args.drafter}_ft{args.steps}_seed{seed}_{'first_block' if on else 'response_only'}"
             hf = finetune(pipe, drafter_dir, name, args.steps, seed, on)
-            runs[name] = {"first_block_anchor": on, "seed": seed, **evaluate(pipe, load_model(str(hf)), first, dev)}
-    out = {"drafter": str(drafter_dir), "steps": args.steps, "runs": runs, "paired": paired(runs)}
+            results[name] = {"first_block_anchor": on, "seed": seed, **evaluate(pipe, load_model(str(hf)), first, dev)}
+    out = {"drafter": str(drafter_dir), "steps": args.steps, "runs": results, "paired": paired(results)}
     print_table(out)
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))

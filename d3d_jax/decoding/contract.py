@@ -1,0 +1,55 @@
+"""The contract between a decoder and what drives it (the server's scheduler, ``engine.generate``,
+the benchmarks, the serving tests' fake): JetStream's narrow engine API over a fixed set of slots.
+
+The caller owns which slots it uses: it inserts a prefilled request into a slot it knows is free
+and frees it when the request finishes or is cancelled.  The decoder owns its rounds.
+:class:`~d3d_jax.decoding.decoder.SpecDecoder` implements it; ``isinstance(x, Decoder)`` checks
+that ``x`` has every member (not their signatures).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, Sequence, runtime_checkable
+
+
+@runtime_checkable
+class Decoder(Protocol):
+    """What a caller may do with a decoder and read from it."""
+
+    # the static shape: ``mode``, ``num_slots``, ``max_cache_len``, ``block_size``, ``buckets``
+    # (window widths, smallest first) and ``eos_token_ids`` (a DecoderConfig)
+    config: Any
+    vocab_size: int  # token ids a request may hold are in [0, vocab_size)
+    # the compiled-program store (``enabled``, ``counts``, ``stored()``, ``preload()``); None:
+    # the decoder keeps no compiled programs
+    programs: Any
+
+    def validate_request(self, request) -> None:
+        """Raise a ``ValueError`` naming the request's first problem (any thread may call it)."""
+
+    def prefill(self, request) -> Any:
+        """Check one request (or a sequence of them) and stage it for :meth:`insert`."""
+
+    def insert(self, prefix, slot) -> None:
+        """Put prefilled requests into free slots (``slot``: one, or one per request)."""
+
+    def step(self) -> dict:
+        """One round for every active slot: ``{slot: StepOutput}`` (``token_ids``, ``finished``,
+        ``finish_reason``, ``accepted``, ``hit``, ``logprobs``)."""
+
+    def free(self, slot) -> None:
+        """The slot's request leaves (finished or cancelled); a free slot stays free."""
+
+    def results(self, slots: Sequence[int]) -> list[dict]:
+        """Per slot: ``token_ids``, ``finish_reason``, ``accept_hist`` (and the mode's counts)."""
+
+    def warm_up(self, widths: Sequence[int] | None = None) -> float:
+        """Compile (or read) the programs of every window width (``widths``: only those) before
+        a client waits; the seconds it took."""
+
+    def decisions(self) -> dict[str, dict]:
+        """Per geometry (``plain``, ``sync/8``, ``async/12x2``): rounds run and tokens committed."""
+
+    def slot_metrics(self, slot: int) -> dict:
+        """The slot's request so far: ``tau``, ``accept_hist``, ``rounds``, ``n_out``, ``modes``,
+        ``hits`` and ``misses`` (None where the mode has none)."""
