@@ -181,10 +181,7 @@ class ProgramStore:
 
     def _write(self, path: Path, entry: _Entry) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
-        data = zlib.compress(pickle.dumps(dataclasses.asdict(entry), protocol=5), 1)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-        tmp.write_bytes(data)
-        os.replace(tmp, path)
+        _replace(path, zlib.compress(pickle.dumps(dataclasses.asdict(entry), protocol=5), 1))
 
     def _read(self, path: Path) -> _Entry | None:
         """The entry in ``path`` (None: absent); a damaged one is logged and removed."""
@@ -300,17 +297,22 @@ class ProgramStore:
         """Keep ``data`` as note ``name`` (atomically; a read-only store logs and keeps none)."""
         if not self.enabled:
             return
-        path = self.dir / f"{name}.json"
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
         try:
-            tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
-            os.replace(tmp, path)
+            _replace(self.dir / f"{name}.json", json.dumps(data, indent=1, sort_keys=True).encode())
         except OSError as e:
             log.warning("program store: note %s not kept (%s)", name, e.strerror or e)
 
     def stored(self) -> int:
         """Entries on disk for this salt."""
         return len(list(self.dir.glob(f"*{SUFFIX}"))) if self.enabled and self.dir.is_dir() else 0
+
+
+def _replace(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` atomically: a temporary name of this process and thread, then
+    renamed (a reader sees the old file or the new one, never part of one)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
 
 
 def _tuple(x) -> tuple:
