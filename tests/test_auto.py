@@ -24,7 +24,7 @@ from d3d_jax.decoding.auto_gate import Gate
 from d3d_jax.decoding.auto_policy import Acceptance, Geometry, Plan, Policy, Pool, geometric_rate
 from d3d_jax.decoding.decoder import DecoderConfig, Request, SpecDecoder, load_weights, slots_in_use
 from d3d_jax.decoding.drafting import ModelDrafter
-from d3d_jax.decoding.placement import RowPlacement
+from d3d_jax.decoding.window import RowPlacement
 from tiny_models import serve, tiny_pair
 
 VOCAB, MASK, BLOCK, CACHE, SLOTS = 32, 31, 4, 96, 3

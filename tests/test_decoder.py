@@ -205,8 +205,9 @@ def test_insert_into_busy_slot_is_a_clear_error(setup):
     (dict(mode="async", acceptance_override=object()), "decoder.acceptance_override"),
 ])
 def test_config_errors_name_the_key(kw, key):
+    # refused when built: no invalid DecoderConfig exists for a decoder to be handed
     with pytest.raises(ConfigError, match=key):
-        DecoderConfig(**{**dict(num_slots=2, max_cache_len=CACHE, block_size=BLOCK), **kw}).validate()
+        DecoderConfig(**{**dict(num_slots=2, max_cache_len=CACHE, block_size=BLOCK), **kw})
 
 
 def test_request_errors_name_the_problem(setup):

@@ -95,7 +95,7 @@ class _Bench:
     """Models, prompts and the generate calls of one benchmark run (compiled once per shape)."""
 
     def __init__(self, args):
-        from d3d_jax.decoding.placement import resolve_slices
+        from d3d_jax.parallel.sharding import resolve_slices
 
         self.args, B = args, args.block_size
         self.devices = (None, None) if args.target_devices == 0 and args.drafter_devices == 0 else (

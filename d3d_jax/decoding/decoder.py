@@ -13,7 +13,7 @@ JetStream's prefill / insert / generate; the caller picks free slots)::
     dec.run_until_done()                      # or: every active slot to its end
 
 * **Placement.** Live requests sit packed at the low device rows
-  (:class:`~d3d_jax.decoding.placement.RowPlacement`); a round runs over the smallest bucketed
+  (:class:`~d3d_jax.decoding.window.RowPlacement`); a round runs over the smallest bucketed
   window holding them, so its cost follows the live requests, not the slots.  Slots are stable
   names; rows move (device-side swaps) when a request leaves.
 * **Admission.** ``prefill`` only checks and stages a request; the requests inserted between two
@@ -46,7 +46,7 @@ from d3d_jax.decoding.core import FINISH_REASONS, MAX_STOP_IDS, RowInput
 from d3d_jax.decoding.decoder_config import (DecoderConfig, Request, RequestError, SlotError,
                                              StepOutput, prompt_bucket, request_problem)
 from d3d_jax.decoding.drafting import as_drafter
-from d3d_jax.decoding.placement import RowPlacement, placer, resolve_slices
+from d3d_jax.parallel.sharding import place_slices
 from d3d_jax.decoding.programs import ProgramStore, decoder_salt
 from d3d_jax.decoding.strategies import LOGPROB_KEYS, Context
 from d3d_jax.decoding.verify import GREEDY, SamplingParams
@@ -111,21 +111,16 @@ class SpecDecoder:
 
     def __init__(self, target, drafter, config: DecoderConfig, program_dir=None):
         """``program_dir``: where compiled programs are kept across processes
-        (:class:`~d3d_jax.decoding.programs.ProgramStore`; None: in memory only)."""
-        config.validate()
+        (:class:`~d3d_jax.decoding.programs.ProgramStore`; None: in memory only).  ``config`` was
+        checked when it was built; here it meets the models."""
         self.config = cfg = config
         target = _unstacked(target)  # one module per layer: no weight slices per step (qwen3 doc)
-        vocab = target.config.vocab_size
-        check_drafter(cfg.mode, drafter is not None)
-        if any(int(t) >= vocab for t in cfg.eos_token_ids):
-            raise ConfigError(f"decoder.eos_token_ids: ids must be < vocab_size {vocab}")
-        self.drafter = as_drafter(drafter, vocab)
-        self.vocab_size = vocab
+        self.vocab_size = target.config.vocab_size
         self._trees = [None, None]
-        self.strategy = _strategy(self._context(target, program_dir))
+        self.strategy = _strategy(self._context(target, drafter, program_dir))
         self.programs: ProgramStore = self.strategy.ctx.programs  # read-only: the contract's view
         self._bind(nnx.state(target), drafter)
-        self.placement = RowPlacement(cfg.num_slots)
+        self.placement = W.RowPlacement(cfg.num_slots)
         self._slots: dict[int, SlotInfo] = {}
         self.carry = None
         self._queue: list[tuple] = []  # ("admit", slot, row) | ("op", a, b, kind), in order
@@ -134,20 +129,25 @@ class SpecDecoder:
         self._tally: dict[str, collections.Counter] = {}  # per geometry: rounds, tokens, predicted
         self._stale = False  # after an on-device loop: host counts lag the device
 
-    def _context(self, target, program_dir) -> Context:
-        cfg = self.config
+    def _context(self, target, drafter, program_dir) -> Context:
+        """The config meets the models (the drafter rule, the vocabulary), then the programs'
+        store and, in async, the two device slices: what the strategy is built from."""
+        cfg, vocab = self.config, self.vocab_size
+        check_drafter(cfg.mode, drafter is not None)
+        if any(int(t) >= vocab for t in cfg.eos_token_ids):
+            raise ConfigError(f"decoder.eos_token_ids: ids must be < vocab_size {vocab}")
+        self.drafter = as_drafter(drafter, vocab)
         graphdef = nnx.graphdef(target)
         ctx = Context(cfg, graphdef, target.config, self.drafter,
                       lambda leaves: jax.tree.unflatten(self._trees[0], leaves),
                       lambda leaves: jax.tree.unflatten(self._trees[1], leaves),
                       programs=ProgramStore(program_dir, decoder_salt(cfg, graphdef, target.config, self.drafter)))
+        self._t_place = self._d_place = lambda tree: tree  # noqa: E731
         if cfg.mode == "async":
-            t_devs, d_devs = resolve_slices(cfg.target_devices, cfg.drafter_devices)
-            self.target_devices, self.drafter_devices = t_devs, d_devs
-            (self._t_place, ctx.t_put), (self._d_place, ctx.d_put) = placer(t_devs), placer(d_devs)
-            ctx.shared = list(t_devs) == list(d_devs)  # one slice: nothing moves between sides
-        else:
-            self._t_place = self._d_place = lambda tree: tree  # noqa: E731
+            sl = place_slices(cfg.target_devices, cfg.drafter_devices)
+            self._t_place, ctx.t_put, self._d_place, ctx.d_put = (sl.place_target_params, sl.put_target,
+                                                                   sl.place_drafter_params, sl.put_drafter)
+            ctx.shared = sl.shared
         self.shared = ctx.shared
         return ctx
 
@@ -159,7 +159,7 @@ class SpecDecoder:
         if self._trees[0] is not None and t_tree != self._trees[0]:
             raise ConfigError("target: its structure differs from the one this decoder was built for")
         d_leaves, d_tree = [], jax.tree.flatten(None)[1]
-        if self.config.mode != "plain":
+        if self.drafter is not None:  # every mode but plain (checked when it was built)
             d = as_drafter(drafter, self.vocab_size)
             if d.signature != self.drafter.signature:
                 raise ConfigError("drafter: its structure differs from the one this decoder was built for")

@@ -74,6 +74,7 @@ class DecoderConfig(DecoderSettings):
                       eos_token_ids=tuple(self.eos_token_ids), row_buckets=tuple(int(b) for b in self.row_buckets))
         for key, value in fields.items():
             object.__setattr__(self, key, value)
+        self.validate()  # a DecoderConfig is valid once built: nothing downstream checks it again
 
     @property
     def width(self) -> int:

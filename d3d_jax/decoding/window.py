@@ -2,7 +2,7 @@
 
 A round runs over a *window*: rows ``start … start+rows-1`` of the state, ``rows`` one of a few
 static widths (:attr:`DecoderConfig.buckets`), ``start`` traced.  The live requests are kept
-packed at the low rows (:class:`~d3d_jax.decoding.placement.RowPlacement`), so a round's cost
+packed at the low rows (:class:`RowPlacement`), so a round's cost
 follows the live requests, not the slots.  Rule for the pytrees: a
 :class:`~d3d_jax.model.kv_cache.KVCache` becomes a :class:`~d3d_jax.model.kv_cache.KVWindow`
 (read and written in place, never copied); every other array of rank >= 1 has its rows on axis
@@ -124,3 +124,67 @@ def window_mask(start: jax.Array, rows: int, lo: jax.Array, hi: jax.Array) -> ja
     """``[rows]`` bool: the window rows whose index lies in ``[lo, hi)`` (the round's rows)."""
     idx = start + jnp.arange(rows, dtype=jnp.int32)
     return (idx >= lo) & (idx < hi)
+
+
+class RowPlacement:
+    """Which device row holds which slot's request: live rows stay packed at the low rows, in
+    class order (class 0, then class 1: auto's speculative and plain groups), so a round runs over
+    a window of the live rows only.  Every change is a list of row swaps the device replays in
+    order (host bookkeeping here, the swaps in :func:`~d3d_jax.decoding.window.apply_swaps`)."""
+
+    def __init__(self, num_slots: int):
+        self.num_slots = num_slots
+        self.row_of: dict[int, int] = {}  # slot -> row
+        self.slot_at: list[int | None] = [None] * num_slots  # row -> slot
+        self.cls: dict[int, int] = {}  # slot -> class (0 or 1)
+        self.boundary = 0  # rows [0, boundary) are class 0
+
+    @property
+    def size(self) -> int:
+        return len(self.row_of)
+
+    def _swap(self, a: int, b: int, ops: list) -> None:
+        if a == b:
+            return
+        sa, sb = self.slot_at[a], self.slot_at[b]
+        self.slot_at[a], self.slot_at[b] = sb, sa
+        for slot, row in ((sa, b), (sb, a)):
+            if slot is not None:
+                self.row_of[slot] = row
+        ops.append((a, b))
+
+    def place(self, slot: int, cls: int = 0) -> list[tuple[int, int]]:
+        """``slot`` takes the next free row (moved into its class's range); returns the swaps."""
+        ops: list = []
+        row = self.size
+        self.slot_at[row], self.row_of[slot], self.cls[slot] = slot, row, 1
+        if cls == 0:
+            self.set_class(slot, 0, ops)
+        return ops
+
+    def remove(self, slot: int) -> list[tuple[int, int]]:
+        """``slot`` leaves; the rows above close the gap (its row ends up past the live ones)."""
+        ops: list = []
+        if self.cls[slot] == 0:
+            self.set_class(slot, 1, ops)
+        self._swap(self.row_of[slot], self.size - 1, ops)
+        self.slot_at[self.row_of.pop(slot)] = None
+        del self.cls[slot]
+        return ops
+
+    def set_class(self, slot: int, cls: int, ops: list | None = None) -> list[tuple[int, int]]:
+        ops = [] if ops is None else ops
+        if self.cls[slot] != cls:
+            if cls == 0:  # to the first class-1 row, which becomes class 0
+                self._swap(self.row_of[slot], self.boundary, ops)
+                self.boundary += 1
+            else:  # to the last class-0 row, which becomes class 1
+                self.boundary -= 1
+                self._swap(self.row_of[slot], self.boundary, ops)
+            self.cls[slot] = cls
+        return ops
+
+    def groups(self) -> list[tuple[int, int, int]]:
+        """``(lo, hi, class)`` of each non-empty class range of rows."""
+        spans = [(0, self.boundary, 0), (self.boundary, self.size, 1)]
+        return [g for g in spans if g[1] > g[0]]

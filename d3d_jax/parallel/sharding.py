@@ -15,7 +15,8 @@ mesh, so the same model code runs on one CPU and on a pod.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, Mapping, Sequence
+import dataclasses
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import jax
 import numpy as np
@@ -244,3 +245,67 @@ def shard_model(model: Any, mesh: Mesh | None, rules: Sequence[tuple[str, Any]] 
     state = nnx.state(model)
     nnx.update(model, jax.device_put(state, state_shardings(state, mesh, rules)))
     return model
+
+
+def resolve_slices(target_devices=None, drafter_devices=None, devices=None
+                   ) -> tuple[list[jax.Device], list[jax.Device]]:
+    """Target and drafter device lists from counts (as ``MeshConfig``) or explicit device lists.
+
+    Neither given: both share the default device.  Lists must be disjoint or identical (shared).
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    if target_devices is None and drafter_devices is None:
+        return devices[:1], devices[:1]
+    if isinstance(target_devices, (int, np.integer)) or isinstance(drafter_devices, (int, np.integer)):
+        if not (isinstance(target_devices, (int, np.integer))
+                and isinstance(drafter_devices, (int, np.integer))):
+            raise ConfigError("mesh.target_devices/drafter_devices: give both as counts or both as "
+                              "device lists")
+        counts = MeshConfig(target_devices=int(target_devices), drafter_devices=int(drafter_devices))
+        counts.validate()
+        return split_devices(counts, devices)
+    t, d = list(target_devices or []), list(drafter_devices or [])
+    if not t or not d:
+        raise ConfigError("mesh.target_devices/drafter_devices: give both device lists (non-empty)")
+    known = {x.id for x in devices}
+    for name, lst in (("target_devices", t), ("drafter_devices", d)):
+        missing = [x for x in lst if getattr(x, "id", None) not in known]
+        if missing:
+            raise ConfigError(f"mesh.{name}: {missing[0]!r} is not one of the {len(devices)} devices")
+    check_disjoint(t, d)
+    return t, d
+
+
+def placer(devices: list[jax.Device]) -> tuple[Callable, Callable]:
+    """``(place_params, place)``: parameters by the logical rules on the slice, the rest replicated."""
+    if len(devices) == 1:
+        dev = devices[0]
+        return (lambda tree: jax.device_put(tree, dev)), (lambda tree: jax.device_put(tree, dev))
+    mesh: Mesh = make_mesh(MeshConfig(data=1, fsdp=1, tensor=-1), devices)
+    rep = NamedSharding(mesh, P())
+    return ((lambda tree: jax.device_put(tree, state_shardings(tree, mesh))),
+            (lambda tree: jax.device_put(tree, rep)))
+
+
+@dataclasses.dataclass(frozen=True)
+class Slices:
+    """Where each side of a decoder lives, and how its trees get there."""
+
+    target: list[jax.Device]
+    drafter: list[jax.Device]
+    place_target_params: Callable  # by the logical rules on the target's slice
+    put_target: Callable  # replicated on the target's slice
+    place_drafter_params: Callable
+    put_drafter: Callable
+
+    @property
+    def shared(self) -> bool:
+        """One slice for both: nothing moves between the sides."""
+        return list(self.target) == list(self.drafter)
+
+
+def place_slices(target_devices=None, drafter_devices=None, devices=None) -> Slices:
+    """The two slices (:func:`resolve_slices`) and their placers (:func:`placer`), in one call."""
+    t_devs, d_devs = resolve_slices(target_devices, drafter_devices, devices)
+    (t_params, t_put), (d_params, d_put) = placer(t_devs), placer(d_devs)
+    return Slices(t_devs, d_devs, t_params, t_put, d_params, d_put)
