@@ -1,4 +1,5 @@
 """Packing and the grain pipeline vs spec §2.1-2.3 brute force."""
+import gzip
 import json
 
 import jax.numpy as jnp
@@ -224,3 +225,27 @@ def test_a_byte_order_mark_does_not_drop_the_first_record(tmp_path):
     examples, stats = D.load_examples(path, None, cfg, vocab_size=64)
     assert stats.kept == 3 and stats.invalid == 0, stats.skipped
     assert examples[0].line == 1 and examples[0].tokens[0] == recs[0]["prompt_token_ids"][0]
+
+
+def test_a_gzipped_jsonl_reads_as_the_plain_one_and_writes_the_same_bytes_every_time(tmp_path):
+    from d3d_jax.io.records import write_jsonl
+
+    recs = D.synthetic_records(5, vocab_size=64, seed=3)
+    plain, packed = tmp_path / "r.jsonl", tmp_path / "r.jsonl.gz"
+    write_jsonl(plain, recs)
+    write_jsonl(packed, recs)
+    assert gzip.decompress(packed.read_bytes()) == plain.read_bytes()
+    first = packed.read_bytes()
+    write_jsonl(packed, iter(recs))  # no name or time in the header: the same bytes
+    assert packed.read_bytes() == first
+    cfg = DataConfig(packed_length=96, num_anchors=2, block_size=4)
+    a, sa = D.load_examples(plain, None, cfg, vocab_size=64)
+    b, sb = D.load_examples(packed, None, cfg, vocab_size=64)
+    assert sa.kept == sb.kept == 5 and [e.line for e in a] == [e.line for e in b]
+    for x, y in zip(a, b):
+        np.testing.assert_array_equal(x.tokens, y.tokens)
+    # an LM stream of token_ids documents, too (the suffix is .gz, the content JSONL)
+    docs = tmp_path / "lm.jsonl.gz"
+    write_jsonl(docs, [{"token_ids": [3, 4, 5]}, {"token_ids": [6]}])
+    stream, stats = D.load_lm_stream(docs, None, eos_token_id=1, vocab_size=64)
+    assert stats.lines == 2

@@ -1,4 +1,5 @@
 """The embedded-default pipeline in miniature: every stage runs, reruns skip, outputs are checked."""
+import gzip
 import json
 
 import pytest
@@ -46,7 +47,7 @@ def test_mini_pipeline_end_to_end(tmp_path, capsys):
     report = run(Context(cfg, work_dir=str(tmp_path / "work")))
     # Every stage left its output.
     for p in ("tokenizer/tokenizer.json", "models/target/config.json", "models/small/config.json",
-              "data/regenerated_train.jsonl", "data/regenerated_dev.jsonl", "drafters/small/result.json",
+              "data/regenerated_train.jsonl.gz", "data/regenerated_dev.jsonl.gz", "drafters/small/result.json",
               "drafters/small_l0/result.json", "pruning/result.json", "pruning/pruning_report.json",
               "pruning/recovery_curves.png", "online_tau.json"):
         assert (out / p).exists(), p
@@ -56,7 +57,7 @@ def test_mini_pipeline_end_to_end(tmp_path, capsys):
     assert not (out / "eval").exists()
     # Regeneration kept every prompt; responses are the target's own tokens.
     recs = [json.loads(x) for f in ("train", "dev")
-            for x in (out / f"data/regenerated_{f}.jsonl").read_text().splitlines()]
+            for x in gzip.decompress((out / f"data/regenerated_{f}.jsonl.gz").read_bytes()).splitlines()]
     assert len(recs) == 12 and all(r["response_token_ids"] for r in recs)
     # Pruning 2 -> 1 layer by both rules, each with its recovery curve (eval every step); the
     # unshipped eval-less drafter's weights moved to the work dir after stage 7 measured them.
@@ -105,7 +106,7 @@ def test_mini_pipeline_end_to_end(tmp_path, capsys):
     assert again.timings == {}
     assert capsys.readouterr().out.count("output exists, skipped") == 6 + len(cfg.drafters)  # stages 1-7
     # Without the training split (deleted to save space), with every drafter built, nothing reruns.
-    (out / "data/regenerated_train.jsonl").unlink()
+    (out / "data/regenerated_train.jsonl.gz").unlink()
     fresh = Context(cfg, work_dir=str(tmp_path / "work"))
     run(fresh, evaluate=False)
     assert fresh.timings == {}

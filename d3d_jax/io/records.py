@@ -22,6 +22,7 @@ caller skips it and logs ``file:line: reason``.
 from __future__ import annotations
 
 import dataclasses
+import gzip
 import json
 import os
 from typing import Any, Iterator, Sequence
@@ -54,10 +55,16 @@ def decode_line(raw: bytes) -> Any:
 UTF8_BOM = b"\xef\xbb\xbf"
 
 
+def is_jsonl(path: str | os.PathLike) -> bool:
+    """A JSONL file, plain (``.jsonl``) or gzip-compressed (``.jsonl.gz``)."""
+    return str(path).endswith((".jsonl", ".jsonl.gz"))
+
+
 def jsonl_lines(path: str | os.PathLike) -> Iterator[tuple[int, bytes]]:
-    """``(1-based line number, raw bytes)`` of every non-blank line, streamed.  A UTF-8 byte-order
-    mark at the start of the file (Windows editors write one) is not part of the first record."""
-    with open(path, "rb") as f:
+    """``(1-based line number, raw bytes)`` of every non-blank line, streamed; a ``.gz`` file is
+    read through gzip.  A UTF-8 byte-order mark at the start of the file (Windows editors write
+    one) is not part of the first record."""
+    with (gzip.open if str(path).endswith(".gz") else open)(path, "rb") as f:
         for line_no, raw in enumerate(f, 1):
             if line_no == 1 and raw.startswith(UTF8_BOM):
                 raw = raw[len(UTF8_BOM):]
@@ -182,3 +189,15 @@ def check_context(prompt_tokens: int, max_new_tokens: int, max_positions: int, *
         raise UsageError(f"prompt ({prompt_tokens} tokens) + max_new_tokens ({max_new_tokens}) = {need} exceeds "
                          f"max_position_embeddings {max_positions} of {model}; lower max_new_tokens"
                          + (f" or pass {hint}" if hint else ""))
+
+
+def write_jsonl(path: str | os.PathLike, rows: Iterator[dict] | Sequence[dict]) -> None:
+    """One JSON object per line; a ``.gz`` path is gzip-compressed with no name or time in its
+    header, so the same rows always give the same bytes."""
+    text = "".join(json.dumps(r) + "\n" for r in rows).encode()
+    if str(path).endswith(".gz"):
+        with open(path, "wb") as raw, gzip.GzipFile(filename="", fileobj=raw, mode="wb", mtime=0) as f:
+            f.write(text)
+    else:
+        with open(path, "wb") as f:
+            f.write(text)

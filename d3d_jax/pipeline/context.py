@@ -71,7 +71,7 @@ class Context:
         return self.out / "data" / "regenerated.jsonl"
 
     def regen_split(self, split: str) -> Path:
-        return self.out / "data" / f"regenerated_{split}.jsonl"
+        return self.out / "data" / f"regenerated_{split}.jsonl.gz"  # 7x smaller shipped
 
     def weights_dir(self, name: str) -> Path | None:
         """Where drafter ``name``'s weights are: shipped under out_dir, or kept under the work dir

@@ -58,11 +58,13 @@ def float32_export(p: Context, name: str) -> Path | None:
 
 
 def unship_weights(p: Context) -> None:
-    """Only the benchmark's drafters ship their weights: every other drafter's move to the work
-    dir (its config, result and curves stay in out_dir), once stage 7 has measured it online."""
+    """Only the benchmark's drafters and the one pruning starts from ship their weights (so the
+    pruning stage reruns without retraining): every other drafter's move to the work dir (its
+    config, result and curves stay in out_dir), once stage 7 has measured it online."""
+    shipped = set(p.cfg.eval_drafters) | ({p.cfg.prune_drafter} if p.cfg.prune_drafter else set())
     for v in p.cfg.drafters:
         src = p.drafter_dir(v.name)
-        if v.name in p.cfg.eval_drafters or not (src / "model.safetensors").exists():
+        if v.name in shipped or not (src / "model.safetensors").exists():
             continue
         keep = p.work / "drafters" / v.name
         keep.mkdir(parents=True, exist_ok=True)

@@ -8,6 +8,7 @@ import numpy as np
 
 from d3d_jax import config as C
 from d3d_jax import demo
+from d3d_jax.io.records import write_jsonl
 from d3d_jax.pipeline.common import log
 from d3d_jax.pipeline.context import Context
 
@@ -49,6 +50,4 @@ def regenerate(p: Context) -> None:
     order = np.random.default_rng(c.seed).permutation(len(records))
     n_dev = max(8, len(records) // 10)
     for split, idx in (("train", order[n_dev:]), ("dev", order[:n_dev])):
-        with open(p.regen_split(split), "w") as f:
-            for i in sorted(idx):
-                f.write(json.dumps(records[i]) + "\n")
+        write_jsonl(p.regen_split(split), (records[i] for i in sorted(idx)))

@@ -274,7 +274,7 @@ def load_lm_stream(path: str | Path, tokenizer: Any, eos_token_id: int | None, *
     path = Path(path)
     docs: list[np.ndarray] = []
     lines: list[int] = []
-    if path.suffix == ".jsonl":
+    if records.is_jsonl(path):
         for line_no, raw in records.jsonl_lines(path):
             stats.lines += 1
             try:
