@@ -126,8 +126,8 @@ class FakeDecoder:
     def free(self, slot: int) -> None:
         self._slots.pop(slot, None)
 
-    def warm_up(self, widths=None) -> float:
-        self.warm_ups += 1
+    def warm_up(self, widths=None, run: bool = True) -> float:
+        self.warm_ups += run
         return 0.0
 
     def results(self, slots) -> list[dict]:

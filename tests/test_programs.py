@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
 import urllib.request
@@ -147,7 +148,8 @@ def test_a_decoder_that_cannot_be_keyed_keeps_nothing(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["sync", "auto"])
 def test_server_warm_start_reads_programs_and_first_request_compiles_nothing(tmp_path, mode):
-    """Two starts of ``infer/serve.py`` on one cache directory: the second reads the 1-row
+    """Two starts of ``infer/serve.py`` on one cache directory: the first compiles a request's
+    programs before READY and the wider windows after (nothing run); the second reads the 1-row
     round before READY (nothing compiled) and the rest in the background; its first request
     writes no file under the cache (no compile anywhere), and its text equals the first start's.
     Auto's warm start times nothing: its round costs are the note its cold start kept."""
@@ -174,17 +176,32 @@ def test_server_warm_start_reads_programs_and_first_request_compiles_nothing(tmp
             before = files()
             texts.append(complete(server.url))
             written = files() - before
-            server.log.flush()
-            logs.append(Path(server.log.name).read_text())
+            logs.append(_wait_for(server, "wider windows ready"))  # the background's compiles kept
             notes.append({p: p.stat().st_mtime_ns for p in cache.rglob("auto_round_costs.json")})
         finally:
             server.stop()
     assert texts[0] == texts[1] and texts[0]
-    warm_log = logs[1]
+    cold_log, warm_log = logs
+    # the cold start compiled more after READY (the wider windows) than before it
+    compiled = [int(n) for n in re.findall(r"'compiled': (\d+)", cold_log)]
+    assert "wider windows ready" in cold_log and len(compiled) == 2 and 0 < compiled[0] < compiled[1], compiled
     assert "wider windows read in the background" in warm_log, warm_log[-3000:]
     assert "'compiled': 0," in warm_log and "'loaded': 0," not in warm_log, warm_log[-3000:]
     assert not written, sorted(map(str, written))
     assert len(notes[0]) == (mode == "auto") and notes[1] == notes[0]  # auto: timed once, then read
+
+
+def _wait_for(server, text: str, timeout_s: float = 600) -> str:
+    """The server's log once it holds ``text``."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        server.log.flush()
+        log = Path(server.log.name).read_text()
+        if text in log or time.monotonic() > deadline:
+            return log
+        time.sleep(0.2)
 
 
 def test_programs_by_argument_types_and_a_second_store_reads_them(tmp_path):
@@ -286,3 +303,46 @@ def test_device_ids_keep_the_executables_device_order():
     x = jax.device_put(jnp.ones(8), NamedSharding(Mesh(np.array(order), ("x",)), PartitionSpec("x")))
     compiled = jax.jit(lambda v: v * 2).lower(x).compile()
     assert device_ids(compiled) == [d.id for d in order]
+
+
+@pytest.mark.parametrize("mode", ["sync", "auto"])
+def test_a_warm_up_compiles_every_program_ahead_off_the_calling_thread_then_runs_them(solo, tmp_path,
+                                                                                      monkeypatch, mode):
+    """``ProgramStore.ahead``: the warm-up's programs are compiled by worker threads with nothing
+    run, each output a type; the warm-up's run then compiles nothing, and decoding after it
+    equals plain decoding of each request alone."""
+    import threading
+
+    from tiny_models import serve
+
+    from d3d_jax.decoding import programs as P
+    from d3d_jax.decoding.decoder import DecoderConfig, Request, SpecDecoder
+
+    threads, ahead = set(), []
+    real_compile, real_ahead = P.Program._compile_lowered, P.ProgramStore.ahead
+
+    def compile_lowered(self, *a):
+        threads.add(threading.current_thread().name)
+        return real_compile(self, *a)
+
+    def counted_ahead(self, warm, workers=None):
+        before = self.counts["compiled"]  # the decoder's state was made before the warm-up
+        n = real_ahead(self, warm, workers=2)
+        ahead.append((n, before, self.counts["compiled"]))
+        return n
+
+    monkeypatch.setattr(P.Program, "_compile_lowered", compile_lowered)
+    monkeypatch.setattr(P.ProgramStore, "ahead", counted_ahead)
+    target, drafter = tiny_pair(VOCAB, MASK)
+    cfg = DecoderConfig(mode=mode, num_slots=4, max_cache_len=CACHE, block_size=BLOCK)
+    dec = SpecDecoder(target, drafter, cfg, program_dir=tmp_path)
+    dec.warm_up()
+    (n, before, after), = ahead
+    # every prompt bucket's admission, every width's round (auto: of every geometry), row ops
+    rounds = len(cfg.buckets) * (len(dec.strategy.geometry) if mode == "auto" else 1)
+    assert n == after - before == len(cfg.prompt_buckets) + rounds + 1, (n, before, after)
+    assert dec.programs.counts["compiled"] == after  # the run compiled none
+    assert threads and all(t.startswith("d3d-compile") for t in threads), threads
+    assert dec.programs.stored() == after  # each kept on disk too
+    tokens, _ = serve(dec, [Request(p, k) for p, k in zip(PROMPTS, MAX_NEW)], [0, 0, 2])
+    assert [tokens[i] for i in range(len(PROMPTS))] == solo

@@ -37,8 +37,8 @@ from d3d_jax.decoding.branches import BranchLayout
 from d3d_jax.decoding.drafting import prefill_scored
 from d3d_jax.decoding.auto_policy import (MIN_ROUNDS_TO_SET_ASIDE, REJUDGE_AFTER, Acceptance, Geometry,
                                           Policy, Pool, geometric_rate)
-from d3d_jax.decoding.strategies import (Carry, Context, Part, Strategy, mark_done, result_out,
-                                         windowed)
+from d3d_jax.decoding.strategies import (OPS_PER_DISPATCH, Carry, Context, Part, Strategy, mark_done,
+                                         result_out, windowed)
 
 DEFAULT_PRIOR_TAU = 2.0  # a drafter of unknown quality: barely better than nothing
 CALIBRATION_ROUNDS = 5  # timing passes over the programs at start-up, interleaved (after the compiles)
@@ -291,12 +291,8 @@ class AutoStrategy(Strategy):
         lead-in, ``CALIBRATION_ROUNDS`` passes, the median kept), so a change of load on the
         machine moves every geometry's time alike and leaves their ratios, which are what the
         choice weighs, as they are."""
-        carry = self.warm_admission(carry, params)
+        carry = super().warm_up(carry, params, widths)  # compiles (several at once), runs each once
         keys = [(label, width) for width in widths for label in self.geometry]
-        for label, width in keys:
-            self.note((label, width))
-            carry, _ = self._run(carry, params, label, 0, 0, 0, width)  # compiles
-        jax.block_until_ready(carry)
         saved = self._saved_costs()
         if all(key in saved for key in keys):  # timed by an earlier start with these programs
             for (label, width), seconds in saved.items():
@@ -309,6 +305,14 @@ class AutoStrategy(Strategy):
             {"geometry": label, "rows": width, "seconds": seconds}
             for (label, width), seconds in sorted({**saved, **times}.items())]})
         return carry
+
+    def warm_rounds(self, carry: Carry, params, widths: tuple[int, ...]) -> Carry:
+        carry = self.warm_admission(carry, params)
+        for width in widths:
+            for label in self.geometry:
+                self.note((label, width))
+                carry, _ = self._run(carry, params, label, 0, 0, 0, width)
+        return self.row_ops(carry, np.zeros((OPS_PER_DISPATCH, 3), np.int32), 0)
 
     def _saved_costs(self) -> dict[tuple[str, int], float]:
         """Start-up round times an earlier start kept in the program store (same decoder, model,

@@ -48,7 +48,7 @@ from d3d_jax.decoding.decoder_config import (DecoderConfig, Request, RequestErro
 from d3d_jax.decoding.drafting import as_drafter
 from d3d_jax.parallel.sharding import place_slices
 from d3d_jax.decoding.programs import ProgramStore, decoder_salt
-from d3d_jax.decoding.strategies import LOGPROB_KEYS, Context
+from d3d_jax.decoding.strategies import LOGPROB_KEYS, OPS_PER_DISPATCH, Context
 from d3d_jax.decoding.verify import GREEDY, SamplingParams
 
 __all__ = ["SpecDecoder", "DecoderConfig", "Request", "Prefix", "StepOutput", "RequestError",
@@ -88,7 +88,6 @@ class _Round:
     host_work: bool = False  # its dispatch flushed admissions/row ops or compiled a program
 
 
-OPS_PER_DISPATCH = 64  # row operations per row-ops dispatch (fixed shape; more: several)
 
 
 def _strategy(ctx: Context):
@@ -413,15 +412,21 @@ class SpecDecoder:
         return self.strategy.run_until_done(self.carry, self._params, 0, self.placement.size, live=live,
                                             max_rounds=bound, hook=hook, greedy=greedy)
 
-    def warm_up(self, widths: Sequence[int] | None = None) -> float:
+    def warm_up(self, widths: Sequence[int] | None = None, run: bool = True) -> float:
         """Compile (or read from the program store; auto also times) the admission, row-ops and
-        round programs of every window width (``widths``: only those) before a client waits."""
+        round programs of every window width (``widths``: only those) before a client waits.
+        ``run=False``: compile only, nothing dispatched, so it may run on another thread beside
+        the rounds (the server's background warm-up); with no program store it does nothing."""
         self._ensure_state()
         t0 = time.perf_counter()
         widths = self.config.buckets if widths is None else tuple(widths)
-        self.carry = self.strategy.warm_up(self.carry, self._params, widths)
-        self.carry = self.strategy.row_ops(self.carry, np.zeros((OPS_PER_DISPATCH, 3), np.int32), 0)
-        jax.block_until_ready(self.carry)
+        if run:
+            self.carry = self.strategy.warm_up(self.carry, self._params, widths)
+        else:  # the live state's types: its arrays may be donated by a round meanwhile
+            types = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding,
+                                                                weak_type=x.weak_type)
+                                 if isinstance(x, jax.Array) else x, self.carry)
+            self.strategy.compile_ahead(types, self._params, widths)
         return time.perf_counter() - t0
 
     def decisions(self) -> dict[str, dict]:

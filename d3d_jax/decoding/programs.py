@@ -23,6 +23,10 @@ bytes under that key.  A warm start deserializes and runs them.
 * :meth:`ProgramStore.preload` reads every entry of this salt that was not used yet (the server
   does it in a background thread after ``READY``: deserializing releases the GIL); a program
   asked for while its entry is being read waits for that read instead of reading it twice.
+* :meth:`ProgramStore.ahead` runs a warm-up with nothing executed: each program it would compile
+  is lowered on the calling thread and compiled by a few threads at once (XLA releases the GIL),
+  its outputs returned as types for the next program's lowering.  A cold start's compiles then
+  overlap instead of queueing one behind the other.
 """
 
 from __future__ import annotations
@@ -87,7 +91,7 @@ def decoder_salt(config, target_graphdef, target_config, drafter) -> dict | None
 
 
 def _leaf_type(x) -> tuple:
-    if isinstance(x, jax.Array):
+    if isinstance(x, (jax.Array, jax.ShapeDtypeStruct)):  # an array, or its type (ProgramStore.ahead)
         return ("a", x.shape, str(x.dtype), bool(getattr(x, "weak_type", False)), x.sharding)
     if isinstance(x, (bool, int, float, complex)):
         return ("py", type(x).__name__)
@@ -135,6 +139,7 @@ class ProgramStore:
         self._memory: dict[tuple, Any] = {}  # (program, in-memory key) -> Compiled
         self._by_text: dict[str, Any] = {}  # full key -> Compiled (what preload reads)
         self._reading: dict[str, threading.Event] = {}  # full key -> read in progress
+        self._ahead = threading.local()  # .jobs: full key -> (future, output types) in an ahead pass
         self.counts = dict(loaded=0, compiled=0, stored=0, cache_answered=0, damaged=0)
         if self.enabled:
             try:
@@ -279,6 +284,15 @@ class ProgramStore:
                 n += 1
         return n
 
+    def ahead(self, warm: Callable[[], Any], workers: int | None = None) -> int:
+        """Call ``warm`` (a warm-up: a sequence of program calls) with nothing run: every program
+        it calls that is neither in memory nor on disk is compiled by ``workers`` threads at once
+        (:func:`~d3d_jax.decoding.ahead.compile_ahead`); how many were compiled.  Without a
+        directory: nothing (the calls compile as they run)."""
+        from d3d_jax.decoding.ahead import compile_ahead
+
+        return compile_ahead(self, warm, workers) if self.enabled else 0
+
     def read_note(self, name: str) -> dict | None:
         """A JSON note kept beside this salt's programs (None: absent, unreadable or no store).
         What a decoder measured on this machine with these very programs (auto's round costs)."""
@@ -393,6 +407,9 @@ class Program:
         ~1.7 ms for a round's 145 leaves, against ~15 µs for the tree)."""
         static, dynamic, rest = self._split(args, kwargs)
         leaves, tree = jax.tree.flatten((dynamic, rest))
+        jobs = getattr(self.store._ahead, "jobs", None)
+        if jobs is not None:  # in ProgramStore.ahead: compile, run nothing
+            return self._ahead(jobs, (static, tree, tuple(_leaf_type(x) for x in leaves)), leaves, args, kwargs)
         last = self._last.get((static, tree))
         if last is not None:
             try:
@@ -407,9 +424,12 @@ class Program:
         self._last[(static, tree)] = compiled
         return compiled(*dynamic, **rest)
 
+    def _key_text(self, key: tuple) -> str:
+        return f"{self.store._salt_text}\0{self.name}\0{key!r}"
+
     def _get(self, key: tuple, args: tuple, kwargs: dict):
         store = self.store
-        key_text = f"{store._salt_text}\0{self.name}\0{key!r}"
+        key_text = self._key_text(key)
         compiled = store._fetch(self.name, key_text)
         if compiled is not None:
             store._memory[(self.name, key)] = compiled
@@ -420,7 +440,14 @@ class Program:
             store.counts["cache_answered"] += 1
             log.warning("program store: %s was missing but in JAX's cache; compiling it afresh", self.name)
             compiled, _ = self._compile(self._rename(os.urandom(6).hex()), args, kwargs)
-        store.counts["compiled"] += 1
+        self._keep(key, key_text, compiled)
+        return compiled
+
+    def _keep(self, key: tuple, key_text: str, compiled) -> None:
+        """A fresh compile: in memory, and on disk for the next start."""
+        store = self.store
+        with store._lock:
+            store.counts["compiled"] += 1
         store._memory[(self.name, key)] = compiled
         store._keep(key_text, compiled)
         from jax.experimental.serialize_executable import serialize
@@ -430,7 +457,43 @@ class Program:
         path = store._path(self.name, key_text)
         try:
             store._write(path, _Entry(self.name, key_text, blob, in_tree, out_tree, devices))
-            store.counts["stored"] += 1
+            with store._lock:
+                store.counts["stored"] += 1
         except OSError as e:  # a full or read-only disk costs the next start, not this one
             log.warning("program store: could not write %s: %s", path, e)
-        return compiled
+
+    def _ahead(self, jobs: dict, key: tuple, leaves: list, args: tuple, kwargs: dict):
+        """One call in :meth:`ProgramStore.ahead`: the outputs' types, the compile queued."""
+        from d3d_jax.decoding.ahead import one_device, output_types
+
+        store, key_text = self.store, self._key_text(key)
+        if key_text in jobs:
+            return jobs[key_text][1]
+        compiled = store._memory.get((self.name, key)) or store._fetch(self.name, key_text)
+        if compiled is not None:
+            store._memory[(self.name, key)] = compiled
+            return output_types(compiled.out_info)
+        lowered = self._jit.lower(*args, **kwargs)
+        out = output_types(lowered.out_info, one_device(leaves))
+        if out is None:  # where the outputs live is the compile's to say
+            return output_types(self._get(key, args, kwargs).out_info)
+        jobs[key_text] = (store._ahead.pool.submit(self._compile_lowered, key, key_text, lowered, args, kwargs),
+                          out)
+        return out
+
+    def _compile_lowered(self, key: tuple, key_text: str, lowered, args: tuple, kwargs: dict) -> bool:
+        """A worker of :meth:`ProgramStore.ahead`: compile and keep (True).  A program JAX's
+        cache answered is compiled afresh under a new name, as :meth:`_get` does (nothing has
+        run yet, so ``args`` are all still there)."""
+        _listen()
+        _HITS.watching, _HITS.hits = True, 0
+        try:
+            compiled = lowered.compile()
+        finally:
+            _HITS.watching = False
+        if _HITS.hits:
+            with self.store._lock:
+                self.store.counts["cache_answered"] += 1
+            compiled, _ = self._compile(self._rename(os.urandom(6).hex()), args, kwargs)
+        self._keep(key, key_text, compiled)
+        return True

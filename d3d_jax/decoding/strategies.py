@@ -18,6 +18,7 @@ strategy reports: ``hit`` for async), read by the decoder in one copy; the targe
 from __future__ import annotations
 
 import dataclasses
+import threading
 from typing import Any, Callable
 
 import jax
@@ -90,6 +91,7 @@ class Context:
 
 
 LOGPROB_KEYS = ("logprob", "top_ids", "top_logprobs")  # read only when some row asked
+OPS_PER_DISPATCH = 64  # row operations per row-ops dispatch (fixed shape; more: several)
 
 
 def result_out(res: RoundResult) -> dict:
@@ -123,6 +125,7 @@ class Strategy:
         cfg = ctx.config
         self.home = ctx.core(cfg.width, self.drafter_in_state)
         self.compiled: set[tuple[str, int]] = set()  # (program, rows): a program each
+        self._typed = threading.local()  # .on: this thread runs a compile-ahead pass (nothing runs)
         self._init = self.jit(self.home.init_state, static_argnums=0)
         self._admit = self.jit(self._admit_fn, donate_argnums=2)
         self._ops = self.jit(lambda st, ops, n: W.apply_row_ops(st, ops, n, mark_done),
@@ -205,19 +208,39 @@ class Strategy:
         return 0
 
     def note(self, key: tuple[str, int]) -> bool:
-        """Record a (program, rows) about to run; True the first time (it compiles now)."""
+        """Record a (program, rows) about to run; True the first time (it compiles now).  A
+        compile-ahead pass runs nothing: it records nothing."""
+        if getattr(self._typed, "on", False):
+            return False
         fresh = key not in self.compiled
         self.compiled.add(key)
         return fresh
 
     def warm_up(self, carry: Carry, params, widths: tuple[int, ...]) -> Carry:
         """Compile admission and the round of each window width in ``widths`` (no-op rounds: no
-        row takes part)."""
+        row takes part): every program first, several at once (``ProgramStore.ahead``, with a
+        program store), then each runs once."""
+        self.compile_ahead(carry, params, widths)
+        carry = self.warm_rounds(carry, params, widths)
+        jax.block_until_ready(carry)
+        return carry
+
+    def compile_ahead(self, carry, params, widths: tuple[int, ...]) -> int:
+        """Compile :meth:`warm_up`'s programs with nothing run (``carry``: the state or its types),
+        so beside a running scheduler too; how many were compiled (0 without a program store)."""
+        self._typed.on = True
+        try:
+            return self.ctx.programs.ahead(lambda: self.warm_rounds(carry, params, widths))
+        finally:
+            self._typed.on = False
+
+    def warm_rounds(self, carry: Carry, params, widths: tuple[int, ...]) -> Carry:
+        """The calls that compile every program of :meth:`warm_up` (no host reads: the
+        compile-ahead pass runs them on types)."""
         carry = self.warm_admission(carry, params)
         for width in widths:
             carry = self._noop(carry, params, width)
-        jax.block_until_ready(carry)
-        return carry
+        return self.row_ops(carry, np.zeros((OPS_PER_DISPATCH, 3), np.int32), 0)
 
     def _noop(self, carry: Carry, params, rows: int) -> Carry:
         """One round over a window of ``rows`` rows in which no row takes part (compiles it)."""

@@ -206,19 +206,16 @@ def _warmup_request(svc, n: int, max_tokens: int | None):
 
 
 def warm_up_decoder(decoder: Decoder, all_widths: bool = True) -> bool:
-    """Compile (or read) the decoder's programs: with ``all_widths=False`` and a program store
-    that holds the 1-row round, only that round, admission and row ops (a request's programs);
-    the other widths are read after ``READY`` (:func:`warmup_in_background`); auto too, its
-    round times read from the store (its cold start timed every width and kept them there).
-    Returns True when widths were left for the background."""
+    """Compile (or read) the decoder's programs, several compiles at once: with
+    ``all_widths=False`` and a program store, only a request's programs (admission, row ops, the
+    1-row round; auto times those rounds, or reads their times), the other widths compiled or
+    read after ``READY`` with nothing run (:func:`warmup_in_background`).  Returns True when
+    widths were left for the background."""
     store = decoder.programs
-    partial = not all_widths and store is not None and store.enabled and store.stored() > 0
-    if partial:
-        before = store.counts["compiled"]
+    if not all_widths and store is not None and store.enabled and len(decoder.config.buckets) > 1:
         decoder.warm_up(decoder.config.buckets[:1])
-        if store.counts["compiled"] == before:  # all read from disk: a warm start
-            return True
-    decoder.warm_up()  # a cold start: every width now, so the next start finds them all
+        return True
+    decoder.warm_up()
     return False
 
 
@@ -244,13 +241,18 @@ def warmup(svc, prompt_lengths=(16,), max_tokens: int | None = None, all_widths:
 def warmup_in_background(svc, prompt_lengths, max_tokens: int | None = None,
                          preload: bool = False) -> threading.Thread:
     """While the server answers: with ``preload``, every other stored program of the decoder is
-    read (no dispatch: the scheduler's rounds go on); then the other buckets' programs, one
+    read, and those not stored are compiled (no dispatch: the scheduler's rounds go on); then the
+    other buckets' programs, one
     dummy request at a time through the running scheduler (marked warm-up: no metric counts it)."""
     def run():
         t0 = time.perf_counter()
         if preload:
-            n = svc.scheduler.decoder.programs.preload()
+            decoder = svc.scheduler.decoder
+            n = decoder.programs.preload()
             log.warning("program store: %d more programs read in %.1f s", n, time.perf_counter() - t0)
+            decoder.warm_up(run=False)  # what no earlier start kept: compiled, nothing dispatched
+            log.warning("wider windows ready %.1f s after the warm-up; program store %s",
+                        time.perf_counter() - t0, decoder.programs.counts)
         for n in prompt_lengths:
             # a compile in the scheduler's thread holds up its rounds: start one only when no
             # client's request is running or waiting (with a warm cache it is a quick load)
