@@ -527,6 +527,8 @@ def test_start_up_times_are_kept_with_the_programs_and_read_by_the_next_start(se
         st = dec.strategy
 
         def run(carry, params, label, start, lo, hi, rows):  # each geometry its own time
+            if getattr(st._typed, "on", False):  # the compile-ahead pass: nothing runs
+                return carry, {}
             clock.sleep(0.001 * len(label) * rows)
             runs.append(label)
             return carry, {}
