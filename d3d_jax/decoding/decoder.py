@@ -88,8 +88,6 @@ class _Round:
     host_work: bool = False  # its dispatch flushed admissions/row ops or compiled a program
 
 
-
-
 def _strategy(ctx: Context):
     from d3d_jax.decoding.async_strategy import AsyncStrategy
     from d3d_jax.decoding.auto import AutoStrategy

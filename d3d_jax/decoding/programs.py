@@ -386,10 +386,15 @@ class Program:
     @staticmethod
     def _compile(jitted, args: tuple, kwargs: dict):
         """(Compiled, whether JAX's persistent cache answered instead of XLA)."""
+        return Program._watched(jitted.lower(*args, **kwargs))
+
+    @staticmethod
+    def _watched(lowered):
+        """``lowered`` compiled, and whether JAX's persistent cache answered instead of XLA."""
         _listen()
         _HITS.watching, _HITS.hits = True, 0
         try:
-            return jitted.lower(*args, **kwargs).compile(), _HITS.hits > 0
+            return lowered.compile(), _HITS.hits > 0
         finally:
             _HITS.watching = False
 
@@ -485,13 +490,8 @@ class Program:
         """A worker of :meth:`ProgramStore.ahead`: compile and keep (True).  A program JAX's
         cache answered is compiled afresh under a new name, as :meth:`_get` does (nothing has
         run yet, so ``args`` are all still there)."""
-        _listen()
-        _HITS.watching, _HITS.hits = True, 0
-        try:
-            compiled = lowered.compile()
-        finally:
-            _HITS.watching = False
-        if _HITS.hits:
+        compiled, hit = self._watched(lowered)
+        if hit:
             with self.store._lock:
                 self.store.counts["cache_answered"] += 1
             compiled, _ = self._compile(self._rename(os.urandom(6).hex()), args, kwargs)
