@@ -28,6 +28,7 @@ import argparse
 import dataclasses
 import gc
 import json
+import math
 import platform
 import time
 from pathlib import Path
@@ -190,8 +191,10 @@ def decode_runs(target, prompt, n: int, repeats: int, *, cache_len: int, block: 
         runs = [once(k) for _ in range(repeats)]
         med[k] = (float(np.median([r.metrics["batch_wall_s"] for r in runs])), runs[-1].metrics)
     (t_n, m), (t_1, m_1) = med[n], med[1]
+    # a decode phase shorter than the timing noise has no round time (n/a), not a negative one
+    round_ms = 1e3 * (t_n - t_1) / max(m["rounds"] - m_1["rounds"], 1) if t_n > t_1 else math.nan
     return {"s": t_n, "s_1_token": t_1, "tau": m["tau"], "tokens": m["num_tokens"], "rounds": m["rounds"],
-            "round_ms": 1e3 * (t_n - t_1) / max(m["rounds"] - m_1["rounds"], 1), "metrics": m}
+            "round_ms": round_ms, "metrics": m}
 
 
 def run_modes(target, drafter, prompt, args, sim, cache_len: int) -> dict:
