@@ -1,6 +1,8 @@
 """Sharding on 8 simulated CPU devices (conftest): a fsdp 4 × tensor 2 forward equals the
 unsharded one; shard() is a no-op without a mesh; the target / drafter device split."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -181,3 +183,28 @@ def test_the_mesh_is_jax_context_so_jit_sees_it():
     g = jax.jit(lambda x: shard(x * 3, ("batch", "act_vocab")))
     with use_mesh(mesh, rules=[("act_vocab", None)]):
         assert g(x).sharding.spec == P("fsdp")  # vocab replicated
+
+
+def test_saved_layer_inputs_are_split_over_tensor_and_gradients_equal_unsharded():
+    """Full remat keeps each layer's input for the backward: on the mesh a tensor-parallel chip
+    keeps a sequence slice of it ([layers, rows, length / 2, d]); the gradients stay the same."""
+    cfg = dataclasses.replace(CFG, remat_policy="full")
+    tokens, meta = packed_inputs(batch=8)
+
+    def grads(model):
+        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+        loss = lambda p, t, mt: jnp.sum(nnx.merge(graphdef, p, rest)(t, mt) ** 2)  # noqa: E731
+        return jax.jit(jax.grad(loss)), params
+
+    fn, params = grads(init_model(cfg, seed=2))
+    unsharded = jax.tree.leaves(fn(params, tokens, meta))
+    mesh = make_mesh(MeshConfig(fsdp=4, tensor=2))
+    with use_mesh(mesh):
+        fn, params = grads(shard_model(init_model(cfg, seed=2), mesh))
+        rows = NamedSharding(mesh, logical_to_spec(("batch", "length"), tokens.shape))
+        args = jax.tree.map(lambda x: jax.device_put(x, rows), (tokens, meta))
+        hlo = fn.lower(params, *args).compile().as_text()
+        sharded = jax.tree.leaves(fn(params, *args))
+    assert "f32[2,2,11,32]" in hlo and "f32[2,2,22,32]" not in hlo  # the scan's saved inputs
+    for a, b in zip(sharded, unsharded):
+        assert np.abs(np.asarray(a) - np.asarray(b)).max() <= 1e-5 * max(1.0, np.abs(np.asarray(b)).max())

@@ -33,6 +33,7 @@ more bytes); a scan costs decoding nothing only where the slice fuses into the d
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Sequence
 
 import jax
@@ -188,6 +189,16 @@ def _grad_fence_bwd(_, cts):
 grad_fence.defvjp(_grad_fence_fwd, _grad_fence_bwd)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def forward_shard(x: jax.Array, axes: tuple) -> jax.Array:
+    """``shard(x, axes)`` whose cotangent passes unconstrained: resharding a value for what the
+    backward keeps of it must not reshard its gradient too (a slice and a gather per layer)."""
+    return shard(x, axes)
+
+
+forward_shard.defvjp(lambda x, axes: (shard(x, axes), None), lambda axes, _, ct: (ct,))
+
+
 def remat_policy(name: str):
     """``jax.checkpoint`` policy of a ``ModelConfig.remat_policy`` name (not ``"none"``).
 
@@ -256,11 +267,14 @@ class Qwen3(nnx.Module):
         def body(x, step):
             layer_params, i = step
             layer = nnx.merge(graphdef, layer_params)
-            x, k, v = layer(x, meta, prefix_of(i))
+            x, k, v = layer(forward_shard(x, ("batch", "length", "act_embed")), meta, prefix_of(i))
             return x, (k, v, x if keep_each else None)
 
         if remat != "none":
-            body = jax.checkpoint(body, prevent_cse=False, policy=remat_policy(remat))
+            saved = jax.checkpoint(body, prevent_cse=False, policy=remat_policy(remat))
+            # the scan keeps each layer's input for the backward: a sequence slice per
+            # tensor-parallel chip, not one whole copy on each (gathered again in the layer)
+            body = lambda x, step: saved(forward_shard(x, ("batch", "saved_length", "act_embed")), step)  # noqa: E731
         steps = (params, jnp.arange(self.config.num_layers, dtype=jnp.int32))
         x, (new_k, new_v, each) = jax.lax.scan(body, x, steps)
         return x, new_k, new_v, each

@@ -32,6 +32,7 @@ MESH_AXES = ("data", "fsdp", "tensor")
 DEFAULT_RULES: tuple[tuple[str, Any], ...] = (
     ("batch", ("data", "fsdp")),
     ("length", None),
+    ("saved_length", "tensor"),  # the layer inputs a scanned layer stack keeps for its backward
     ("embed", "fsdp"),
     ("act_embed", None),
     ("vocab", "tensor"),
