@@ -40,12 +40,16 @@ def shapes_in(text: str) -> list[tuple[str, tuple[int, ...]]]:
 # Memory and XLA's cost
 # --------------------------------------------------------------------------------------
 def memory(compiled) -> dict:
-    """Per-device bytes; ``peak`` = arguments + outputs − aliased + temporaries."""
+    """Per-device bytes; ``peak`` = arguments + outputs − aliased + temporaries, and
+    ``compiler_peak`` the backend's own peak where it reports one (libtpu).  They differ for a
+    program whose big buffers are ``while`` outputs (a scanned layer stack's saved inputs):
+    libtpu's temp adds a "fragmentation" that counts those twice (docs/results/compile.md)."""
     m = compiled.memory_analysis()
     keys = ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes",
             "temp_size_in_bytes", "generated_code_size_in_bytes")
     out = {k.replace("_size_in_bytes", ""): int(getattr(m, k, 0) or 0) for k in keys}
     out["peak"] = out["argument"] + out["output"] - out["alias"] + out["temp"]
+    out["compiler_peak"] = int(getattr(m, "peak_memory_in_bytes", 0) or 0) or None
     return out
 
 
