@@ -1,6 +1,7 @@
 """Stage 8, the benchmark (what ``make demo`` runs on the shipped checkpoints): Table 1 for each
 shipped drafter (plain, sync, sync at the compared block sizes, async, transformers' assisted
-generation), the async budget sweep and the drafting-forward latency by depth, timed here; the
+generation), the best drafter by online τ in sync mode at its block size, the async budget sweep
+and the drafting-forward latency by depth, timed here; the
 ablations' and the pruned drafters' τ read from stages 5-7.  JSON, tables and plots."""
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from d3d_jax.io.chat import chat_prompt_ids
 from d3d_jax.config.evaluation import EvalSettings
 from d3d_jax.bench.evaluation import runner as R
 from d3d_jax.bench.evaluation import benchmarks as B
-from d3d_jax.pipeline import measure, report
+from d3d_jax.pipeline import measure, online, report
 from d3d_jax.pipeline.context import Context
 
 
@@ -53,6 +54,17 @@ def _table1(p: Context, target, suites: dict, settings: EvalSettings) -> tuple[d
     return drafters, plain_runs
 
 
+def _best_timed(p: Context, target, suites: dict, settings: EvalSettings, plain_runs: dict,
+                best: dict | None) -> dict | None:
+    """The best drafter by online τ (stage 7), timed in sync mode at the block size it was
+    measured at, against the same plain runs (None when its weights are not here)."""
+    weights = online.candidates(p).get(best["name"]) if best else None
+    if weights is None:
+        return None
+    res = measure.sync_against(p, target, p.load(weights), suites, settings, plain_runs, block=best["block_size"])
+    return {"name": best["name"], "block_size": best["block_size"], "results": res}
+
+
 def _built(p: Context) -> dict:
     """What stages 5-7 measured once: per drafter its result.json, pruning's result, online τ."""
     c = p.cfg
@@ -88,6 +100,8 @@ def benchmark(p: Context) -> dict:
                                             suites[first], settings, list(dict.fromkeys(grid)),
                                             plain_runs[first], **measure.decode_kwargs(p))
     built = _built(p)
+    out["best_timed"] = _best_timed(p, target, suites, settings, plain_runs,
+                                    report.best_online(built, list(suites)))
     if "pruning" in built:
         pr = built["pruning"]
         depths = list(range(pr["initial_depth"], min(r["depth"] for r in pr["depths"]) - 1, -1))

@@ -132,6 +132,15 @@ def best_online(built: dict, suites: list[str]) -> dict | None:
     return {"name": name, "block_size": built["online_tau"].get("block_size"), **dict(zip(suites, scored[name]))}
 
 
+def _timed(timed: dict | None, suites: list[str]) -> str:
+    """The best drafter's sync speed against plain, as the line after its τ."""
+    if not timed:
+        return "; not timed (its weights are not here)"
+    return ("; sync, timed here: " + ", ".join(
+        f"{s} {timed['results'][s]['speedup']:.2f}× plain ({timed['results'][s]['time_per_token_ms']:.2f} ms/token)"
+        for s in suites))
+
+
 def all_equal(out: dict) -> bool:
     ok = True
     for d in out["drafters"].values():
@@ -140,6 +149,8 @@ def all_equal(out: dict) -> bool:
                 if isinstance(r, dict) and (m.startswith("sync") or m == "async") and "error" not in r:
                     ok = ok and bool(r.get("equals_plain", False))
     for r in out.get("async_sweep", []):
+        ok = ok and bool(r.get("equals_plain"))
+    for r in ((out.get("best_timed") or {}).get("results") or {}).values():
         ok = ok and bool(r.get("equals_plain"))
     for rows in out.get("built", {}).get("online_tau", {}).get("drafters", {}).values():
         ok = ok and all(bool(r.get("equals_plain")) for r in rows.values())
@@ -179,7 +190,7 @@ def write(p: Context, out: dict, suites: list[str]) -> dict:
     best = out["best_online"] = best_online(built, suites)
     if best:
         tables.append(f"Best drafter online (B = {best['block_size']}): `{best['name']}`, "
-                      + ", ".join(f"{s} τ {best[s]:.2f}" for s in suites))
+                      + ", ".join(f"{s} τ {best[s]:.2f}" for s in suites) + _timed(out.get("best_timed"), suites))
     text = "\n\n".join(tables)
     B.write_json(out, eval_dir / "results.json")
     (eval_dir / "table.md").write_text(text + "\n")
