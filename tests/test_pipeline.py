@@ -94,13 +94,16 @@ def test_mini_pipeline_end_to_end(tmp_path, capsys):
     assert tcfg["torch_dtype"] == "bfloat16" and (out / "models/target/tokenizer.json").exists()
     assert report["built"]["online_tau"]["drafters"]["small_l0"]["shakespeare"]["equals_plain"] is True
     assert set(report["drafter_latency"]["depth_ms"]) == {"2", "1"}
-    # The best drafter by online τ is timed in sync mode at the block size its τ was measured at.
+    # The best drafter by online τ is timed in sync mode at the block size its τ was measured at
+    # (the same τ) and at the benchmark's.
     best, timed = report["best_online"], report["best_timed"]
     assert timed["name"] == best["name"] and timed["block_size"] == best["block_size"]
-    assert timed["results"]["shakespeare"]["tau"] == pytest.approx(best["shakespeare"])
-    assert timed["results"]["shakespeare"]["equals_plain"] is True
+    assert set(timed["blocks"]) == {str(best["block_size"]), str(cfg.eval_block)}
+    at_trained = timed["blocks"][str(best["block_size"])]["shakespeare"]
+    assert at_trained["tau"] == pytest.approx(best["shakespeare"]) and at_trained["equals_plain"] is True
     printed = capsys.readouterr().out
-    assert f"`{best['name']}`, shakespeare τ" in printed and "sync, timed here: shakespeare" in printed
+    assert f"`{best['name']}`, shakespeare τ" in printed
+    assert f"sync at B = {cfg.eval_block}, timed here: shakespeare" in printed
     assert "| sync |" in printed and "| sync_b3 |" in printed and "Ablation arms" in printed
     assert "ShortGPT" in printed and "Drafting-forward latency" in printed
     assert "| overlap |" in printed

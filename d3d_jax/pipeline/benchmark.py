@@ -56,13 +56,17 @@ def _table1(p: Context, target, suites: dict, settings: EvalSettings) -> tuple[d
 
 def _best_timed(p: Context, target, suites: dict, settings: EvalSettings, plain_runs: dict,
                 best: dict | None) -> dict | None:
-    """The best drafter by online τ (stage 7), timed in sync mode at the block size it was
-    measured at, against the same plain runs (None when its weights are not here)."""
+    """The best drafter by online τ (stage 7), timed in sync mode against the same plain runs at
+    the block size its τ was measured at and at the benchmark's (a CPU pays a verify's compute
+    per token); None when its weights are not here."""
     weights = online.candidates(p).get(best["name"]) if best else None
     if weights is None:
         return None
-    res = measure.sync_against(p, target, p.load(weights), suites, settings, plain_runs, block=best["block_size"])
-    return {"name": best["name"], "block_size": best["block_size"], "results": res}
+    drafter = p.load(weights)
+    blocks = dict.fromkeys((best["block_size"], settings.block_size))
+    return {"name": best["name"], "block_size": best["block_size"],
+            "blocks": {str(b): measure.sync_against(p, target, drafter, suites, settings, plain_runs, block=b)
+                       for b in blocks}}
 
 
 def _built(p: Context) -> dict:

@@ -136,9 +136,9 @@ def _timed(timed: dict | None, suites: list[str]) -> str:
     """The best drafter's sync speed against plain, as the line after its τ."""
     if not timed:
         return "; not timed (its weights are not here)"
-    return ("; sync, timed here: " + ", ".join(
-        f"{s} {timed['results'][s]['speedup']:.2f}× plain ({timed['results'][s]['time_per_token_ms']:.2f} ms/token)"
-        for s in suites))
+    return "".join(f"; sync at B = {b}, timed here: " + ", ".join(
+        f"{s} {res[s]['speedup']:.2f}× plain (τ {res[s]['tau']:.2f}, {res[s]['time_per_token_ms']:.2f} ms/token)"
+        for s in suites) for b, res in timed["blocks"].items())
 
 
 def all_equal(out: dict) -> bool:
@@ -150,8 +150,8 @@ def all_equal(out: dict) -> bool:
                     ok = ok and bool(r.get("equals_plain", False))
     for r in out.get("async_sweep", []):
         ok = ok and bool(r.get("equals_plain"))
-    for r in ((out.get("best_timed") or {}).get("results") or {}).values():
-        ok = ok and bool(r.get("equals_plain"))
+    for res in ((out.get("best_timed") or {}).get("blocks") or {}).values():
+        ok = ok and all(bool(r.get("equals_plain")) for r in res.values())
     for rows in out.get("built", {}).get("online_tau", {}).get("drafters", {}).values():
         ok = ok and all(bool(r.get("equals_plain")) for r in rows.values())
     return ok
