@@ -80,10 +80,10 @@ def plain_runs(p: Context, target, suites_: dict, settings: EvalSettings) -> dic
 # --------------------------------------------------------------------------------------------
 # Drafting-forward latency by depth (what pruning a layer buys)
 # --------------------------------------------------------------------------------------------
-def forward_ms(cfg, tokens: int, context: int, cache_len: int, repeats: int = 30, seed: int = 0) -> float:
-    """Median ms of one batch-1 forward of ``tokens`` tokens (``[anchor, MASK×(tokens-1)]``) over a
-    KV cache holding ``context`` tokens, for a model of config ``cfg`` (random weights: the cost
-    of a forward does not depend on their values)."""
+def forward_step(cfg, tokens: int, context: int, cache_len: int, seed: int = 0):
+    """A compiled batch-1 forward of ``tokens`` tokens (``[anchor, MASK×(tokens-1)]``) over a KV
+    cache holding ``context`` tokens, for a model of config ``cfg``, as a no-argument call that
+    waits for its result (random weights: the cost of a forward does not depend on their values)."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -101,13 +101,21 @@ def forward_ms(cfg, tokens: int, context: int, cache_len: int, repeats: int = 30
     block = jnp.full((1, tokens), 1, jnp.int32)
     meta = block_meta(jnp.full((1, 1), context, jnp.int32), tokens)
     step = jax.jit(lambda st, x, c: nnx.merge(graphdef, st)(x, meta, cache=c)[0])
-    jax.block_until_ready(step(state, block, cache))  # compile
-    times = []
+    run = lambda: jax.block_until_ready(step(state, block, cache))  # noqa: E731
+    run()  # compile
+    return run
+
+
+def interleaved_ms(runs: dict, repeats: int = 40) -> dict:
+    """Median ms of each call in ``runs``, timed in turn (one of each per pass), so a drift of the
+    machine's speed reaches every call alike instead of whichever was timed last."""
+    times = {k: [] for k in runs}
     for _ in range(repeats):
-        t = time.perf_counter()
-        jax.block_until_ready(step(state, block, cache))
-        times.append(time.perf_counter() - t)
-    return 1e3 * float(np.median(times))
+        for k, run in runs.items():
+            t = time.perf_counter()
+            run()
+            times[k].append(time.perf_counter() - t)
+    return {k: 1e3 * float(np.median(v)) for k, v in times.items()}
 
 
 def drafter_latency(p: Context, depths: list[int], block: int, context: int = 320) -> dict:
@@ -118,15 +126,18 @@ def drafter_latency(p: Context, depths: list[int], block: int, context: int = 32
     c = p.cfg
     settings_cache = MAX_PROMPT_TOKENS + c.eval_max_new_tokens + 4 * c.block_size
     base = p.model_config(load_model_config(str(p.model_dir("target"))), mask_token_id=p.special_ids()["mask"])
-    plain = forward_ms(base, 1, context, settings_cache)
-    rows = {d: forward_ms(dataclasses.replace(base, num_layers=d), block, context, settings_cache)
-            for d in depths}
     small = p.model_config(load_model_config(str(p.drafter_dir(c.eval_drafters[0]))))
+    runs = {"plain": forward_step(base, 1, context, settings_cache),
+            "small": forward_step(small, block, context, settings_cache)}
+    runs |= {d: forward_step(dataclasses.replace(base, num_layers=d), block, context, settings_cache)
+             for d in depths}
+    ms = interleaved_ms(runs)
+    plain, rows = ms["plain"], {d: ms[d] for d in depths}
     out = {"block": block, "context": context, "plain_step_ms": plain,
-           "depth_ms": {str(d): ms for d, ms in rows.items()},
-           "depth_in_plain_steps": {str(d): ms / plain for d, ms in rows.items()},
+           "depth_ms": {str(d): v for d, v in rows.items()},
+           "depth_in_plain_steps": {str(d): v / plain for d, v in rows.items()},
            "main_drafter": {"name": c.eval_drafters[0], "layers": small.num_layers, "hidden": small.hidden_size,
-                            "ms": forward_ms(small, block, context, settings_cache)}}
+                            "ms": ms["small"]}}
     ds = sorted(rows)
     if len(ds) > 1:  # least squares: ms per layer over the measured depths
         slope = float(np.polyfit(ds, [rows[d] for d in ds], 1)[0])
