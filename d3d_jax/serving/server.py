@@ -14,13 +14,11 @@ one sets a field, see :func:`add_arguments`), then ``key=value`` overrides; chec
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import functools
 import json
 import logging
 import os
-import signal
 import socket
 import threading
 import time
@@ -339,27 +337,11 @@ def uvicorn_server(app, log_level: str, grace_s: float = SHUTDOWN_GRACE_S):
     import uvicorn
 
     class Draining(uvicorn.Server):
-        caught: tuple = ()
-
         def handle_exit(self, sig, frame) -> None:
             svc = getattr(app.state, "service", None)
             if svc is not None:
                 svc.scheduler.drain()
             super().handle_exit(sig, frame)
-
-        @contextlib.contextmanager
-        def capture_signals(self):
-            # uvicorn re-raises a caught signal inside asyncio.run, where a SIGINT only cancels the
-            # main task, which may finish first: the process then exited 0, not 130, now and then
-            with super().capture_signals():
-                yield
-                if threading.current_thread() is threading.main_thread():  # else none was captured
-                    self.caught, self._captured_signals = tuple(self._captured_signals), []
-
-        def run(self, sockets=None) -> None:
-            super().run(sockets=sockets)
-            for sig in reversed(self.caught):  # the conventional exit: KeyboardInterrupt, or death by SIGTERM
-                signal.raise_signal(sig)
 
     return Draining(uvicorn_config(app, log_level, grace_s))
 
