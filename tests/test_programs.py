@@ -176,7 +176,7 @@ def test_server_warm_start_reads_programs_and_first_request_compiles_nothing(tmp
             before = files()
             texts.append(complete(server.url))
             written = files() - before
-            logs.append(_wait_for(server, "wider windows ready"))  # the background's compiles kept
+            logs.append(server.wait_for_log("wider windows ready"))  # the background's compiles kept
             notes.append({p: p.stat().st_mtime_ns for p in cache.rglob("auto_round_costs.json")})
         finally:
             server.stop()
@@ -189,19 +189,6 @@ def test_server_warm_start_reads_programs_and_first_request_compiles_nothing(tmp
     assert "'compiled': 0," in warm_log and "'loaded': 0," not in warm_log, warm_log[-3000:]
     assert not written, sorted(map(str, written))
     assert len(notes[0]) == (mode == "auto") and notes[1] == notes[0]  # auto: timed once, then read
-
-
-def _wait_for(server, text: str, timeout_s: float = 600) -> str:
-    """The server's log once it holds ``text``."""
-    import time
-
-    deadline = time.monotonic() + timeout_s
-    while True:
-        server.log.flush()
-        log = Path(server.log.name).read_text()
-        if text in log or time.monotonic() > deadline:
-            return log
-        time.sleep(0.2)
 
 
 def test_programs_by_argument_types_and_a_second_store_reads_them(tmp_path):

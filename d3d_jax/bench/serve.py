@@ -139,6 +139,16 @@ class ServerProcess:
         self.stop()
         raise RuntimeError(f"server did not become ready (exit {self.proc.returncode}):\n{tail}")
 
+    def wait_for_log(self, text: str, timeout_s: float = 600.0) -> str:
+        """The server's log once it holds ``text`` (or once ``timeout_s`` has passed)."""
+        t_end = time.monotonic() + timeout_s
+        while True:
+            self.log.flush()
+            log = Path(self.log.name).read_text()
+            if text in log or time.monotonic() > t_end:
+                return log
+            time.sleep(0.2)
+
     @property
     def pid(self) -> int:
         return self.proc.pid
