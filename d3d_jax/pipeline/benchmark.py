@@ -104,8 +104,8 @@ def benchmark(p: Context) -> dict:
                                             suites[first], settings, list(dict.fromkeys(grid)),
                                             plain_runs[first], **measure.decode_kwargs(p))
     built = _built(p)
-    out["best_timed"] = _best_timed(p, target, suites, settings, plain_runs,
-                                    report.best_online(built, list(suites)))
+    out["best_online"] = report.best_online(built, list(suites))
+    out["best_timed"] = _best_timed(p, target, suites, settings, plain_runs, out["best_online"])
     if "pruning" in built:
         pr = built["pruning"]
         depths = list(range(pr["initial_depth"], min(r["depth"] for r in pr["depths"]) - 1, -1))
