@@ -34,7 +34,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "windows": ("d3d_jax.bench.windows",
                 "a round's cost with few requests in many slots against as many slots as requests"),
     "gpu": ("d3d_jax.bench.gpu",
-            "everything of issue 16 on the present accelerator: roofline, sync/async, parts, drafter sizes"),
+            "every GPU measure on the present accelerator: roofline, sync/async, parts, drafter sizes"),
     "compile": ("d3d_jax.bench.compile",
                 "every hot program compiled for an H200 / TPU pod without one: memory, flops, bytes, PTX facts"),
     "programs": ("d3d_jax.bench.programs",

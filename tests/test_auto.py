@@ -1,4 +1,4 @@
-"""Auto mode (issue 25) and what it rests on: row placement, windows, batched admission.
+"""Auto mode and what it rests on: row placement, windows, batched admission.
 
 References: each request decoded alone by plain decoding (test_engine checks plain against
 transformers) for "lossless in every mix of modes"; a fresh drafter prefill of the committed

@@ -1,4 +1,4 @@
-"""Auto's speculation gate (issue 25): speculation is turned off at a load where its rounds
+"""Auto's speculation gate: speculation is turned off at a load where its rounds
 delivered fewer tokens per wall second than plain rounds, and back on when a probe finds it ahead.
 
 References: a simulated device whose two kinds of round deliver known tokens per second (the gate

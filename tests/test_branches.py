@@ -214,7 +214,7 @@ def test_layout_rejects_bad_values(c, f, msg):
 
 
 def test_layout_refuses_an_oversized_pack_with_its_budget():
-    # N_async = B·((C-1)·F + 2): the issue's --branch-fanout 5000 would pack 880032 tokens
+    # N_async = B·((C-1)·F + 2): --branch-fanout 5000 would pack 880032 tokens
     with pytest.raises(ConfigError, match=r"N_async = .* = 880032 tokens, more than the maximum 4096"):
         br.BranchLayout(16, 12, 5000).validate()
     for c, f in ((16, 16), (16, 17), (12, 2), (2, 127), (2, 128)):

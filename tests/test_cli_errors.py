@@ -1,4 +1,4 @@
-"""Issue 12 case 7: every command line ends a config error or a missing path with ONE line on
+"""Every command line ends a config error or a missing path with ONE line on
 stderr (exit 2 usage, 1 runtime), no traceback; ``--debug`` brings the traceback back."""
 import pytest
 
@@ -57,7 +57,7 @@ def test_missing_data_path_is_one_line_and_debug_shows_the_traceback(tmp_path):
     assert debug.returncode == 1 and "Traceback" in debug.stderr and "ConfigError" in debug.stderr
 
 
-# ---- issue 21: one error line everywhere, numbers bounded at the door ------------------------
+# ---- one error line everywhere, numbers bounded at the door ----------------------------------
 import errno  # noqa: E402
 import importlib.util  # noqa: E402
 import json  # noqa: E402

@@ -110,7 +110,7 @@ def test_every_value_outside_its_declared_range_is_refused_naming_the_key(cls, b
 
 
 def test_the_silent_config_cases_are_refused():
-    """Issue 45: ``optim.learning_rate: .inf`` (the run failed later, blaming a record) and
+    """Two configs that were accepted silently: ``optim.learning_rate: .inf`` (the run failed later, blaming a record) and
     ``--max-queue 0`` (every request a 503) are refused at load."""
     with pytest.raises(ConfigError, match=r"optim.learning_rate: must be finite"):
         load_config(C.TrainRunConfig, [], ["optim.learning_rate=.inf"])

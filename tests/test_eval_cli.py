@@ -1,4 +1,4 @@
-"""``infer/bench.py eval`` (issue 15): on a CPU-only host it gives itself two host devices, runs
+"""``infer/bench.py eval``: on a CPU-only host it gives itself two host devices, runs
 async with target and drafter on disjoint ones by default, and every async row carries the measured
 overlap fraction; the table shows 1/τ and the drafter's share of round time beside the speedup."""
 import json

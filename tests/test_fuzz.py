@@ -1,4 +1,4 @@
-"""Issue 12 fuzz: 500 seeded random mutations of valid training records, config.json fields, prompt
+"""Bad-input fuzz: 500 seeded random mutations of valid training records, config.json fields, prompt
 files and safetensors files.  Every outcome is a success with the output an independent oracle
 expects, or one of the project's own errors (:class:`D3DError`) — never another exception.
 Fixed counts, no model is built: a few seconds."""
@@ -250,7 +250,7 @@ def test_fuzz_safetensors(tmp_path):
 
 
 # ----------------------------------------------------------------------------------------------
-# Issue 21: a schema-driven fuzz of every server route (the toy decoder behind the real HTTP stack)
+# A schema-driven fuzz of every server route (the toy decoder behind the real HTTP stack)
 # ----------------------------------------------------------------------------------------------
 SERVER_REQUESTS = 2000
 HUGE = [2 ** 31, 2 ** 63, 2 ** 64, 10 ** 30, -10 ** 30, 10 ** 400, 1e308, -1e308, 1e-320]

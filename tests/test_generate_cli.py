@@ -113,7 +113,7 @@ def test_cli_help_runs_as_a_program():
     assert out.returncode == 0 and "--prompts-file" in out.stdout
 
 
-# ---- bad input (issue 12): refused before work, one line ------------------------------------
+# ---- bad input: refused before work, one line ----------------------------------------------
 def test_limits_are_checked_before_any_decoding(dirs, monkeypatch, capsys):
     from d3d_jax.config import ConfigError
     from d3d_jax.decoding import engine
@@ -126,7 +126,7 @@ def test_limits_are_checked_before_any_decoding(dirs, monkeypatch, capsys):
     with pytest.raises(UsageError, match=r"prompt \(3 tokens\) \+ max_new_tokens \(100000\) = 100003 exceeds "
                                          r"max_position_embeddings 256 of --target .* or pass --allow-beyond-context"):
         cli.main(base + ["--max-new-tokens", "100000"])
-    # a block past the drafter's trained one (B = 4 here) is refused before decoding (issue 21), so
+    # a block past the drafter's trained one (B = 4 here) is refused before decoding, so
     # this drafter cannot reach the N_async budget; test_records checks that refusal via bench eval
     with pytest.raises(UsageError, match="--block-size 16 is more than the drafter was trained for"):
         cli.main(base + ["--mode", "async", "--drafter", str(dirs["drafter"]), "--block-size", "16",

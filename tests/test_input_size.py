@@ -1,4 +1,4 @@
-"""Size before work (issue 45): every input is bounded before it is parsed, tokenized or quoted
+"""Size before work: every input is bounded before it is parsed, tokenized or quoted
 in an error, and what still runs out ends in one line.  The YAML loader (d3d_jax/config/base.py),
 run_cli (d3d_jax/cli.py) and regeneration's prompts (d3d_jax/training/regenerate.py)."""
 

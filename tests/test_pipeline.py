@@ -145,7 +145,7 @@ def test_shipped_artifacts_are_every_stage_of_demo_yaml_and_the_results_describe
     assert built["online_tau"] == json.loads(p.online_path.read_text())
     assert set(built["online_tau"]["drafters"]) == {v.name for v in cfg.drafters} | set(pruned_names(p))
     assert ("pruning" in built) == bool(cfg.prune_drafter)
-    # issue 23: the target-initialised drafter pruned 8 -> 7 -> 6 by both rules, and each ablation
+    # the target-initialised drafter pruned 8 -> 7 -> 6 by both rules, and each ablation
     # arm with a second seed at the same budget
     assert {"target", "small_s1", "small_l0_s1", "random_s1"} <= {v.name for v in cfg.drafters}
     assert [r["depth"] for r in built["pruning"]["depths"]] == [7, 6]

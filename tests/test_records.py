@@ -1,4 +1,4 @@
-"""Issue 12, training data: every record is checked once before packing (types, 0 <= id < vocab,
+"""Training data: every record is checked once before packing (types, 0 <= id < vocab,
 UTF-8, JSON); a bad one is skipped and listed as file:line with the reason, too many stop the run
 before its first step in one sentence, and a non-finite step stops training before its update."""
 import json
@@ -18,7 +18,8 @@ from d3d_jax.training.loop import Trainer, run
 
 VOCAB = 64
 GOOD = {"id": "g", "prompt_token_ids": [5, 6, 7], "response_token_ids": [8, 9, 10, 11]}
-# The issue's cases (1 and 2), each with the counter it lands in and its reason.
+# Malformed records (ids outside the vocabulary, wrong types, broken UTF-8 or JSON), each with
+# the counter it lands in and its reason.
 BAD_LINES = [
     (json.dumps({**GOOD, "prompt_token_ids": [1000000]}).encode(), "bad_token_ids",
      "'prompt_token_ids'[0] = 1000000 is outside the vocabulary [0, 64)"),

@@ -399,7 +399,7 @@ def test_benchmark_reports_tokens_per_s_per_batch_size(target, tokenizer, prompt
 
 
 # ----------------------------------------------------------------------------------------------
-# Bad input (issue 12): refused before any work, in one line
+# Bad input: refused before any work, in one line
 # ----------------------------------------------------------------------------------------------
 def test_cli_refuses_missing_tokenizer_and_limits_before_work(target, tokenizer, prompts_file, tmp_path):
     from cli_util import assert_one_line_error, run_script

@@ -96,7 +96,7 @@ def test_every_declared_field_has_a_kind_in_the_reference_table():
 
 
 def test_the_silent_cases_are_refused_by_name():
-    """Issue 45's two: a token id inside ``stop`` (OpenAI: strings only; ids go in
+    """Two fields that were accepted silently: a token id inside ``stop`` (OpenAI: strings only; ids go in
     ``stop_token_ids``) and a message's ``name``, which the chat template would drop."""
     cases = [("completion", dict(BASE["completion"], stop=["a", 5]), "stop"),
              ("chat", dict(BASE["chat"], messages=[{"role": "user", "content": "hi", "name": "bob"}]), "messages"),

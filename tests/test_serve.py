@@ -354,7 +354,7 @@ def test_prometheus_metrics(make_server, mode):
         assert _metric(text, "async_hit_rate") == pytest.approx(hits / (hits + misses), rel=1e-5)
     else:  # a hit rate applies to async rounds only: not shown as 0
         assert "d3d_async_hit_rate" not in text
-    # the decoder's rounds per mode and geometry (issue 25), and each request's mode mix
+    # the decoder's rounds per mode and geometry, and each request's mode mix
     labels = f'{{mode="{mode}",geometry="4"}}'
     assert _metric(text, "mode_rounds_total", labels) == snap["counters"]["rounds"]
     assert _metric(text, "mode_tokens_total", labels) == 32

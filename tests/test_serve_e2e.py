@@ -1,4 +1,4 @@
-"""The server end to end with the real SpecDecoder on the shipped demo models (issue 14, Done when).
+"""The server end to end with the real SpecDecoder on the shipped demo models.
 
 * The official ``openai`` client streams the text of ``infer/generate.py``'s greedy output, in
   plain, sync and async mode, one request at a time and with 16 concurrent streams (4 slots, so

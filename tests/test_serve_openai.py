@@ -1,5 +1,5 @@
-"""Issue 26 with the official ``openai`` client against the real SpecDecoder, plain, sync, async and
-auto (issue 25: whatever geometries auto mixes, its outputs and log-probs are plain decoding's).
+"""The server's OpenAI API with the official ``openai`` client against the real SpecDecoder, plain,
+sync, async and auto (whatever geometries auto mixes, its outputs and log-probs are plain decoding's).
 
 A tiny random Qwen3 target over the demo tokenizer (cheap to compile), and replay drafters whose
 continuation is plain decoding's output for the same request, each draft wrong with probability

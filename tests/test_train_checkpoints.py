@@ -1,4 +1,4 @@
-"""Train-state checkpoints that survive damage (d3d_jax/training/checkpoints.py, issue 11).
+"""Train-state checkpoints that survive damage (d3d_jax/training/checkpoints.py).
 
 One tiny run saves steps 2 and 4 (the template); each case copies it, damages it the way a
 crash, a bad disk or a user would, and resumes.  A damaged newest step must end in a fallback to
@@ -299,7 +299,7 @@ def test_settings_diff_compares_only_keys_both_sides_know():
     assert settings_diff(current, current) == []
 
 
-# ---- identity (issue 21) -------------------------------------------------------------------
+# ---- identity ------------------------------------------------------------------------------
 def test_a_step_copied_over_the_newest_one_is_damage_not_that_step(corpus, template, tmp_path):
     run_dir = _copy(template, tmp_path)
     shutil.rmtree(run_dir / "checkpoints/4")

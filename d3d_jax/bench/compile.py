@@ -169,7 +169,7 @@ def programs(args) -> list[Program]:
     only = [o.strip().lower() for o in args.only.split(",")]
     chosen = [p for p in chosen if any(p.name.lower() == o[1:] if o.startswith("=") else o in p.name.lower()
                                        for o in only)]
-    # what issue 20's checks read comes first: a run cut short keeps those rows (JSON per program)
+    # what the goal checks read comes first: a run cut short keeps those rows (JSON per program)
     return sorted(chosen, key=lambda p: next((i for i, k in enumerate(FIRST) if k(p)), len(FIRST)))
 
 

@@ -1,9 +1,9 @@
-"""The Markdown tables and the issue-20 checks of ``infer/bench.py compile`` (from its JSON)."""
+"""The Markdown tables and the goal checks of ``infer/bench.py compile`` (from its JSON)."""
 
 from __future__ import annotations
 
 GB, GIB, MB = 1e9, 2 ** 30, 1e6
-# issue 20's bars; the xla attention train step's 16.55 GiB per v5p chip is the compiled figure of
+# the compile-only goals' bars; the xla attention train step's 16.55 GiB per v5p chip is the compiled figure of
 # the code before the fused TPU kernel (this table shows today's beside it)
 PLAIN_BYTES_BAR, PLAIN_TEMP_BAR, VERIFY_BAR, PACK_BAR = 1.05, 32e6, 1.10, 0.6
 TRAIN_FLOPS_TOL, TRAIN_XLA_GIB, TRAIN_MEMORY_BAR = 0.05, 16.55, 0.6
@@ -26,7 +26,7 @@ def _find(progs: list[dict], name: str, backend: str | None = None) -> dict | No
 
 
 def checks(progs: list[dict]) -> list[dict]:
-    """Issue 20's Done-when figures that this run's programs can show (each: figure, bar, met)."""
+    """The compile-only goals' figures that this run's programs can show (each: figure, bar, met)."""
     out = []
     plain = _find(progs, "plain step", "pallas")
     verify = _find(progs, "verify round (async target side)", "pallas")
@@ -304,7 +304,7 @@ def markdown(result: dict) -> str:
         if rows:
             lines += [f"## {title}", ""] + rows + [""]
     if result.get("checks"):
-        lines += ["## Issue 20 checks", "", "| check | value | bar | met |", "|---|---|---|---|"]
+        lines += ["## Goal checks", "", "| check | value | bar | met |", "|---|---|---|---|"]
         met = {True: "yes", False: "**no**", None: "—"}
         lines += [f"| {c['check']} | {_num(c['value'])} | {_num(c['bar'])} | {met[c['met']]} |"
                   for c in result["checks"]] + [""]

@@ -1,4 +1,4 @@
-"""``infer/bench.py gpu``: everything issue 16 asks of a GPU, in one command, on whatever
+"""``infer/bench.py gpu``: every GPU measure of the decoder, in one command, on whatever
 accelerator is present (on a CPU it falls back to the tiny shapes).
 
 Per target shape (Qwen3-8B and Qwen3-1.7B, random weights, batch 1, 64-token prompt):

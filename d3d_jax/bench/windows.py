@@ -5,7 +5,7 @@ For each mode, a decoder with ``--slots`` slots and ``a`` active requests (``a``
 consecutive ``step()`` calls (the steady state a server sees), the minimum of ``--repeats`` runs
 interleaved between the two decoders, compiles excluded by warm-up rounds.  The ratio
 ``many slots ÷ exactly a slots`` is ~1 when the round runs over a window of the live rows
-(issue 25: "at 16 slots with 1 active, an async step costs <= 1.3 x an async step at 1 slot").
+(the goal: at 16 slots with 1 active, an async step costs <= 1.3 x an async step at 1 slot).
 
     python infer/bench.py --cpu-threads 2 windows --modes plain,sync,async --slots 16 --active 1,4
 """

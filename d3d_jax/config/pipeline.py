@@ -1,4 +1,4 @@
-"""Pipeline config (issue 8): the embedded default end to end."""
+"""Pipeline config: the embedded default end to end."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from d3d_jax.config.model import ModelConfig
 
 
 # --------------------------------------------------------------------------------------
-# Pipeline (issue 8): the embedded default end to end (train/pipeline.py)
+# Pipeline: the embedded default end to end (train/pipeline.py)
 # --------------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class PretrainStageConfig:

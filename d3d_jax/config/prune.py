@@ -1,4 +1,4 @@
-"""Pruning configs (issue 7)."""
+"""Pruning configs: acceptance-guided progressive layer pruning and its run."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from d3d_jax.config.training import DataConfig, ObjectiveConfig, OptimConfig, Tr
 
 
 # --------------------------------------------------------------------------------------
-# Pruning (issue 7): acceptance-guided progressive layer pruning (spec §3)
+# Pruning: acceptance-guided progressive layer pruning (spec §3)
 # --------------------------------------------------------------------------------------
 PRUNE_CRITERIA = ("acceptance", "shortgpt")
 

@@ -1,4 +1,4 @@
-"""Regeneration config (issue 5)."""
+"""Regeneration config: the target rewrites every response of the training data."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from d3d_jax.config.model import MeshConfig
 
 
 # --------------------------------------------------------------------------------------
-# Regeneration (issue 5): the target rewrites every response (spec §2.1)
+# Regeneration: the target rewrites every response (spec §2.1)
 # --------------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class RegenerateConfig:

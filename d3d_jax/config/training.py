@@ -1,4 +1,4 @@
-"""Training configs (issue 4): data, objective, optimiser, loop, and the run that combines them."""
+"""Training configs: data, objective, optimiser, loop, and the run that combines them."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from d3d_jax.config.model import REMAT_POLICIES, MeshConfig, ModelConfig
 
 
 # --------------------------------------------------------------------------------------
-# Training (issue 4): data, objective, optimiser, loop, and the run that combines them
+# Training: data, objective, optimiser, loop, and the run that combines them
 # --------------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class DataConfig:

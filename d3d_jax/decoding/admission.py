@@ -1,5 +1,5 @@
 """Admission: the requests inserted between two rounds are prefilled and written into their rows
-in ONE dispatch (issue 26 item 7).
+in ONE dispatch.
 
 The program loops over the admitted rows on the device (a ``fori_loop`` with a traced count, so
 one program serves 1 or 32 arrivals).  Its rows share one prompt-length bucket

@@ -1,4 +1,4 @@
-"""The async round loop: the host only dispatches (spec §5; issue 16, "rounds that never wait").
+"""The async round loop: the host only dispatches (spec §5): rounds never wait for the host.
 
 Round k+1's verify and branch pack are dispatched right behind round k's: everything a round
 needs (the hand-off block, the decision, the drafter state) stays on the devices.  The host reads

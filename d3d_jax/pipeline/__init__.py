@@ -1,4 +1,4 @@
-"""The embedded default end to end (issues 8, 23): ``train/pipeline.py`` is its command line.
+"""The embedded default end to end: ``train/pipeline.py`` is its command line.
 
 Each stage is a function of one :class:`Context` (:mod:`.context`: config, paths, the artifacts
 the stages share); :mod:`.plan` holds the stage list and runs it:

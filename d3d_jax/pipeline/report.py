@@ -43,7 +43,7 @@ def ablation_rows(built: dict, suites: list[str]) -> list[dict]:
     out = []
     for name, r in built.get("drafters", {}).items():
         v = r["variant"]
-        seed = r.get("seed", v.get("seed") or 0)  # (result.json files before issue 23 keep it in variant)
+        seed = r.get("seed", v.get("seed") or 0)  # older result.json files keep it in variant
         out.append({"name": name, "init": v["init"], "ar_weight": v["ar_weight"], "seed": seed,
                     "steps": r["steps"], "offline_tau": r["offline_tau_dev"]["tau"],
                     "online": _online(built, name, suites), "flattening": flattening(r.get("curve", []), r["steps"])})

@@ -1,4 +1,4 @@
-"""OpenAI-compatible serving of one long-lived speculative decoder (issue 14).
+"""OpenAI-compatible serving of one long-lived speculative decoder.
 
 ``protocol`` parses and bounds request bodies, ``textstream`` detokenizes incrementally and cuts at
 stop strings, ``scheduler`` owns the decoder in a background thread (continuous batching),

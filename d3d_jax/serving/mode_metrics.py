@@ -1,4 +1,4 @@
-"""``/metrics`` lines for the decoder's round choices (issue 25): rounds per mode and geometry,
+"""``/metrics`` lines for the decoder's round choices: rounds per mode and geometry,
 tokens committed against tokens predicted by auto's choice, and round seconds against the
 seconds it predicted (its tokens per second is the one ratio over the other).  Self-contained: the metrics
 exposition appends :func:`render`'s lines when the decoder reports decisions."""

@@ -123,7 +123,7 @@ def decoder_config(cfg: ServeConfig, target_cfg, drafter_cfg):
 
     trained = drafter_cfg.block_size if drafter_cfg is not None else None
     asked = cfg.decoder.block_size
-    if asked and trained and asked > trained:  # slots past the trained B were never trained (issue 21)
+    if asked and trained and asked > trained:  # slots past the trained B were never trained
         raise ConfigError(f"--block-size {asked} is more than the drafter was trained for ({trained}); "
                           f"use --block-size {trained} or less")
     s = cfg.decoder.resolved(has_drafter=drafter_cfg is not None, drafter_block_size=trained,

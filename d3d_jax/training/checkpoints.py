@@ -1,4 +1,4 @@
-"""Train-state checkpoints that survive damage (issue 11): Orbax steps with checksum manifests,
+"""Train-state checkpoints that survive damage: Orbax steps with checksum manifests,
 fallback to the newest intact step, settings checks, save-and-stop on SIGTERM/SIGINT.
 
 Layout: ``out_dir/checkpoints/<step>/`` is an Orbax ``CheckpointManager`` step holding the train

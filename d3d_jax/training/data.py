@@ -1,6 +1,6 @@
 """Training data: packed block-diffusion rows (spec §2.1-2.3) and plain LM rows, with grain.
 
-**Records** (the regeneration issue's JSONL, one object a line)::
+**Records** (the JSONL that ``train/regenerate_data.py`` writes, one object a line)::
 
     {"id", "messages": [{"role", "content"}...], "response", "response_token_ids",
      "finish_reason", "generation": {...}, "target": ...}

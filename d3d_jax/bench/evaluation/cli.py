@@ -164,7 +164,7 @@ def _write(report: dict, out: Path) -> str:
 
 
 def load_drafter(cfg: EvalConfig, target, tok, tokenizer_mask_id: int):
-    """``(drafter, mask id, eos ids)``, the drafter checked against target and tokenizer (issue 21)."""
+    """``(drafter, mask id, eos ids)``, the drafter checked against target and tokenizer."""
     from d3d_jax.io.checkpoint import load_model
     from d3d_jax.io.hf import eos_token_ids
     from d3d_jax.io.pairing import check_pairing
