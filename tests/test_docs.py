@@ -1,14 +1,16 @@
 """The README and docs/ stay true to the code, without running the commands (``test_readme.py``
 runs the marked ones).
 
-Every command block of the README and of ``docs/`` (``docs/results/`` excepted: those pages are
-history) is checked: each flag a command passes to one of this repository's programs exists in
-that program's argparse parser, taken from the program itself; each backticked ``--flag`` in the
-text exists in some program's parser; each Python block compiles and its imports resolve. A flag
+Every page of the README and of ``docs/``, ``docs/results/`` included, is checked for flags: each
+flag a command passes to one of this repository's programs, in a command block or a backticked
+command, exists in that program's argparse parser (taken from the program itself: what its
+``--help`` offers); each backticked ``--flag`` of the text exists in the parser of a program named
+beside it (its paragraph, its section or the page's opening; any program where none is named).
+Outside ``docs/results/`` (history), each Python block compiles and its imports resolve. A flag
 table marked ``<!-- flags: PROGRAM -->`` gives each flag's default as the code has it, and the
 modes the docs name are the code's.  ``docs/configuration.md`` is what its generator writes, every
-relative link and anchor resolves, and no page outside ``docs/results/`` carries a commit hash,
-an issue number or a date.
+relative link and anchor resolves, no page outside ``docs/results/`` carries a commit hash or a
+date, and no file of the repository (code, tests, configs, docs) an issue number.
 """
 from __future__ import annotations
 
@@ -173,9 +175,9 @@ SHELL = ("bash", "sh", "shell", "console")
 
 
 def doc_commands() -> list[tuple[str, int, str]]:
-    """``(page, line, command)`` of every shell command in the README and docs (results excepted)."""
+    """``(page, line, command)`` of every shell command in the README and docs, results included."""
     out = []
-    for page in pages():
+    for page in pages(results=True):
         for lang, body, line in code_blocks(page.read_text(encoding="utf-8")):
             if lang in SHELL:
                 out += [(rel(page), line, c) for c in bash_commands(body)]
@@ -293,17 +295,115 @@ def _prose(text: str) -> str:
     return re.sub(r"^```.*?^```", "", text, flags=re.S | re.M)
 
 
-def test_every_flag_named_in_the_text_exists():
-    bad = []
-    for page in pages():
-        for span in re.findall(r"`([^`\n]+)`", _prose(page.read_text(encoding="utf-8"))):
-            if not span.startswith("--"):
+# a backticked span, or a program named in plain text (``generate.py`` too), with the word after it
+MENTION = re.compile(r"`([^`\n]+)`|(?<![\w/.])(?:\./)?((?:infer/|train/)?\w+\.py)(?: +([a-z][\w-]*))?")
+LIST_ITEM = re.compile(r"\s*(?:[-*]|\d+\.) ")
+
+
+def known_flags(program: str, sub: str | None) -> set[str]:
+    """What ``program [sub] --help`` offers (``infer/bench.py``: its own flags and the subcommand's)."""
+    out = options(program_parser(program))
+    return out | options(bench_parser(sub)) if sub else out
+
+
+def _named(script: str, word: str | None = None) -> tuple[str, str | None] | None:
+    """``(program, bench subcommand)`` for a script name (``serve.py`` is ``infer/serve.py``)."""
+    program = next((p for p in PROGRAMS if p == script or p.endswith("/" + script)), None)
+    if program is None:
+        return None
+    return program, (word if program == "infer/bench.py" and word in bench_commands() else None)
+
+
+def prose_flags(text: str) -> list[tuple]:
+    """``(line, flag, span, programs)`` for every flag the prose of a page names.  A flag inside a
+    backticked command belongs to that command (``programs`` holds just it); a backticked flag on
+    its own belongs to one of the programs its paragraph, list item or table row names (a
+    ``<!-- flags: PROGRAM -->`` table: that program), that its section named before it, or that
+    the page's opening (before its first ``##``) names, command blocks included; where none is
+    named, ``programs`` is empty: any program's flag."""
+    out, unit, section, pending, opening = [], [], [], [], None
+    block = None  # the language of the fenced block the line is in
+
+    def close():
+        programs = tuple(dict.fromkeys(unit + section))
+        out.extend((line, flag, span, programs) for line, flag, span in pending)
+        section.extend(p for p in unit if p not in section)
+        pending.clear()
+        unit.clear()
+
+    for n, line in enumerate(text.splitlines(), 1):
+        if line.startswith("```"):
+            close()
+            if block in SHELL:
+                section.extend((p, sub) for c in bash_commands("\n".join(body)) for p, sub, *_ in invocations(c))
+            block, body = (line[3:].strip() or "text", []) if block is None else (None, [])
+            continue
+        if block is not None:
+            body.append(line)
+            continue
+        if not line.strip() or line.startswith(("#", "|")) or LIST_ITEM.match(line):
+            close()
+            if line.startswith("##"):
+                opening = list(section) if opening is None else opening
+                section[:] = opening
+        marker = re.fullmatch(r"<!-- flags: (.+?)( complete)? -->", line.strip())
+        if marker:
+            table = _named(*marker.group(1).split())
+        if line.startswith("|") and marker is None and table:
+            unit.append(table)
+        elif not line.startswith("|"):
+            table = None if not marker else table
+        for m in MENTION.finditer(line):
+            span, script, word = m.groups()
+            if script:
+                unit += [p for p in [_named(script, word)] if p]
+            elif SCRIPT.search(span):
+                for program, sub, flags, sub_flags in invocations(span):
+                    unit.append((program, sub))
+                    out.extend((n, f, span, ((program, sub),)) for f in flags + sub_flags)
+            elif _named(*span.split()[:2]):  # `serve.py`, `bench.py eval`
+                unit.append(_named(*span.split()[:2]))
+            elif span.startswith("--"):
+                pending += [(n, name, span) for part in span.split()[0].split("/") if (name := _flag_name(part))]
+        if line.startswith("|"):
+            close()
+    close()
+    return out
+
+
+def test_prose_flags_belong_to_the_program_named_beside_them():
+    text = ("# A\n\nNo program\n\n## A\n\n`infer/bench.py programs --modes a --warm-up`; also `--out`.\n\n"
+            "`--slots` alone, later in the section.\n\n## B\n\n`--num-slots` of no program named here.\n\n"
+            "```bash\npython infer/generate.py --x\n```\n\n- `--top-k` on serve.py\n- `--seed`\n\n"
+            "<!-- flags: infer/serve.py -->\n| flag | default |\n|---|---|\n| `--port` | `8000` |\n")
+    bench, generate, serve = ("infer/bench.py", "programs"), ("infer/generate.py", None), ("infer/serve.py", None)
+    assert prose_flags(text) == [(7, "--modes", "infer/bench.py programs --modes a --warm-up", (bench,)),
+                                 (7, "--warm-up", "infer/bench.py programs --modes a --warm-up", (bench,)),
+                                 (7, "--out", "--out", (bench,)),
+                                 (9, "--slots", "--slots", (bench,)),
+                                 (13, "--num-slots", "--num-slots", ()),
+                                 (19, "--top-k", "--top-k", (serve, generate)),
+                                 (20, "--seed", "--seed", (generate, serve)),
+                                 (25, "--port", "--port", (serve, generate))]
+    # the page's opening names a program: every section reads its flags as that program's
+    assert prose_flags("# P\n\n`serve.py` serves.\n\n## S\n\n`--port`\n") == [(7, "--port", "--port", (serve,))]
+
+
+def test_every_flag_named_in_the_text_is_one_its_program_offers():
+    """Every page, ``docs/results/`` too: a flag the prose names is in the ``--help`` of the
+    program it is named with (or of some program, where the text names none)."""
+    bad, seen = [], 0
+    for page in pages(results=True):
+        for line, flag, span, programs in prose_flags(page.read_text(encoding="utf-8")):
+            seen += 1
+            if flag in FOREIGN_FLAGS:
                 continue
-            for part in span.split()[0].split("/"):
-                name = _flag_name(part)
-                if name and name not in every_flag() and name not in FOREIGN_FLAGS:
-                    bad.append(f"{rel(page)}: `{span}`: no program has {name}")
-    assert not bad, "\n".join(sorted(set(bad)))
+            known = set().union(*(known_flags(*p) for p in programs)) if programs else every_flag()
+            if flag not in known:
+                where = " or ".join(" ".join(filter(None, p)) for p in programs) or "no program"
+                bad.append(f"{rel(page)}:{line}: `{span}`: {where} has no {flag}")
+    assert seen >= 150
+    assert not bad, "\n".join(bad)
 
 
 def test_python_blocks_compile_and_their_imports_resolve():
@@ -497,6 +597,28 @@ def test_history_stays_in_docs_results():
             bad += [f"{rel(page)}:{n}: {what}: {line.strip()[:100]}" for rx, what in HISTORY if rx.search(line)]
     assert not bad, "history belongs in docs/results/:\n" + "\n".join(bad)
     assert HISTORY[2][0].search("on `9d28424`") and not HISTORY[2][0].search("`1048576`")
+
+
+ISSUE_NUMBER = re.compile(r"\bissues?[ -]?#?\d+", re.I)
+# where a reader of the repository would meet an issue number they cannot look up
+TREE = ("d3d_jax", "tests", "train", "infer", "configs", "docs", "README.md", "Makefile", "pyproject.toml")
+TEXT_FILES = re.compile(r"(\.(py|md|yaml|yml|toml|txt|cfg|sh)|Makefile)$")
+
+
+def test_no_issue_numbers_anywhere():
+    """Code, docstrings, tests, configs and every docs page (results too) say what they mean;
+    a reader has no issue tracker to look a number up in."""
+    files = [p for top in TREE for p in ([REPO / top] if (REPO / top).is_file() else (REPO / top).rglob("*"))
+             if p.is_file() and TEXT_FILES.search(p.name)]
+    assert len(files) > 200
+    bad = [f"{rel(p)}:{n}: {line.strip()[:100]}" for p in files
+           for n, line in enumerate(p.read_text(encoding="utf-8", errors="replace").splitlines(), 1)
+           if ISSUE_NUMBER.search(line)]
+    assert not bad, "issue numbers (say what the change means instead):\n" + "\n".join(bad)
+    n = "7"
+    assert all(ISSUE_NUMBER.search(x) for x in (f"(issue {n})", f"Issue {n}'s", f"issues {n}, 23", f"issue-{n}",
+                                                 f"issue #{n}"))
+    assert not ISSUE_NUMBER.search("issued_bytes 12") and not ISSUE_NUMBER.search("the issue's note")
 
 
 def test_results_pages_are_dated():
