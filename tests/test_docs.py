@@ -605,20 +605,35 @@ TREE = ("d3d_jax", "tests", "train", "infer", "configs", "docs", "README.md", "M
 TEXT_FILES = re.compile(r"(\.(py|md|yaml|yml|toml|txt|cfg|sh)|Makefile)$")
 
 
-def test_no_issue_numbers_anywhere():
-    """Code, docstrings, tests, configs and every docs page (results too) say what they mean;
-    a reader has no issue tracker to look a number up in."""
+@functools.cache
+def repo_lines() -> tuple[tuple[str, int, str], ...]:
+    """``(file, line number, line)`` of every text file a reader of the repository meets."""
     files = [p for top in TREE for p in ([REPO / top] if (REPO / top).is_file() else (REPO / top).rglob("*"))
              if p.is_file() and TEXT_FILES.search(p.name)]
     assert len(files) > 200
-    bad = [f"{rel(p)}:{n}: {line.strip()[:100]}" for p in files
-           for n, line in enumerate(p.read_text(encoding="utf-8", errors="replace").splitlines(), 1)
-           if ISSUE_NUMBER.search(line)]
+    return tuple((rel(p), n, line) for p in files
+                 for n, line in enumerate(p.read_text(encoding="utf-8", errors="replace").splitlines(), 1))
+
+
+def test_no_issue_numbers_anywhere():
+    """Code, docstrings, tests, configs and every docs page (results too) say what they mean;
+    a reader has no issue tracker to look a number up in."""
+    bad = [f"{f}:{n}: {line.strip()[:100]}" for f, n, line in repo_lines() if ISSUE_NUMBER.search(line)]
     assert not bad, "issue numbers (say what the change means instead):\n" + "\n".join(bad)
     n = "7"
     assert all(ISSUE_NUMBER.search(x) for x in (f"(issue {n})", f"Issue {n}'s", f"issues {n}, 23", f"issue-{n}",
                                                  f"issue #{n}"))
     assert not ISSUE_NUMBER.search("issued_bytes 12") and not ISSUE_NUMBER.search("the issue's note")
+
+
+# files beside the checkout that a user does not have (the specification is docs/method.md)
+OUTSIDE = re.compile(r"\.\./shared\b|\bD3D_SPEC\.md\b|\bshared/research\b")
+
+
+def test_nothing_points_outside_the_repository():
+    bad = [f"{f}:{n}: {line.strip()[:100]}" for f, n, line in repo_lines() if OUTSIDE.search(line)]
+    assert not bad, "pointers to files a user does not have:\n" + "\n".join(bad)
+    assert OUTSIDE.search("see ../" + "shared/X") and not OUTSIDE.search("train.out_dir=/mnt/shared/d3d-8b")
 
 
 def test_results_pages_are_dated():
