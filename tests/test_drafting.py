@@ -110,3 +110,23 @@ def test_bad_drafters():
         ModelDrafter(init_model(cfg, 0), mask_token_id=VOCAB)
     with pytest.raises(ValueError, match="error_rate"):
         ReplayDrafter([[1]], VOCAB, error_rate=1.5)
+
+
+def test_a_prefill_without_its_score_compiles_no_vocabulary_wide_op():
+    """``prefill`` is ``prefill_scored`` with the prompt score dropped: under jit XLA removes the
+    LM head with it, so a drafter's prefill costs what a cache-only prefill costs."""
+    import re
+
+    vocab = 97  # a prime: no other dimension of the model has this size
+    cfg = ModelConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2,
+                      num_kv_heads=1, head_dim=16, tie_word_embeddings=False, mask_token_id=vocab - 1)
+    d = ModelDrafter(init_model(cfg, 0))
+    prompt, plen = jnp.ones((2, 16), jnp.int32), jnp.array([5, 9], jnp.int32)
+
+    def vocab_wide_ops(fn) -> int:
+        hlo = jax.jit(lambda p, x, n: fn(p, None, x, n)).lower(d.params, prompt, plen).compile().as_text()
+        return sum(1 for line in hlo.splitlines()
+                   if re.search(rf"= \w+\[[\d,]*\b{vocab}\]", line) and "parameter(" not in line)
+
+    assert vocab_wide_ops(d.prefill_scored) > 0  # the head is there when the score is used
+    assert vocab_wide_ops(d.prefill) == 0

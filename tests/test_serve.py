@@ -413,11 +413,52 @@ def test_waiting_events_are_merged_into_one_chunk():
 
 
 def test_warmup_compiles_one_prompt_per_power_of_two_bucket():
+    from d3d_jax.decoding.decoder_config import prompt_bucket
+    from d3d_jax.serving.scoring import PromptScorer
     from d3d_jax.serving.server import warmup_lengths
 
     assert warmup_lengths(256, 1000) == [16, 32, 64, 128, 256]
-    assert warmup_lengths(256, 100) == [16, 32, 64]
+    assert warmup_lengths(256, 100) == [16, 32, 64, 100]  # 65-100 tokens: bucket 128, warmed too
     assert warmup_lengths(256, 10) == [10] and warmup_lengths(0, 100) == [] and warmup_lengths(256, -5) == []
+    # every prompt a client may send lands in a bucket the warm-up compiled (the closed form:
+    # the next power of two, at least 16, at most the cache), one prompt per bucket
+    for cache_len, limit in ((512, 100), (512, 256), (300, 290), (64, 64)):
+        closed = lambda n: min(max(16, 1 << (n - 1).bit_length()), cache_len)  # noqa: E731
+        warmed = [closed(n) for n in warmup_lengths(limit, limit)]
+        assert sorted(set(warmed)) == warmed == sorted({closed(n) for n in range(1, limit + 1)})
+        assert [prompt_bucket(n, cache_len) for n in range(1, limit + 1)] == [closed(n) for n in range(1, limit + 1)]
+    # the prompt scorer pads to the same buckets (at most its max_len, or the prompt itself)
+    import numpy as np
+
+    widths = []
+
+    def score(params, tokens):
+        widths.append(tokens.shape[1])
+        return np.zeros(tokens.shape[1]), np.zeros((tokens.shape[1], 1), int), np.zeros((tokens.shape[1], 1))
+
+    scorer = PromptScorer.__new__(PromptScorer)  # no model: only the padding is under test
+    scorer.max_len, scorer._score, scorer.params, scorer.top = 100, score, None, 1
+    for n in (1, 16, 17, 64, 65, 100, 130):
+        scorer([1] * n, 0)
+    assert widths == [16, 16, 32, 64, 100, 100, 130]
+
+
+def test_the_server_finds_a_tokenizer_by_the_files_every_command_knows(tmp_path):
+    """A directory holding only ``tokenizer.model`` (a sentencepiece tokenizer) or only
+    ``vocab.json`` is a tokenizer directory for ``infer/generate.py``, so for the server too."""
+    from types import SimpleNamespace
+
+    from d3d_jax.errors import UsageError
+    from d3d_jax.serving.server import _tokenizer_dir
+
+    for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json"):
+        d = tmp_path / name.replace(".", "_")
+        d.mkdir()
+        (d / name).write_text("{}")
+        assert _tokenizer_dir(SimpleNamespace(target=str(d), drafter=None, tokenizer=None)) == str(d)
+        assert _tokenizer_dir(SimpleNamespace(target=str(tmp_path), drafter=None, tokenizer=str(d))) == str(d)
+    with pytest.raises(UsageError, match="no tokenizer files in"):
+        _tokenizer_dir(SimpleNamespace(target=str(tmp_path), drafter=None, tokenizer=None))
 
 
 def test_routes_tokenize_detokenize_models_version_ping_head(make_server):

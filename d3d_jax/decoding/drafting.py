@@ -158,7 +158,9 @@ class ModelDrafter:
 
     def prefill(self, params, data, prompt_bt: jax.Array, prefill_len: jax.Array) -> kvc.KVCache:
         """A prompt-length cache holding the first ``prefill_len[b]`` prompt tokens (causal)."""
-        return self.prefill_scored(params, data, prompt_bt, prefill_len)[0]  # logits: dead code
+        # the score is dropped, and under jit XLA drops the LM head with it: the compiled prefill
+        # holds no vocabulary-wide op (tests/test_drafting.py), so this costs a cache-only prefill
+        return self.prefill_scored(params, data, prompt_bt, prefill_len)[0]
 
     def prefill_scored(self, params, data, prompt_bt: jax.Array, prefill_len: jax.Array
                        ) -> tuple[kvc.KVCache, jax.Array]:

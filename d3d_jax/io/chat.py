@@ -141,13 +141,6 @@ def read_prompts(path: str | os.PathLike) -> tuple[list[Prompt], list[tuple[int,
     return prompts, malformed
 
 
-def render_prompt(tokenizer, messages: Sequence[dict]) -> list[int]:
-    """Token ids of the chat-templated prompt, generation prompt added, thinking disabled."""
-    text = tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True,
-                                         enable_thinking=False)
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
-
-
 def chat_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
     """Token ids of ``messages`` + the assistant header in non-thinking mode (Qwen3's template),
     tokenized by the template itself (the server, evaluation and the demo's pretraining rows)."""
@@ -156,3 +149,8 @@ def chat_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
     if isinstance(ids, dict) or hasattr(ids, "keys"):
         ids = ids["input_ids"]
     return list(ids)
+
+
+# the name regeneration and the training data read prompts by: the same ids (transformers
+# tokenizes a rendered template without adding special tokens, as rendering then tokenizing did)
+render_prompt = chat_prompt_ids

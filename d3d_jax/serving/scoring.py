@@ -14,11 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from d3d_jax.decoding.decoder_config import prompt_bucket
 from d3d_jax.decoding.verify import MAX_TOP_LOGPROBS
-
-
-def _bucket(n: int) -> int:
-    return max(16, 1 << (max(n, 1) - 1).bit_length())
 
 
 class PromptScorer:
@@ -44,7 +41,7 @@ class PromptScorer:
     def __call__(self, ids, top: int) -> list[tuple[float | None, list | None]]:
         """Per prompt token: (log-prob, its ``top`` most likely alternatives), the first (None, None)."""
         n = len(ids)
-        tokens = np.zeros((1, min(_bucket(n), max(self.max_len, n))), np.int32)
+        tokens = np.zeros((1, prompt_bucket(n, max(self.max_len, n))), np.int32)
         tokens[0, :n] = ids
         chosen, top_ids, top_lp = jax.device_get(self._score(self.params, tokens))
         top = min(int(top), self.top)

@@ -35,7 +35,6 @@ from d3d_jax.serving import protocol as P
 
 log = logging.getLogger("d3d_jax.serving")
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 HEADER_TIMEOUT_S = 30.0  # a connection whose request line and headers are not in by then is closed
 SHUTDOWN_GRACE_S = 5.0  # after SIGTERM/SIGINT: the aborted requests' last chunks go out in this
 
@@ -91,12 +90,9 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return p
 
 
-def _has_tokenizer(path) -> bool:
-    return path is not None and Path(path).is_dir() and any((Path(path) / f).exists() for f in TOKENIZER_FILES)
-
-
 def _tokenizer_dir(models) -> str:
     from d3d_jax.errors import UsageError
+    from d3d_jax.io.hf import TOKENIZER_FILES, has_tokenizer  # the files every command looks for
 
     for flag in ("target", "drafter"):  # a missing model directory is that, not a missing tokenizer
         path = getattr(models, flag)
@@ -104,12 +100,12 @@ def _tokenizer_dir(models) -> str:
             raise UsageError(f"--{flag} {path}: not a directory (expected an HF Qwen3 directory or a "
                              f"d3d_jax parameter checkpoint)")
     if models.tokenizer:
-        if not _has_tokenizer(models.tokenizer):
+        if not has_tokenizer(models.tokenizer):
             raise UsageError(f"--tokenizer {models.tokenizer}: no tokenizer files there "
                              f"({', '.join(TOKENIZER_FILES)})")
         return str(models.tokenizer)
     for path in (models.target, models.drafter):
-        if _has_tokenizer(path):
+        if path is not None and has_tokenizer(path):
             return str(path)
     from d3d_jax.errors import UsageError
 
@@ -188,13 +184,12 @@ def make_service(decoder: Decoder, tokenizer, eos_ids, *, model_name: str, mode:
 
 
 def warmup_lengths(max_prompt: int, cap: int) -> list[int]:
-    """Prompt lengths 16, 32, 64 ... up to ``min(max_prompt, cap)``: one per power-of-two prefill
-    bucket, so no client pays for a compile."""
-    out, n = [], 16
-    while n <= min(max_prompt, cap):
-        out.append(n)
-        n *= 2
-    return out or ([min(max_prompt, cap)] if min(max_prompt, cap) > 0 else [])
+    """The longest prompt of every prompt bucket (:func:`prompt_buckets`) a prompt of up to
+    ``min(max_prompt, cap)`` tokens lands in, so no client pays for a compile."""
+    from d3d_jax.decoding.decoder_config import prompt_buckets
+
+    limit = min(max_prompt, cap)
+    return [min(b, limit) for b in prompt_buckets(limit)] if limit > 0 else []
 
 
 def _warmup_request(svc, n: int, max_tokens: int | None):
