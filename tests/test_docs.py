@@ -116,7 +116,9 @@ def bench_parser(command: str) -> argparse.ArgumentParser:
 
 
 def options(parser: argparse.ArgumentParser) -> set[str]:
-    return set(parser._option_string_actions) | {"--debug"}  # run_cli takes --debug everywhere
+    """The flags ``--help`` lists (a flag whose help is suppressed is not offered), and
+    ``--debug``, which run_cli takes everywhere."""
+    return {s for a in parser._actions if a.help is not argparse.SUPPRESS for s in a.option_strings} | {"--debug"}
 
 
 @functools.cache
@@ -207,6 +209,19 @@ def test_the_walker_finds_programs_and_their_flags():
     assert "--num-slots" in options(program_parser("infer/serve.py"))
     assert "--print-config" in options(program_parser("train/train_drafter.py"))
     assert "--small" in options(bench_parser("compile"))
+
+
+def test_the_parsers_read_are_what_help_prints():
+    """The parser taken from a program offers the flags its ``--help`` prints, no more: here for
+    ``infer/bench.py programs``, whose ``--warm-up`` and ``--compare-with`` the docs name."""
+    import subprocess
+
+    env = dict(os.environ, PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu")
+    printed = subprocess.run([sys.executable, "infer/bench.py", "programs", "--help"], cwd=REPO, env=env,
+                             capture_output=True, text=True, check=True).stdout
+    offered = set(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", printed))
+    assert offered == {f for f in options(bench_parser("programs")) if f.startswith("--")} - {"--debug"}
+    assert {"--warm-up", "--compare-with"} <= offered
 
 
 def test_every_flag_a_documented_command_passes_exists():
