@@ -210,3 +210,48 @@ def test_a_broken_chat_template_is_the_servers_error_a_refusing_one_the_requests
     monkeypatch.setattr(server.svc, "chat_encode", broken)
     status, out = server.raw("POST", "/v1/chat/completions", chat)  # was: a 400 blaming 'messages'
     assert status == 500 and out["error"]["type"] == "server_error" and out["error"]["param"] is None, out
+
+
+# ---- numbers bounded before they are parsed -----------------------------------------------------
+LONG = "9" * 5000  # past Python's 4,300-digit conversion limit: a 500 before
+# where a number can sit in each route's body: (field, JSON with the number as N)
+NUMBER_PLACES = {
+    "completion": [(f, '"%s": N' % f) for f in sorted(f for f, k in ACCEPTS["completion"].items()
+                                                          if k != REFUSED and k & {"int", "float"})]
+    + [("prompt", '"prompt": [1, N]'), ("prompt", '"prompt": [[N]]'), ("logit_bias", '"logit_bias": {"5": N}'),
+       ("stop_token_ids", '"stop_token_ids": [N]'), ("best_of", '"best_of": N'), ("suffix", '"suffix": N')],
+    "chat": [(f, '"%s": N' % f) for f in ("max_tokens", "max_completion_tokens", "top_logprobs", "seed")]
+    + [("messages", '"messages": [{"role": "user", "content": "hi", "name": N}]'), ("metadata", '"metadata": {"a": N}')],
+    "detokenize": [("tokens", '"tokens": [1, N]')],
+    "tokenize": [("prompt", '"prompt": N'), ("add_special_tokens", '"add_special_tokens": N')],
+}
+PATHS = {"completion": "/v1/completions", "chat": "/v1/chat/completions", "tokenize": "/tokenize",
+         "detokenize": "/detokenize"}
+
+
+def long_number_bodies():
+    """(route, field, raw body) with a 5,000-digit integer, a negative one or a 402-character float;
+    the number is found before the body is validated, so nothing else in it matters."""
+    for kind, places in NUMBER_PLACES.items():
+        for field, text in places:
+            for number in (LONG, "-" + LONG, "1" + "0" * 400 + ".5"):
+                yield kind, field, ('{"model": "toy", ' + text.replace("N", number) + "}").encode()
+
+
+def test_a_long_number_in_any_field_is_a_400_naming_it_in_the_parser():
+    for kind, field, raw in long_number_bodies():
+        with pytest.raises(P.ApiError) as e:
+            P.parse_json(raw)
+        assert e.value.status == 400 and e.value.param == field, (kind, raw[:80], e.value)
+        assert "characters; numbers are read up to 100" in str(e.value), str(e.value)
+
+
+def test_a_long_number_in_any_field_is_a_400_over_http(server):
+    """Was: HTTP 500 with a traceback ("Exceeds the limit (4300 digits) for integer string conversion")."""
+    prefills = server.dec.prefills
+    for kind, field, raw in long_number_bodies():
+        status, out = server.raw("POST", PATHS[kind], raw)
+        assert status == 400 and out["error"]["param"] == field, (kind, raw[:80], status, out)
+    assert server.dec.prefills == prefills
+    status, out = server.raw("POST", "/v1/completions", dict(BASE["completion"], max_tokens=10 ** 99))
+    assert status == 400 and "must be <= " in out["error"]["message"]  # 100 characters: read, then range-checked
