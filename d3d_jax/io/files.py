@@ -36,7 +36,13 @@ def open_regular(path: str | os.PathLike, what: str = "this file",
                  error: type[D3DError] = ModelFileError) -> BinaryIO:
     """``path`` opened for binary reading, or ``error`` naming it when it is not a regular file
     (a missing or unreadable path raises the usual ``OSError``)."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except OSError:  # a socket cannot be opened at all (ENXIO): say what it is
+        mode = os.stat(path).st_mode
+        if not stat.S_ISREG(mode):
+            raise error(_refusal(path, mode, what)) from None
+        raise
     try:
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):
