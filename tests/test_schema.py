@@ -255,3 +255,34 @@ def test_a_long_number_in_any_field_is_a_400_over_http(server):
     assert server.dec.prefills == prefills
     status, out = server.raw("POST", "/v1/completions", dict(BASE["completion"], max_tokens=10 ** 99))
     assert status == 400 and "must be <= " in out["error"]["message"]  # 100 characters: read, then range-checked
+
+
+def test_a_logit_bias_past_the_table_names_its_size_and_the_limit():
+    """Was: "'logit_bias' has None items" (pydantic leaves a mapping's length out).  vLLM takes any
+    number; this server's per-request bias table holds MAX_LOGIT_BIAS."""
+    for n in (S.MAX_LOGIT_BIAS + 1, 10_000):
+        with pytest.raises(P.ApiError) as e:
+            parse("completion", dict(BASE["completion"], logit_bias={str(i): 1.0 for i in range(n)}))
+        assert e.value.param == "logit_bias" and str(e.value) == (
+            f"'logit_bias' has {n} entries; this server accepts at most {S.MAX_LOGIT_BIAS}"), str(e.value)
+    with pytest.raises(P.ApiError, match=rf"'stop' has {S.MAX_STOP + 1} items; this server accepts at most"):
+        parse("completion", dict(BASE["completion"], stop=["x"] * (S.MAX_STOP + 1)))
+    parse("completion", dict(BASE["completion"], logit_bias={str(i): 1.0 for i in range(S.MAX_LOGIT_BIAS)}))
+
+
+def test_a_compressed_body_is_a_415_whatever_it_holds(server):
+    """Was: a gzip body got a JSON error and a plain body labelled gzip a 200.  As vLLM: any
+    Content-Encoding but identity is 415, before the body is read."""
+    import gzip
+    import json
+
+    plain = json.dumps(BASE["completion"]).encode()
+    prefills = server.dec.prefills
+    for path in ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"):
+        for encoding, data in (("gzip", gzip.compress(plain)), ("gzip", plain), ("deflate", plain), ("br", plain),
+                               ("GZIP", plain), ("identity, gzip", plain)):
+            status, out = server.raw("POST", path, data, headers={"Content-Encoding": encoding})
+            assert status == 415 and "Content-Encoding" in out["error"]["message"], (path, encoding, status, out)
+    assert server.dec.prefills == prefills
+    for encoding in ("identity", "Identity"):
+        assert server.raw("POST", "/v1/completions", plain, headers={"Content-Encoding": encoding})[0] == 200

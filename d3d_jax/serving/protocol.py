@@ -253,8 +253,10 @@ def _message(x: dict, kind: str | None) -> str:
     if kind_of in ("too_short", "string_too_short"):
         least = ctx.get("min_length", 1)
         return f"{where} must be non-empty" if least == 1 else f"{where} must have at least {least} items"
-    if kind_of in ("too_long", "string_too_long"):
-        return f"{where} has {ctx.get('actual_length', 'too many')} items; at most {ctx.get('max_length')}"
+    if kind_of in ("too_long", "string_too_long"):  # pydantic leaves a mapping's length out
+        n = ctx.get("actual_length") or (len(value) if hasattr(value, "__len__") else "too many")
+        items = "entries" if isinstance(value, dict) else "characters" if isinstance(value, str) else "items"
+        return f"{where} has {n} {items}; this server accepts at most {ctx.get('max_length')}"
     if kind_of == "finite_number":
         return f"{where} must be finite, got {_short(value)}"
     if kind_of == "literal_error":
