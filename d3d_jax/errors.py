@@ -28,6 +28,17 @@ class UsageError(D3DError, ValueError):
     exit_code = 2
 
 
+class ConfigError(UsageError):
+    """A configuration value or combination is invalid; the message names the key (and is cut
+    short: a value quoted in it may be megabytes long)."""
+
+    def __init__(self, message: str = ""):
+        message = str(message)
+        if len(message) > 640:  # the head names the key, the tail says what to do: keep both
+            message = f"{message[:380]} ... ({len(message)} characters) ... {message[-200:]}"
+        super().__init__(message)
+
+
 class DataError(D3DError, ValueError):
     """Training / regeneration input that cannot be used (too many bad records, none usable)."""
 

@@ -196,12 +196,12 @@ def eos_ids(g, target_cfg, tokenizer) -> list[int]:
 
 
 def parse_option(text: str):
-    import yaml
+    from d3d_jax.config.base import parse_scalar
 
     if "=" not in text:
         raise UsageError(f"--option expects KEY=VALUE, got {text!r}")
     key, value = text.split("=", 1)
-    return key.strip(), yaml.safe_load(value)
+    return key.strip(), parse_scalar(value, f"--option {key.strip()[:100]}")
 
 
 def load_drafter(cfg, load_model):

@@ -9,6 +9,7 @@ import pytest
 from flax import nnx
 
 from d3d_jax.config import ConfigError, MeshConfig, ModelConfig
+from d3d_jax.errors import ModelFileError
 from d3d_jax.io.checkpoint import PARAMS_CONFIG_FILE, load_model, save_params
 from d3d_jax.io.hf import save_qwen3
 from d3d_jax.model.qwen3 import init_model
@@ -107,3 +108,42 @@ def test_damaged_param_checkpoint_fails_with_one_clear_error(tmp_path):
     loaded = load_model(tmp_path / "ckpt")  # repaired: loads again, equal to the saved model
     for a, b in zip(params_of(model), params_of(loaded)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def _unchecked_export(model, directory, monkeypatch):
+    """An export as another tool might write it: no finiteness check on the way out."""
+    from d3d_jax.io import weight_checks
+
+    with monkeypatch.context() as m:
+        m.setattr(weight_checks, "check_finite_params", lambda *a: None)
+        save_params(model, directory)
+
+
+def test_a_non_finite_weight_in_a_param_checkpoint_is_refused_by_name(tmp_path, monkeypatch):
+    model = init_model(CFG, seed=1)
+    w = model.layers.self_attn.q_norm.scale
+    w[...] = w[...].at[1, 2].set(jnp.nan)
+    _unchecked_export(model, tmp_path / "ckpt", monkeypatch)
+    for stacked in (True, False):
+        with pytest.raises(ModelFileError) as e:
+            load_model(tmp_path / "ckpt", stacked=stacked)
+        assert str(e.value).startswith(f"{(tmp_path / 'ckpt').resolve() / 'params'}: tensor "
+                                       "layers.1.self_attn.q_norm.scale has 1 NaN/inf values of 8"), str(e.value)
+
+
+@pytest.mark.parametrize("change", ["dtype", "shape"])
+def test_a_param_checkpoint_of_the_wrong_dtype_or_shape_is_refused_before_restoring(tmp_path, monkeypatch, change):
+    """Orbax casts a stored int32 array to the float target, and restores into another shape."""
+    model = init_model(CFG, seed=1)
+    if change == "dtype":
+        bad = jnp.round(model.norm.scale[...] * 1000).astype(jnp.int32)
+    else:
+        bad = jnp.ones((CFG.hidden_size + 4,), jnp.float32)
+    model.norm.scale = nnx.Param(bad)
+    _unchecked_export(model, tmp_path / "ckpt", monkeypatch)
+    where = f"{(tmp_path / 'ckpt').resolve() / 'params'}: tensor norm.scale"
+    expected = "is stored as int32, not a floating-point type" if change == "dtype" else \
+        f"has shape ({CFG.hidden_size + 4},), but the checkpoint's config implies ({CFG.hidden_size},)"
+    with pytest.raises(ModelFileError) as e:
+        load_model(tmp_path / "ckpt")
+    assert str(e.value) == f"{where} {expected}" or str(e.value).startswith(f"{where} {expected}"), str(e.value)

@@ -324,3 +324,44 @@ def test_other_tokenizer_directories_still_go_through_autotokenizer(tmp_path):
     (tmp_path / "remote/tokenizer_config.json").write_text(json.dumps({**cfg, "auto_map": {"AutoTokenizer": ["x.Y", None]}}))
     (tmp_path / "badconfig/config.json").write_text("{")
     assert all(_tokenizer_loader(tmp_path / n) is AutoTokenizer for n in ("qwen2", "plain", "remote", "badconfig"))
+
+
+# ---- weights checked as they load -------------------------------------------------------------
+def _rewrite(path, change):
+    """The safetensors file at ``path`` with ``change(header, data)`` applied to its header and bytes."""
+    header, start = st.read_header(path)
+    data = bytearray(path.read_bytes()[start:])
+    change(header, data)
+    blob = json.dumps(header).encode()
+    path.write_bytes(len(blob).to_bytes(8, "little") + blob + bytes(data))
+
+
+@pytest.mark.parametrize("stacked", [True, False], ids=["stacked", "per-layer"])
+@pytest.mark.parametrize("name,value", [("model.norm.weight", np.nan),
+                                        ("model.layers.1.self_attn.k_norm.weight", np.inf),
+                                        ("model.layers.0.mlp.down_proj.weight", -np.inf)])
+def test_a_non_finite_weight_is_refused_naming_file_and_tensor(good_dir, stacked, name, value):
+    """Was: a NaN in one element of a norm weight loaded and decoded to token 0, exit 0."""
+    path = good_dir / "model.safetensors"
+
+    def poison(header, data):
+        begin = header[name]["data_offsets"][0] + 4 * 3  # float32: the fourth element
+        data[begin:begin + 4] = np.float32(value).tobytes()
+
+    _rewrite(path, poison)
+    with pytest.raises(ModelFileError) as e:
+        load_qwen3(good_dir, stacked=stacked)
+    assert str(e.value).startswith(f"{path}: tensor {name} has 1 NaN/inf values of ") and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("stored,label", [("bfloat16", "I16"), ("float16", "I16"), ("float32", "I32")])
+def test_a_float_tensor_relabelled_as_integers_is_refused_not_cast(tmp_path, stored, label):
+    """Was: bf16 bytes relabelled I16 (same byte count, so the header's sizes agree) loaded as
+    integers cast to float (mean |w| 16,384 against 0.03), exit 0."""
+    save_qwen3(init_model(TIED, seed=0), tmp_path / "m", dtype=stored)
+    path, name = tmp_path / "m" / "model.safetensors", "model.layers.1.mlp.up_proj.weight"
+    _rewrite(path, lambda header, data: header[name].update(dtype=label))
+    with pytest.raises(ModelFileError) as e:
+        load_qwen3(tmp_path / "m")
+    assert str(e.value).startswith(f"{path}: tensor {name} is stored as int{8 * st._DTYPES[label].itemsize}, "
+                                   "not a floating-point type"), str(e.value)

@@ -147,3 +147,49 @@ def test_a_malformed_config_json_is_one_clear_error(tmp_path, text, words):
     (tmp_path / "config.json").write_text(text)
     with pytest.raises(ConfigError, match=words):  # was: AttributeError / JSONDecodeError tracebacks
         load_model_config(tmp_path)
+
+
+LONG_INT = "9" * 5000  # Python refuses to convert past 4,300 digits, slowly before that
+LONG_FLOAT = "1" + "0" * 400 + ".5"
+
+
+@pytest.mark.parametrize("number", [LONG_INT, "-" + LONG_INT, LONG_FLOAT, "0x" + "f" * 200, "1" + "0" * 100])
+def test_a_long_number_in_a_yaml_file_or_an_override_names_its_key(tmp_path, number):
+    """Was: PyYAML's int() raised a bare ValueError traceback past 4,300 digits."""
+    path = tmp_path / "run.yaml"
+    path.write_text(f"train:\n  steps: {number}\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(TrainRunConfig, [path])
+    assert str(e.value).startswith(f"{path}: train.steps: a number of {len(number):,} characters; numbers are "
+                                   "read up to 100")
+    for override, key in ((f"train.steps={number}", "train.steps"), (f"train.steps=[1, {number}]", "train.steps[1]")):
+        with pytest.raises(ConfigError) as e:
+            load_config(TrainRunConfig, [], [override])
+        assert str(e.value).startswith(f"{key}: a number of {len(number):,} characters"), str(e.value)
+
+
+def test_a_hundred_character_number_is_still_read_and_range_checked():
+    with pytest.raises(ConfigError, match="train.steps: must be <= "):
+        load_config(TrainRunConfig, [], ["train.steps=" + "9" * 100])
+
+
+def test_a_long_number_in_config_json_names_the_file_and_key(tmp_path):
+    from d3d_jax.config.model import load_model_config
+    from d3d_jax.io.hf import load_config as load_hf_config
+
+    (tmp_path / "config.json").write_text('{"model_type": "qwen3", "rope_scaling": {"factor": ' + LONG_INT + "}}")
+    for load in (load_model_config, load_hf_config):
+        with pytest.raises(ConfigError) as e:
+            load(tmp_path)
+        assert str(e.value) == (f"{tmp_path / 'config.json'}: rope_scaling.factor: a number of 5,000 characters; "
+                                "numbers are read up to 100 characters")
+
+
+def test_a_long_number_in_a_safetensors_header_is_refused_by_name(tmp_path):
+    from d3d_jax.errors import ModelFileError
+    from d3d_jax.io.safetensors_io import SafetensorsFile
+
+    blob = ('{"w": {"dtype": "F32", "shape": [' + LONG_INT + '], "data_offsets": [0, 4]}}').encode()
+    (tmp_path / "x.safetensors").write_bytes(len(blob).to_bytes(8, "little") + blob + bytes(4))
+    with pytest.raises(ModelFileError, match=r"x.safetensors: tensor w: shape \[a number of 5000 characters\]"):
+        SafetensorsFile(tmp_path / "x.safetensors")

@@ -38,10 +38,16 @@ BAD_LINES = [
     (json.dumps({**GOOD, "response_token_ids": [8.0]}).encode(), "bad_token_ids", "is 8.0, not an integer"),
     (json.dumps({**GOOD, "prompt_token_ids": [-1]}).encode(), "bad_token_ids", "= -1 is outside"),
     (b'{"prompt_token_ids": [1], "response_token_ids": [' + b"9" * 5000 + b"]}", "broken_lines",
-     "not valid JSON"),
+     "'response_token_ids[0]' is a number of 5,000 characters; numbers are read up to 100"),
     (json.dumps([GOOD]).encode(), "broken_lines", "a record must be a JSON object, got list"),
     (json.dumps({"prompt_token_ids": [5]}).encode(), "missing_fields", "no 'response_token_ids'"),
 ]
+
+
+def test_a_long_number_anywhere_in_a_record_is_refused_by_its_key_unconverted():
+    raw = b'{"prompt_token_ids": [1], "response_token_ids": [2], "meta": {"score": 1' + b"0" * 300 + b'.5}}'
+    with pytest.raises(RecordError, match=r"^'meta.score' is a number of 303 characters"):
+        records.decode_line(raw)
 
 
 @pytest.mark.parametrize("raw,kind,reason", BAD_LINES)

@@ -210,3 +210,79 @@ def test_a_broken_chat_template_is_the_servers_error_a_refusing_one_the_requests
     monkeypatch.setattr(server.svc, "chat_encode", broken)
     status, out = server.raw("POST", "/v1/chat/completions", chat)  # was: a 400 blaming 'messages'
     assert status == 500 and out["error"]["type"] == "server_error" and out["error"]["param"] is None, out
+
+
+# ---- numbers bounded before they are parsed -----------------------------------------------------
+LONG = "9" * 5000  # past Python's 4,300-digit conversion limit: a 500 before
+# where a number can sit in each route's body: (field, JSON with the number as N)
+NUMBER_PLACES = {
+    "completion": [(f, '"%s": N' % f) for f in sorted(f for f, k in ACCEPTS["completion"].items()
+                                                          if k != REFUSED and k & {"int", "float"})]
+    + [("prompt", '"prompt": [1, N]'), ("prompt", '"prompt": [[N]]'), ("logit_bias", '"logit_bias": {"5": N}'),
+       ("stop_token_ids", '"stop_token_ids": [N]'), ("best_of", '"best_of": N'), ("suffix", '"suffix": N')],
+    "chat": [(f, '"%s": N' % f) for f in ("max_tokens", "max_completion_tokens", "top_logprobs", "seed")]
+    + [("messages", '"messages": [{"role": "user", "content": "hi", "name": N}]'), ("metadata", '"metadata": {"a": N}')],
+    "detokenize": [("tokens", '"tokens": [1, N]')],
+    "tokenize": [("prompt", '"prompt": N'), ("add_special_tokens", '"add_special_tokens": N')],
+}
+PATHS = {"completion": "/v1/completions", "chat": "/v1/chat/completions", "tokenize": "/tokenize",
+         "detokenize": "/detokenize"}
+
+
+def long_number_bodies():
+    """(route, field, raw body) with a 5,000-digit integer, a negative one or a 402-character float;
+    the number is found before the body is validated, so nothing else in it matters."""
+    for kind, places in NUMBER_PLACES.items():
+        for field, text in places:
+            for number in (LONG, "-" + LONG, "1" + "0" * 400 + ".5"):
+                yield kind, field, ('{"model": "toy", ' + text.replace("N", number) + "}").encode()
+
+
+def test_a_long_number_in_any_field_is_a_400_naming_it_in_the_parser():
+    for kind, field, raw in long_number_bodies():
+        with pytest.raises(P.ApiError) as e:
+            P.parse_json(raw)
+        assert e.value.status == 400 and e.value.param == field, (kind, raw[:80], e.value)
+        assert "characters; numbers are read up to 100" in str(e.value), str(e.value)
+
+
+def test_a_long_number_in_any_field_is_a_400_over_http(server):
+    """Was: HTTP 500 with a traceback ("Exceeds the limit (4300 digits) for integer string conversion")."""
+    prefills = server.dec.prefills
+    for kind, field, raw in long_number_bodies():
+        status, out = server.raw("POST", PATHS[kind], raw)
+        assert status == 400 and out["error"]["param"] == field, (kind, raw[:80], status, out)
+    assert server.dec.prefills == prefills
+    status, out = server.raw("POST", "/v1/completions", dict(BASE["completion"], max_tokens=10 ** 99))
+    assert status == 400 and "must be <= " in out["error"]["message"]  # 100 characters: read, then range-checked
+
+
+def test_a_logit_bias_past_the_table_names_its_size_and_the_limit():
+    """Was: "'logit_bias' has None items" (pydantic leaves a mapping's length out).  vLLM takes any
+    number; this server's per-request bias table holds MAX_LOGIT_BIAS."""
+    for n in (S.MAX_LOGIT_BIAS + 1, 10_000):
+        with pytest.raises(P.ApiError) as e:
+            parse("completion", dict(BASE["completion"], logit_bias={str(i): 1.0 for i in range(n)}))
+        assert e.value.param == "logit_bias" and str(e.value) == (
+            f"'logit_bias' has {n} entries; this server accepts at most {S.MAX_LOGIT_BIAS}"), str(e.value)
+    with pytest.raises(P.ApiError, match=rf"'stop' has {S.MAX_STOP + 1} items; this server accepts at most"):
+        parse("completion", dict(BASE["completion"], stop=["x"] * (S.MAX_STOP + 1)))
+    parse("completion", dict(BASE["completion"], logit_bias={str(i): 1.0 for i in range(S.MAX_LOGIT_BIAS)}))
+
+
+def test_a_compressed_body_is_a_415_whatever_it_holds(server):
+    """Was: a gzip body got a JSON error and a plain body labelled gzip a 200.  As vLLM: any
+    Content-Encoding but identity is 415, before the body is read."""
+    import gzip
+    import json
+
+    plain = json.dumps(BASE["completion"]).encode()
+    prefills = server.dec.prefills
+    for path in ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"):
+        for encoding, data in (("gzip", gzip.compress(plain)), ("gzip", plain), ("deflate", plain), ("br", plain),
+                               ("GZIP", plain), ("identity, gzip", plain)):
+            status, out = server.raw("POST", path, data, headers={"Content-Encoding": encoding})
+            assert status == 415 and "Content-Encoding" in out["error"]["message"], (path, encoding, status, out)
+    assert server.dec.prefills == prefills
+    for encoding in ("identity", "Identity"):
+        assert server.raw("POST", "/v1/completions", plain, headers={"Content-Encoding": encoding})[0] == 200

@@ -12,22 +12,12 @@ from typing import Any, Mapping, Sequence
 
 import yaml
 
-from d3d_jax.errors import UsageError
+from d3d_jax.config.limits import MAX_NUMBER_CHARS, LongNumber, dotted, long_number
+from d3d_jax.errors import ConfigError  # noqa: F401 - defined there, re-exported here
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent.parent / "configs"
 
 DTYPES = ("float32", "bfloat16", "float16")
-
-
-class ConfigError(UsageError):
-    """A configuration value or combination is invalid; the message names the key (and is cut
-    short: a value quoted in it may be megabytes long)."""
-
-    def __init__(self, message: str = ""):
-        message = str(message)
-        if len(message) > 640:  # the head names the key, the tail says what to do: keep both
-            message = f"{message[:380]} ... ({len(message)} characters) ... {message[-200:]}"
-        super().__init__(message)
 
 
 _MISSING = object()
@@ -299,12 +289,6 @@ def build_dataclass(cls: type, data: Mapping[str, Any], prefix: str = "") -> Any
     return obj
 
 
-def _parse_scalar(text: str) -> Any:
-    """Parse the right-hand side of ``key=value`` with YAML rules (numbers, bools, lists)."""
-    try:
-        return yaml.safe_load(text)
-    except yaml.YAMLError:
-        return text
 
 
 def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
@@ -332,7 +316,38 @@ MAX_YAML_BYTES = 16 << 20  # a config file; the repository's largest is a few KB
 MAX_INCLUDE_DEPTH = 16
 
 
-class _UniqueKeyLoader(yaml.SafeLoader):
+class _BoundedLoader(yaml.SafeLoader):
+    """PyYAML's safe loader whose numbers longer than ``MAX_NUMBER_CHARS`` are never converted
+    (:class:`~d3d_jax.config.limits.LongNumber`; :func:`_check_numbers` names their key)."""
+
+
+for _tag, _convert_number in (("int", yaml.SafeLoader.construct_yaml_int),
+                              ("float", yaml.SafeLoader.construct_yaml_float)):
+    def _bounded(loader, node, _convert=_convert_number):
+        return LongNumber(node.value) if len(node.value) > MAX_NUMBER_CHARS else _convert(loader, node)
+    _BoundedLoader.add_constructor(f"tag:yaml.org,2002:{_tag}", _bounded)
+
+
+def _check_numbers(data: Any, file: str = "", key: str = "") -> None:
+    """A :class:`ConfigError` naming the key of the first number too long to convert."""
+    found = long_number(data)
+    if found is not None:
+        name = dotted(((key,) if key else ()) + found[0]) or "the value"
+        raise ConfigError(f"{file + ': ' if file else ''}{name}: {found[1].problem()}")
+
+
+def parse_scalar(text: str, key: str) -> Any:
+    """Parse the right-hand side of ``key=value`` with YAML rules (numbers, bools, lists), its
+    numbers bounded before they are converted (``ConfigError`` naming ``key`` otherwise)."""
+    try:
+        value = yaml.load(text, Loader=_BoundedLoader)
+    except yaml.YAMLError:
+        return text
+    _check_numbers(value, key=key)
+    return value
+
+
+class _UniqueKeyLoader(_BoundedLoader):
     """PyYAML's safe loader, refusing a key given twice in one mapping (a section written twice
     kept only its last copy, silently)."""
 
@@ -399,20 +414,23 @@ def read_yaml(path: str | os.PathLike, _chain: tuple = ()) -> dict:
         raise ConfigError(f"{path}: includes nest deeper than {MAX_INCLUDE_DEPTH} files")
     if path.is_file() and path.stat().st_size > MAX_YAML_BYTES:
         raise ConfigError(f"{path}: {path.stat().st_size:,} bytes; a config file is at most {MAX_YAML_BYTES:,}")
-    try:
-        with open(path, encoding="utf-8") as f:
+    from d3d_jax.io.files import open_regular  # io/ stands on config/: imported here, not at the top
+
+    with open_regular(path, "a config file", ConfigError) as f:
+        try:
             data = yaml.load(f, Loader=_UniqueKeyLoader) or {}
-    except ConfigError as e:
-        raise ConfigError(f"{path}: {e}") from None
-    except RecursionError:
-        raise ConfigError(f"{path}: nested too deeply") from None
-    except (yaml.YAMLError, UnicodeDecodeError) as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f" at line {mark.line + 1}" if mark is not None else ""
-        raise ConfigError(f"{path}: not valid YAML{where} ({getattr(e, 'problem', None) or e})") from None
+        except ConfigError as e:
+            raise ConfigError(f"{path}: {e}") from None
+        except RecursionError:
+            raise ConfigError(f"{path}: nested too deeply") from None
+        except (yaml.YAMLError, UnicodeDecodeError) as e:
+            mark = getattr(e, "problem_mark", None)
+            where = f" at line {mark.line + 1}" if mark is not None else ""
+            raise ConfigError(f"{path}: not valid YAML{where} ({getattr(e, 'problem', None) or e})") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: top level must be a mapping")
     _check_size(data, str(path))
+    _check_numbers(data, file=str(path))
     includes = data.pop("include", []) or []
     if isinstance(includes, str):
         includes = [includes]
@@ -433,7 +451,7 @@ def parse_overrides(overrides: Sequence[str]) -> dict:
         if "=" not in item:
             raise ConfigError(f"{item}: overrides must look like key=value")
         k, v = item.split("=", 1)
-        value = _parse_scalar(v)
+        value = parse_scalar(v, k.strip()[:100])
         _check_size(value, k.strip()[:100])
         _set_dotted(tree, k.strip(), value)
     return tree

@@ -10,21 +10,84 @@ Why each bound is where it is:
   Qwen3 context (128k with YaRN), so a typo is refused instead of allocating terabytes.
 * ``MAX_SLOTS`` — rows decoded together.
 * ``INT32_MAX`` — seeds, indices and top-k travel to the device as int32.
+* ``MAX_NUMBER_CHARS`` — a number written in JSON (request bodies, ``config.json``, records) or
+  YAML (configs, ``key=value``) is read only up to this many characters (sign, digits, point,
+  exponent); a longer one is never converted.  Python converts an integer string in time
+  quadratic in its length and refuses past 4,300 digits with a ``ValueError`` that used to end
+  as an HTTP 500.  100 characters hold any 64-bit integer and any float's shortest form with
+  room to spare; the magnitude that follows (|n| < 10^100, floats past 1.8e308 become inf, which
+  every number field refuses as not finite) is then checked by each field's own range.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import numbers
 from typing import Any
 
-from d3d_jax.config.base import ConfigError
+from d3d_jax.errors import ConfigError
 
 INT32_MAX = 2 ** 31 - 1
 MAX_BLOCK_SIZE = 256
 MAX_CACHE_LEN = 1 << 20
 MAX_SLOTS = 1 << 16  # decoder rows; statistical tests decode 20000 rows of one prompt at once
 PORTS = (0, 65535)
+MAX_NUMBER_CHARS = 100
+
+
+class LongNumber:
+    """A number literal longer than ``MAX_NUMBER_CHARS``, left unconverted where a parser met it,
+    so the reader that finds it (:func:`long_number`) can name the field it sits in."""
+
+    __slots__ = ("length",)
+
+    def __init__(self, text: str):
+        self.length = len(text)
+
+    def __repr__(self) -> str:
+        return f"a number of {self.length} characters"
+
+    def problem(self) -> str:
+        return f"a number of {self.length:,} characters; numbers are read up to {MAX_NUMBER_CHARS} characters"
+
+
+def bounded_number(convert):
+    """``convert`` (``int`` or ``float``) for literals up to ``MAX_NUMBER_CHARS``; a
+    :class:`LongNumber` for longer ones."""
+    return lambda text: LongNumber(text) if len(text) > MAX_NUMBER_CHARS else convert(text)
+
+
+_PARSE_INT, _PARSE_FLOAT = bounded_number(int), bounded_number(float)
+
+
+def json_loads(raw: str | bytes) -> Any:
+    """``json.loads`` whose numbers are bounded before they are converted (:class:`LongNumber`
+    stands for a longer one: check the result with :func:`long_number`)."""
+    return json.loads(raw, parse_int=_PARSE_INT, parse_float=_PARSE_FLOAT)
+
+
+def long_number(tree: Any) -> tuple[tuple, LongNumber] | None:
+    """``(path, number)`` of the first :class:`LongNumber` in a parsed tree (walked without
+    recursion: a tree may be deep), or None."""
+    stack = [((), tree)]
+    while stack:
+        path, v = stack.pop()
+        if isinstance(v, LongNumber):
+            return path, v
+        if isinstance(v, dict):
+            stack.extend((path + (k,), x) for k, x in reversed(list(v.items())))
+        elif isinstance(v, list):
+            stack.extend((path + (i,), x) for i, x in reversed(list(enumerate(v))))
+    return None
+
+
+def dotted(path: tuple) -> str:
+    """``a.b[3]`` from a path of keys and indices."""
+    out = ""
+    for p in path:
+        out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else str(p))
+    return out
 
 
 def require_int(value: Any, key: str, lo: int, hi: int, why: str = "") -> int:

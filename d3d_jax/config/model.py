@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -273,11 +272,9 @@ def load_model_config(path_or_name: str | os.PathLike, overrides: Sequence[str] 
         if not p.exists():
             raise ConfigError(f"{path_or_name}: no config.json in this directory")
     if p.suffix == ".json":
-        try:
-            with open(p, "rb") as f:
-                hf = json.loads(f.read().decode("utf-8"))
-        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
-            raise ConfigError(f"{p}: not valid JSON ({str(e)[:200]})") from None
+        from d3d_jax.io.files import read_json  # io/ stands on config/: imported here, not at the top
+
+        hf = read_json(p, "a model config", ConfigError)
         if not isinstance(hf, dict):  # was: AttributeError on a list
             raise ConfigError(f"{p}: top level must be an object")
         cfg = ModelConfig.from_hf_dict(hf)

@@ -26,6 +26,8 @@ from flax import nnx
 from jax.sharding import Mesh, SingleDeviceSharding
 
 from d3d_jax.config import DTYPES, ConfigError, ModelConfig, build_dataclass
+from d3d_jax.io.files import read_json
+from d3d_jax.io.weight_checks import check_loaded_finite, check_stored_leaves, dotted_name
 from d3d_jax.io.manifest import MANIFEST_FILE, CheckpointError, verify_manifest, write_manifest
 from d3d_jax.model.qwen3 import Qwen3, abstract_model
 from d3d_jax.parallel.sharding import logical_axes, tree_shardings
@@ -56,7 +58,7 @@ def save_params(model: Qwen3, directory: str | os.PathLike) -> Path:
     import orbax.checkpoint as ocp
 
     from d3d_jax.io.atomic import staged_directory
-    from d3d_jax.io.hf import check_finite_params
+    from d3d_jax.io.weight_checks import check_finite_params
 
     check_finite_params(model, directory)
     primary = jax.process_index() == 0
@@ -83,11 +85,7 @@ def _sync(name: str) -> None:
 
 def read_params_config(directory: str | os.PathLike) -> ModelConfig:
     path = Path(directory) / PARAMS_CONFIG_FILE
-    try:
-        with open(path, "rb") as f:
-            data = json.loads(f.read().decode("utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
-        raise ConfigError(f"{path}: not valid JSON ({e})") from None
+    data = read_json(path, PARAMS_CONFIG_FILE, ConfigError)
     if not isinstance(data, dict) or data.get("format") != _FORMAT or not isinstance(data.get("model"), dict):
         raise ConfigError(f"{path}: not a d3d_jax parameter checkpoint")
     try:
@@ -105,6 +103,19 @@ def stored_model_config(path: str | os.PathLike) -> ModelConfig:
     from d3d_jax.io.hf import load_config
 
     return load_config(path)
+
+
+def _leaves(tree: Any) -> list[tuple[tuple, Any]]:
+    return [(tuple(str(getattr(k, "key", getattr(k, "idx", k))) for k in p), x)
+            for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]]
+
+
+def _check_stored(ckptr: Any, params_dir: Path, abstract: Any) -> None:
+    """Every stored array's shape and dtype against the config, from Orbax's metadata (nothing
+    read yet): Orbax would otherwise cast integers to floats and pad or cut a mis-shaped array."""
+    meta = ckptr.metadata(params_dir)
+    stored = [(p, tuple(m.shape), m.dtype) for p, m in _leaves(getattr(meta, "item_metadata", meta))]
+    check_stored_leaves(stored, {p: tuple(x.shape) for p, x in _leaves(abstract)}, str(params_dir))
 
 
 def is_params_checkpoint(path: str | os.PathLike) -> bool:
@@ -148,8 +159,11 @@ def load_model(path: str | os.PathLike, mesh: Mesh | None = None, dtype: str | N
                  else jax.tree.map(lambda _: device, abstract))
     abstract_target = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                                    abstract, shardings)
-    restored = ocp.StandardCheckpointer().restore(path.resolve() / PARAMS_DIR, _str_keys(abstract_target))
+    params_dir = path.resolve() / PARAMS_DIR
+    _check_stored(ocp.StandardCheckpointer(), params_dir, abstract)
+    restored = ocp.StandardCheckpointer().restore(params_dir, _str_keys(abstract_target))
     pure = _int_keys_like(restored, abstract)
+    check_loaded_finite(pure, lambda leaf, layer: f"{params_dir}: tensor {dotted_name(leaf, layer)}")
     changes = dict(config_overrides)
     if dtype is not None:
         pure = jax.tree_util.tree_map(lambda x: x.astype(jnp.dtype(dtype)), pure)

@@ -31,8 +31,10 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from d3d_jax.config import DTYPES, ConfigError, ModelConfig
-from d3d_jax.errors import ModelFileError, NonFiniteError
+from d3d_jax.errors import ModelFileError
 from d3d_jax.io import safetensors_io as st
+from d3d_jax.io.files import check_regular, read_json
+from d3d_jax.io.weight_checks import check_finite_params, check_loaded_finite, require_float
 from d3d_jax.model.qwen3 import Qwen3, abstract_model
 from d3d_jax.parallel.sharding import logical_axes, tree_shardings
 
@@ -115,11 +117,7 @@ def read_hf_config(path: str | os.PathLike) -> dict:
     cfg_file = path / "config.json"
     if not cfg_file.exists():
         raise ConfigError(f"{path}: no config.json in this directory")
-    try:
-        with open(cfg_file, "rb") as f:
-            hf = json.loads(f.read().decode("utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
-        raise ConfigError(f"{cfg_file}: not valid JSON ({e})") from None
+    hf = read_json(cfg_file, "config.json", ConfigError)
     if not isinstance(hf, dict):
         raise ConfigError(f"{cfg_file}: top level must be an object")
     return hf
@@ -203,6 +201,7 @@ def build_from_tensors(cfg: ModelConfig, tensors: Any, mesh: Mesh | None = None,
         if got != m.hf_shape:
             raise ModelFileError(f"{source}: tensor {m.hf_name} has shape {got}, but config.json implies "
                                  f"{m.hf_shape}")
+        require_float(tensors.get(m.hf_name).dtype, _where(tensors, m.hf_name, source))  # a view: reads nothing
     layers: dict[PurePath, list[np.ndarray]] = {}  # a stacked leaf's layers, placed once all are read
     for m in sorted(mappings, key=lambda m: stacked_path(m.ours)):
         arr = np.asarray(m.to_ours(tensors.get(m.hf_name))).astype(pdt)
@@ -215,8 +214,17 @@ def build_from_tensors(cfg: ModelConfig, tensors: Any, mesh: Mesh | None = None,
         expected = _get_path(pure, path)
         assert tuple(expected.shape) == arr.shape, (path, expected.shape, arr.shape)
         _set_path(pure, path, place(path, arr))
+    by_path = {stacked_path(m.ours): m.hf_name for m in mappings}
+    check_loaded_finite(pure, lambda path, layer: _where(
+        tensors, by_path[(path, layer) if layer is not None else stacked_path(path)], source))
     nnx.replace_by_pure_dict(state, pure)
     return nnx.merge(graphdef, state)
+
+
+def _where(tensors: Any, name: str, source: str) -> str:
+    """``FILE: tensor NAME``: the shard that holds it when ``tensors`` knows (a safetensors directory)."""
+    file_of = getattr(tensors, "file_of", None)
+    return f"{file_of(name) if file_of is not None else source}: tensor {name}"
 
 
 def stacked_path(ours: PurePath) -> tuple[PurePath, int]:
@@ -230,26 +238,6 @@ def stacked_path(ours: PurePath) -> tuple[PurePath, int]:
 # --------------------------------------------------------------------------------------
 # Export
 # --------------------------------------------------------------------------------------
-def check_finite_params(model: Qwen3, dest: str | os.PathLike) -> None:
-    """Refuse to export NaN / inf weights (:class:`NonFiniteError` naming the first bad tensor,
-    a stacked layer parameter by its layer: ``layers.1.mlp.up_proj.kernel``)."""
-    pure = nnx.to_pure_dict(nnx.state(model, nnx.Param))
-    leaves = jax.tree_util.tree_flatten_with_path(pure)[0]
-    names = [tuple(str(getattr(p, "key", getattr(p, "idx", p))) for p in path) for path, _ in leaves]
-    # per layer for the stacked leaves: [L] flags, else one flag
-    finite = jax.device_get([jnp.all(jnp.isfinite(x), axis=tuple(range(1, x.ndim))) if n[0] == "layers"
-                             else jnp.all(jnp.isfinite(x)) for n, (_, x) in zip(names, leaves)])
-    for name, (_, x), ok in zip(names, leaves, finite):
-        for layer, fine in enumerate(np.atleast_1d(ok)):
-            if fine:
-                continue
-            part = x[layer] if name[0] == "layers" else x
-            full = ".".join(name[:1] + ((str(layer),) if name[0] == "layers" else ()) + name[1:])
-            count = int(jnp.sum(~jnp.isfinite(part)))
-            raise NonFiniteError(f"{dest}: not exported: parameter {full} has {count} NaN/inf values "
-                                 f"of {part.size}")
-
-
 def hf_tensors(model: Qwen3, dtype: str | None = None) -> Iterator[tuple[str, np.ndarray]]:
     """``(HF name, host array)`` for every parameter, converted lazily one at a time."""
     cfg = model.config
@@ -328,6 +316,9 @@ def _write_hf_files(model: Qwen3, out: Path, dtype: str | None, extra_config: Ma
 # Tokenizer and the MASK token (spec §1)
 # --------------------------------------------------------------------------------------
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+# the other files transformers may read from a tokenizer directory
+_TOKENIZER_EXTRAS = ("special_tokens_map.json", "added_tokens.json", "merges.txt", "chat_template.jinja",
+                     "chat_template.json", "config.json", "generation_config.json")
 
 
 def has_tokenizer(path: str | os.PathLike) -> bool:
@@ -345,8 +336,8 @@ _BACKEND_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
 
 def _json_dict(path: Path) -> dict | None:
     try:
-        out = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):  # absent or unreadable: AutoTokenizer decides (and reports)
+        out = read_json(path)
+    except (OSError, ModelFileError):  # absent or unreadable: open_tokenizer and AutoTokenizer report it
         return None
     return out if isinstance(out, dict) else None
 
@@ -376,6 +367,9 @@ def open_tokenizer(path: str | os.PathLike, *, vocab_size: int | None = None, hi
         raise ModelFileError(f"{path}: not a tokenizer directory{hint}")
     if not has_tokenizer(path):
         raise ModelFileError(f"{path}: no tokenizer here (none of {', '.join(TOKENIZER_FILES)}){hint}")
+    for name in TOKENIZER_FILES + _TOKENIZER_EXTRAS:  # transformers opens these by name: never a FIFO
+        if (path / name).exists():
+            check_regular(path / name, "a tokenizer file")
     try:
         tok = _tokenizer_loader(path).from_pretrained(str(path), local_files_only=True)
     except Exception as e:  # tokenizers and transformers raise many types for a bad file

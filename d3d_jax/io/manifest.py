@@ -89,8 +89,8 @@ def verify_manifest(root: str | os.PathLike) -> tuple[dict | None, str | None]:
     files = body["files"]
     for rel, meta in files.items():
         p = root / rel
-        if not p.is_file():
-            return None, f"{rel} is missing"
+        if not p.is_file():  # a FIFO or device in its place would block the checksum's read
+            return None, f"{rel} is {'not a regular file' if p.exists() else 'missing'}"
         if p.stat().st_size != meta["size"]:
             return None, f"{rel} has {p.stat().st_size} bytes, expected {meta['size']}"
     rels = list(files)

@@ -29,7 +29,9 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
+from d3d_jax.config.limits import dotted, json_loads, long_number
 from d3d_jax.errors import DataError, RecordError, UsageError
+from d3d_jax.io.files import open_regular
 
 INT32_LIMIT = 2 ** 31  # ids travel as int32: without a known vocabulary this is the bound
 
@@ -45,11 +47,15 @@ def decode_line(raw: bytes) -> Any:
         raise RecordError(f"not valid JSON (byte 0x{raw[e.start]:02X} at column {e.start + 1} is not UTF-8)",
                           "broken_lines") from None
     try:
-        return json.loads(text.rstrip("\r\n"))
+        value = json_loads(text.rstrip("\r\n"))
     except json.JSONDecodeError as e:
         raise RecordError(f"not valid JSON ({e.msg} at column {e.colno})", "broken_lines") from None
-    except (ValueError, RecursionError) as e:  # a 5000-digit number, nesting too deep
+    except (ValueError, RecursionError) as e:  # nesting too deep
         raise RecordError(f"not valid JSON ({type(e).__name__}: {str(e)[:80]})", "broken_lines") from None
+    found = long_number(value)
+    if found is not None:  # never converted: Python refuses past 4,300 digits, slowly before that
+        raise RecordError(f"'{dotted(found[0])}' is {found[1].problem()}", "broken_lines")
+    return value
 
 
 UTF8_BOM = b"\xef\xbb\xbf"
@@ -64,7 +70,8 @@ def jsonl_lines(path: str | os.PathLike) -> Iterator[tuple[int, bytes]]:
     """``(1-based line number, raw bytes)`` of every non-blank line, streamed; a ``.gz`` file is
     read through gzip.  A UTF-8 byte-order mark at the start of the file (Windows editors write
     one) is not part of the first record."""
-    with (gzip.open if str(path).endswith(".gz") else open)(path, "rb") as f:
+    with open_regular(path, "a data file", DataError) as raw_file, (
+            gzip.open(raw_file, "rb") if str(path).endswith(".gz") else raw_file) as f:
         for line_no, raw in enumerate(f, 1):
             if line_no == 1 and raw.startswith(UTF8_BOM):
                 raw = raw[len(UTF8_BOM):]

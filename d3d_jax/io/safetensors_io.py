@@ -18,7 +18,9 @@ from typing import Iterable, Mapping
 import ml_dtypes
 import numpy as np
 
+from d3d_jax.config.limits import json_loads
 from d3d_jax.errors import ModelFileError, UsageError
+from d3d_jax.io.files import open_regular, read_json
 
 _DTYPES: dict[str, np.dtype] = {
     "F64": np.dtype(np.float64),
@@ -44,8 +46,8 @@ def read_header(path: str | os.PathLike) -> tuple[dict, int]:
     """``(header dict, byte offset where the tensor data starts)``, every entry checked against the
     file: its dtype, shape and byte range must be consistent and inside the file (a truncated
     download fails here, naming the file and the first tensor it cuts, before anything is read)."""
-    size = os.path.getsize(path)
-    with open(path, "rb") as f:
+    with open_regular(path, "a safetensors file") as f:
+        size = os.fstat(f.fileno()).st_size
         raw = f.read(8)
         if len(raw) != 8:
             raise ModelFileError(f"{path}: not a safetensors file (shorter than 8 bytes)")
@@ -54,9 +56,9 @@ def read_header(path: str | os.PathLike) -> tuple[dict, int]:
             raise ModelFileError(f"{path}: the header claims {n} bytes but the file has {size} in all: "
                                  "the file is truncated or not a safetensors file")
         try:
-            header = json.loads(f.read(n))
-        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
-            raise ModelFileError(f"{path}: not a safetensors file (header: {e})") from None
+            header = json_loads(f.read(n))
+        except (ValueError, RecursionError) as e:
+            raise ModelFileError(f"{path}: not a safetensors file (header: {str(e)[:200]})") from None
     if not isinstance(header, dict):
         raise ModelFileError(f"{path}: not a safetensors file (the header is not a JSON object)")
     data_size = size - 8 - n
@@ -123,11 +125,8 @@ class SafetensorsDir:
         directory = Path(directory)
         index = directory / INDEX_FILE
         if index.exists():
-            try:
-                with open(index, "rb") as f:
-                    weight_map = json.loads(f.read().decode("utf-8")).get("weight_map", {})
-            except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as e:
-                raise ModelFileError(f"{index}: not a safetensors index ({e})") from None
+            body = read_json(index, "a safetensors index")
+            weight_map = body.get("weight_map", {}) if isinstance(body, dict) else None
             if not (isinstance(weight_map, dict) and all(isinstance(v, str) for v in weight_map.values())):
                 raise ModelFileError(f"{index}: 'weight_map' must map tensor names to file names")
             files = sorted(set(weight_map.values()))
@@ -158,6 +157,9 @@ class SafetensorsDir:
 
     def get(self, name: str) -> np.ndarray:
         return self._where[name].get(name)
+
+    def file_of(self, name: str) -> Path:
+        return self._where[name].path
 
 
 def write_file(path: str | os.PathLike, tensors: Mapping[str, np.ndarray]) -> None:

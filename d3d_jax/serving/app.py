@@ -132,6 +132,10 @@ class ClientGone(Exception):
 
 
 async def read_json(request: Request, limit: int) -> dict:
+    encodings = [e.strip().lower() for h in request.headers.getlist("content-encoding") for e in h.split(",")]
+    if any(e not in ("", "identity") for e in encodings):  # as vLLM: a compressed body is not read as JSON
+        raise P.ApiError(f"Content-Encoding {', '.join(encodings)[:60]!r} is not supported; send the body "
+                         "uncompressed (identity)", status=415)
     length = request.headers.get("content-length", "")
     if length and not (length.isascii() and length.isdigit()):
         raise P.ApiError(f"Content-Length {length[:40]!r} is not a byte count")

@@ -4,7 +4,7 @@ The bodies are the pydantic models of :mod:`~d3d_jax.serving.schema` (each field
 and whether it is served, in one place).  Every problem becomes ONE :class:`ApiError` (HTTP 400
 with OpenAI's error JSON, naming the field): :func:`validation_error` turns pydantic's errors
 into it, so no failure ends as FastAPI's 422 or a 500.  The raw JSON is parsed here first, with
-its nesting bounded and lone surrogates refused, before any model sees it.
+its numbers' lengths and its nesting bounded and lone surrogates refused, before any model sees it.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import json
 
 from pydantic import ValidationError
 
+from d3d_jax.config.limits import LongNumber, json_loads
 from d3d_jax.serving import schema as S
 from d3d_jax.serving.schema import INT32, MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_N, MAX_STOP  # noqa: F401
 
@@ -93,8 +94,10 @@ class ParsedRequest:
 # The body: JSON, nesting, strings
 # --------------------------------------------------------------------------------------------
 def parse_json(raw: bytes) -> dict:
+    """The body's object; numbers are bounded before Python converts them (a longer one is a
+    400 naming its field, :data:`~d3d_jax.config.limits.MAX_NUMBER_CHARS`)."""
     try:
-        body = json.loads(raw)
+        body = json_loads(raw)
     except RecursionError:
         raise ApiError(f"request body is nested too deeply (at most {MAX_DEPTH} levels)") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -107,8 +110,8 @@ def parse_json(raw: bytes) -> dict:
 
 
 def _check_value(key: str, value) -> None:
-    """Nesting depth and lone UTF-16 surrogates (which no tokenizer or response can encode),
-    walked without recursion; the error names the top-level field."""
+    """Nesting depth, numbers too long to convert and lone UTF-16 surrogates (which no tokenizer
+    or response can encode), walked without recursion; the error names the top-level field."""
     if _bad_text(key):
         raise ApiError("a field name is not valid Unicode (a lone surrogate)", param=None)
     stack = [(value, 1)]
@@ -116,6 +119,8 @@ def _check_value(key: str, value) -> None:
         v, depth = stack.pop()
         if depth > MAX_DEPTH:
             raise ApiError(f"'{key}' is nested too deeply (at most {MAX_DEPTH} levels)", param=key)
+        if isinstance(v, LongNumber):
+            raise ApiError(f"'{key}' {'holds' if depth > 1 else 'is'} {v.problem()}", param=key)
         if isinstance(v, str) and _bad_text(v):
             raise ApiError(f"'{key}' holds a string that is not valid Unicode (a lone surrogate)",
                            param=key)
@@ -248,8 +253,10 @@ def _message(x: dict, kind: str | None) -> str:
     if kind_of in ("too_short", "string_too_short"):
         least = ctx.get("min_length", 1)
         return f"{where} must be non-empty" if least == 1 else f"{where} must have at least {least} items"
-    if kind_of in ("too_long", "string_too_long"):
-        return f"{where} has {ctx.get('actual_length', 'too many')} items; at most {ctx.get('max_length')}"
+    if kind_of in ("too_long", "string_too_long"):  # pydantic leaves a mapping's length out
+        n = ctx.get("actual_length") or (len(value) if hasattr(value, "__len__") else "too many")
+        items = "entries" if isinstance(value, dict) else "characters" if isinstance(value, str) else "items"
+        return f"{where} has {n} {items}; this server accepts at most {ctx.get('max_length')}"
     if kind_of == "finite_number":
         return f"{where} must be finite, got {_short(value)}"
     if kind_of == "literal_error":

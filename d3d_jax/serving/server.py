@@ -279,7 +279,13 @@ def _http_protocol():
 
     class JsonErrors(H11Protocol):
         """Also closes a connection that has not sent a whole request head within
-        ``HEADER_TIMEOUT_S`` (uvicorn has no such timeout: half-sent requests stayed open)."""
+        ``HEADER_TIMEOUT_S`` (uvicorn has no such timeout: half-sent requests stayed open).
+
+        A client that half-closes its socket (``shutdown(SHUT_WR)``) after a whole request gets
+        no answer, as from uvicorn itself, nginx (499) and Go's net/http: TCP delivers the same
+        FIN for a half-close and a close, so keeping the connection open for the response would
+        also keep every disconnected non-streaming request decoding to its last token, its slot
+        held, where today the FIN cancels it at once."""
 
         _head_timer = None
 

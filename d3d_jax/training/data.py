@@ -54,6 +54,7 @@ from d3d_jax.config import ConfigError, DataConfig
 from d3d_jax.errors import DataError, RecordError
 from d3d_jax.model.masks import CAUSAL, TokenMeta, packed_training_meta
 from d3d_jax.io import records
+from d3d_jax.io.files import read_bytes
 from d3d_jax.io.chat import render_prompt  # noqa: F401  (re-exported)
 
 log = logging.getLogger(__name__)
@@ -287,7 +288,7 @@ def load_lm_stream(path: str | Path, tokenizer: Any, eos_token_id: int | None, *
             raise DataError(f"{path}: a tokenizer is needed to read plain text (set data.tokenizer)")
         stats.lines = 1
         try:
-            text = path.read_bytes().decode("utf-8-sig")  # a BOM is no text
+            text = read_bytes(path, "a data file", DataError).decode("utf-8-sig")  # a BOM is no text
         except UnicodeDecodeError as e:
             raise DataError(f"{path}: not UTF-8 text (byte 0x{e.object[e.start]:02X} at offset {e.start})") from None
         docs.append(np.asarray(tokenizer(text, add_special_tokens=False)["input_ids"], np.int32))

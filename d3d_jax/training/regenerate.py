@@ -30,6 +30,7 @@ import numpy as np
 
 from d3d_jax.errors import DataError, ModelFileError, RecordError, UsageError
 from d3d_jax.io import records as rec_lib
+from d3d_jax.io.files import read_json
 from d3d_jax.io.chat import (  # noqa: F401  (re-exported: the regeneration API)
     MalformedPrompt, Prompt, content_id, read_prompts, render_prompt, user_side)
 from d3d_jax.training.regen_output import (  # noqa: F401  (re-exported: the regeneration API)
@@ -174,8 +175,8 @@ def stop_token_ids(target, tokenizer, target_path: str | os.PathLike | None = No
     if im_end is not None and im_end != tokenizer.unk_token_id:
         add(im_end)
     if target_path is not None and (Path(target_path) / "generation_config.json").exists():
-        with open(Path(target_path) / "generation_config.json") as f:
-            add(json.load(f).get("eos_token_id"))
+        gen = read_json(Path(target_path) / "generation_config.json", "generation_config.json")
+        add(gen.get("eos_token_id") if isinstance(gen, dict) else None)
     if not ids:
         raise ModelFileError("no end-of-turn token: the target config and tokenizer name no eos token")
     return tuple(ids)

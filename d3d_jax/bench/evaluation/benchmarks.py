@@ -24,6 +24,9 @@ from typing import Sequence
 
 import numpy as np
 
+from d3d_jax.errors import DataError
+from d3d_jax.io.files import open_regular
+
 BENCHMARKS = ("gsm8k", "math500", "aime25", "humaneval", "mbpp", "livecodebench", "mtbench",
               "shakespeare", "stdlib")
 MATH_SUFFIX = "\nPlease reason step by step, and put your final answer within \\boxed{}."
@@ -46,9 +49,9 @@ def read_records(path: str | Path) -> list[dict]:
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"benchmark file not found: {path}")
-    opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt", encoding="utf-8") as f:
-        text = f.read()
+    with open_regular(path, "a benchmark file", DataError) as f:
+        raw = f.read()
+    text = (gzip.decompress(raw) if path.suffix == ".gz" else raw).decode("utf-8")
     if text.lstrip().startswith("["):
         return json.loads(text)
     out = []
