@@ -344,8 +344,8 @@ def test_decoding_reads_unstacked_weights_in_place():
 
 def test_cached_step_writes_a_donated_cache_in_place():
     """A one-token step over a donated cache writes the new rows where the cache lies: the
-    compiled program (XLA:CPU) makes no copy of a whole cache array (it made two per K and V,
-    the largest cost of a CPU step with as many KV heads as heads)."""
+    compiled program (XLA:CPU) makes no copy of a whole cache array (it made two per K and V
+    and step)."""
     from d3d_jax.config import ModelConfig
     from d3d_jax.model.qwen3 import init_model, unstacked
 

@@ -42,7 +42,7 @@ _BIG_NEG = -1e30
 # calling a dot, on accelerators: a dot's batch dims must be major, so XLA would copy every
 # layer's cache span into [b, k, s, h] first (a whole-cache copy per decode step: 288 MB at
 # Qwen3-8B, cache 2048).  Below a tensor-core tile (16 rows) the products cost less than that copy.
-# On CPU the dot stays: XLA's CPU library fusion (YNNPACK) runs the multiply-and-sum 10-20x slower
+# On CPU the dot stays: XLA's CPU library fusion (YNNPACK) runs the multiply-and-sum 10-25x slower
 # whenever the cache operand needs no broadcast (one query row per kv head: no GQA, T = 1), which
 # made plain decoding 4.5x slower at 4 / 4 heads than at 4 / 2; its dot has no such cliff.
 _IN_PLACE_ROWS = 8

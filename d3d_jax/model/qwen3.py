@@ -350,7 +350,7 @@ def _after(keep_bt: jax.Array, x_btd: jax.Array) -> jax.Array:
     XLA writes a cache in place only once every read of the old cache is ordered before the
     write, and copy insertion sees order only in data dependencies (XLA:CPU drops an
     ``optimization_barrier`` before it): without this the write copied the whole cache twice
-    per K and V and step, the largest cost of a plain CPU step with as many KV heads as heads.
+    per K and V and step (on CPU, 40 % of a step at 8 / 8 heads and 672 slots).
     An argmax index is never negative, so the mask keeps its value.
     """
     return keep_bt & (jnp.argmax(x_btd, axis=-1) >= 0)
