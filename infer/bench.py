@@ -37,6 +37,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
             "every GPU measure on the present accelerator: roofline, sync/async, parts, drafter sizes"),
     "compile": ("d3d_jax.bench.compile",
                 "every hot program compiled for an H200 / TPU pod without one: memory, flops, bytes, PTX facts"),
+    "shapes": ("d3d_jax.bench.shapes",
+               "plain ms/token over a grid of small shapes against what their arithmetic predicts"),
     "programs": ("d3d_jax.bench.programs",
                  "every program a decoder compiles (CPU): trace / lower / compile seconds, HLO size, kernels"),
     "eval": ("d3d_jax.bench.evaluation.cli",

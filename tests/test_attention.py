@@ -224,6 +224,59 @@ def test_cache_layer_is_read_in_place_within_its_span():
     assert len(calls) == 1 and (2, 3, 56, KV_HEADS, HEAD_DIM) in [v.aval.shape for v in calls[0].invars]
 
 
+def _one_step_case(kv_heads: int, lengths=(9, 23, 0)):
+    """One decode token per row (a GQA or an equal-heads model) over a 32-slot cache span; the
+    last row is padding (its query fully masked)."""
+    rng = np.random.default_rng(4)
+    b, span = len(lengths), 32
+    q, k, v = (_normal(rng, (b, 1, n, HEAD_DIM), jnp.float32) for n in (N_HEADS, kv_heads, kv_heads))
+    ck, cv = (_normal(rng, (b, span, kv_heads, HEAD_DIM), jnp.float32) for _ in range(2))
+    pos = jnp.asarray(lengths, jnp.int32)[:, None]
+    q_meta = causal_meta(pos, pos > 0)
+    return (q, k, v, q_meta, q_meta), (ck, cv, cache_key_meta(jnp.asarray(lengths, jnp.int32), span))
+
+
+def _brute_force(q, k, v, q_meta, prefix):
+    """Softmax over each row's valid cache slots and its own key, head by head, in NumPy."""
+    ck, cv, meta = np.asarray(prefix[0], np.float64), np.asarray(prefix[1], np.float64), prefix[2]
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    out = np.zeros(q.shape)
+    group = q.shape[2] // k.shape[2]
+    for b, n in np.ndindex(q.shape[0], q.shape[2]):
+        if not bool(q_meta.valid[b, 0]):
+            continue
+        keys = np.concatenate([ck[b, np.asarray(meta.valid[b]), n // group], k[b, :, n // group]])
+        values = np.concatenate([cv[b, np.asarray(meta.valid[b]), n // group], v[b, :, n // group]])
+        scores = keys @ q[b, 0, n] / np.sqrt(q.shape[-1])
+        w = np.exp(scores - scores.max())
+        out[b, 0, n] = w @ values / w.sum()
+    return out
+
+
+@pytest.mark.parametrize("kv_heads", [KV_HEADS, N_HEADS])
+def test_xla_decode_step_both_formulations_equal_brute_force(kv_heads):
+    """The xla backend's two ways to attend with few query rows per kv head (products summed in
+    place, the accelerators' choice; a dot, CPU's) both give brute-force attention."""
+    from d3d_jax.model.attention import _xla_dense
+
+    (q, k, v, q_meta, _), prefix = _one_step_case(kv_heads)
+    want = _brute_force(q, k, v, q_meta, prefix)
+    for in_place in (True, False):
+        got = jax.jit(functools.partial(_xla_dense, in_place=in_place))(q, q_meta, (prefix, (k, v, q_meta)))
+        np.testing.assert_allclose(np.asarray(got), want, atol=2e-5, rtol=2e-5)
+
+
+def test_xla_decode_step_lowers_to_dots_on_cpu_and_reads_in_place_elsewhere():
+    """One query row per kv head (no GQA, one token): XLA:CPU's library fusion runs the
+    multiply-and-sum 10-20x slower than a dot there, so the CPU program holds dots; a GPU program
+    (lowered here without one) keeps the products summed that read the cache span in place."""
+    args, prefix = _one_step_case(N_HEADS)
+    fn = jax.jit(lambda *a: attend(*a, backend="xla", prefix=prefix))
+    dots = {p: fn.trace(*args).lower(lowering_platforms=(p,)).as_text().count("stablehlo.dot_general")
+            for p in ("cpu", "cuda")}
+    assert dots["cpu"] >= 2 and dots["cuda"] == 0, dots
+
+
 def test_tpu_kernels_equal_xla_in_the_tpu_interpreter():
     """The Mosaic kernels (keys on the grid, scalar-prefetched tile lists, 128-lane heads), run by
     the TPU interpreter on CPU: forward and dq/dk/dv on a training pack with a GQA pair."""

@@ -340,3 +340,21 @@ def test_decoding_reads_unstacked_weights_in_place():
 
     assert weight_copies(model) >= 3  # the stacked scan slices them (the bar is not vacuous)
     assert weight_copies(unstacked(model)) == 0
+
+
+def test_cached_step_writes_a_donated_cache_in_place():
+    """A one-token step over a donated cache writes the new rows where the cache lies: the
+    compiled program (XLA:CPU) makes no copy of a whole cache array (it made two per K and V
+    and step)."""
+    from d3d_jax.config import ModelConfig
+    from d3d_jax.model.qwen3 import init_model, unstacked
+
+    cfg = ModelConfig(vocab_size=64, hidden_size=48, intermediate_size=80, num_layers=3, num_heads=2,
+                      num_kv_heads=2, head_dim=16)
+    graphdef, state = nnx.split(unstacked(init_model(cfg, seed=0)))
+    meta = causal_meta(jnp.full((1, 1), 5, jnp.int32))
+    fn = jax.jit(lambda s, c: nnx.merge(graphdef, s)(jnp.zeros((1, 1), jnp.int32), meta, cache=c),
+                 donate_argnums=1)
+    text = fn.lower(state, kvc.init_cache(cfg, 1, 40)).compile().as_text()
+    whole = [ln for ln in text.splitlines() if re.search(r"= f32\[3,1,40,2,16\]\{[0-9,]*\} copy\(", ln)]
+    assert not whole, whole

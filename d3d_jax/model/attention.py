@@ -39,9 +39,12 @@ from d3d_jax.parallel import sharding as shd
 Segment = tuple[jax.Array, jax.Array, TokenMeta]  # keys [B,S,K,H], values [B,S,K,H], key metadata
 _BIG_NEG = -1e30
 # Query rows per kv head (T·N/K) up to which the xla backend multiplies and sums instead of
-# calling a dot: a dot's batch dims must be major, so XLA would copy every layer's cache span
-# into [b, k, s, h] first (a whole-cache copy per decode step: 288 MB at Qwen3-8B, cache 2048).
-# Below a tensor-core tile (16 rows) the products cost less than that copy.
+# calling a dot, on accelerators: a dot's batch dims must be major, so XLA would copy every
+# layer's cache span into [b, k, s, h] first (a whole-cache copy per decode step: 288 MB at
+# Qwen3-8B, cache 2048).  Below a tensor-core tile (16 rows) the products cost less than that copy.
+# On CPU the dot stays: XLA's CPU library fusion (YNNPACK) runs the multiply-and-sum 10-25x slower
+# whenever the cache operand needs no broadcast (one query row per kv head: no GQA, T = 1), which
+# made plain decoding 4.5x slower at 4 / 4 heads than at 4 / 2; its dot has no such cliff.
 _IN_PLACE_ROWS = 8
 
 
@@ -115,13 +118,26 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, q_meta: TokenMeta, k_meta: 
 
 
 def _xla(q: jax.Array, q_meta: TokenMeta, segments: Sequence[Segment]) -> jax.Array:
-    """The reference: dense scores per segment, concatenated, one softmax."""
+    """The reference: dense scores per segment, concatenated, one softmax.
+
+    Few query rows per kv head read the cache span in place by products summed, except on CPU
+    (``_IN_PLACE_ROWS``); the platform is the one the program is lowered for (a compile-only
+    GPU program built on a CPU host gets the GPU's choice)."""
+    _, t, n, _ = q.shape
+    if t * (n // segments[-1][0].shape[2]) > _IN_PLACE_ROWS:
+        return _xla_dense(q, q_meta, segments, in_place=False)
+    return jax.lax.platform_dependent(
+        q, q_meta, tuple(segments), cpu=functools.partial(_xla_dense, in_place=False),
+        default=functools.partial(_xla_dense, in_place=True))
+
+
+def _xla_dense(q: jax.Array, q_meta: TokenMeta, segments: Sequence[Segment], *, in_place: bool
+               ) -> jax.Array:
     b, t, n, h = q.shape
     dt = q.dtype
     kh = segments[-1][0].shape[2]
     q = q.reshape(b, t, kh, n // kh, h) * jnp.asarray(h ** -0.5, dt)
     big_neg = jnp.float32(_BIG_NEG)
-    in_place = t * (n // kh) <= _IN_PLACE_ROWS
     scores = []
     for k, _, k_meta in segments:
         if in_place:  # products summed in f32 read the cache span where it lies
