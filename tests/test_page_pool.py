@@ -63,74 +63,92 @@ class BruteForce:
                 self.key[pages[i]] = k
 
 
-def run_random_ops(seed: int, num_pages: int, steps: int) -> dict:
-    rng = random.Random(seed)
-    pool, model = PagePool(num_pages, PAGE), BruteForce(num_pages)
-    content: dict[int, tuple] = {}  # what the simulated device wrote to each page
-    bases = [[rng.randrange(3) for _ in range(6 * PAGE)] for _ in range(3)]  # shared prompts
-    live: list[tuple[list[int], list[int]]] = []
-    seen = dict(hits=0, exhausted=0, evicted=0)
+class Scenario:
+    """Requests arriving (prompts drawn from a few shared ones), generating and finishing, each
+    operation applied to the pool and the model alike."""
 
-    def grow(pages, tokens, written):
+    def __init__(self, seed: int, num_pages: int):
+        self.rng = random.Random(seed)
+        self.pool, self.model = PagePool(num_pages, PAGE), BruteForce(num_pages)
+        self.content: dict[int, tuple] = {}  # what the simulated device wrote to each page
+        self.bases = [[self.rng.randrange(3) for _ in range(6 * PAGE)] for _ in range(3)]
+        self.live: list[tuple[list[int], list[int]]] = []
+        self.seen = dict(hits=0, exhausted=0, evicted=0)
+
+    def grow(self, pages, tokens, written) -> bool:
         """``tokens[written:]`` get pages and are written (a partial last page fills up)."""
+        pool, model = self.pool, self.model
         need = pool.pages_for(len(tokens)) - len(pages)
         if need > model.num_free:
             with pytest.raises(PoolExhausted):
                 pool.allocate(need)
-            seen["exhausted"] += 1
+            self.seen["exhausted"] += 1
             return False
         cached_before = set(model.key)
         new = pool.allocate(need)
         model.check_allocation(new)
-        seen["evicted"] += len(cached_before - set(model.key))
+        self.seen["evicted"] += len(cached_before - set(model.key))
         pages += new
         for i in range(written // PAGE, len(pages)):
-            content[pages[i]] = tuple(tokens[i * PAGE:(i + 1) * PAGE])
+            self.content[pages[i]] = tuple(tokens[i * PAGE:(i + 1) * PAGE])
         pool.register(pages, tokens)
         model.register(pages, tokens)
         return True
 
-    for _ in range(steps):
-        op = rng.random()
-        if op < 0.45 or not live:  # a request arrives: look up, share the hit, allocate the rest
-            tokens = rng.choice(bases)[:rng.randrange(1, 6 * PAGE)] + [rng.randrange(3) for _ in range(rng.randrange(9))]
-            lookup = rng.random() < 0.9  # else: admitted beside an equal prompt, before it registered
-            hit = pool.cached_prefix(tokens) if lookup else []
-            n = model.hit(tokens) if lookup else 0
-            if lookup:
-                model.queried += len(tokens)
-                model.hits += n * PAGE
-            assert len(hit) == n
-            for i, p in enumerate(hit):
-                assert content[p] == tuple(tokens[i * PAGE:(i + 1) * PAGE]) and model.key[p] == tuple(tokens[:(i + 1) * PAGE])
-            seen["hits"] += n
-            pool.take(hit)
-            model.take(hit)
-            pages = list(hit)
-            if grow(pages, tokens, n * PAGE):
-                live.append((pages, tokens))
-            else:
-                pool.release(pages)
-                model.release(pages)
-        elif op < 0.75:  # a request finishes
-            pages, _ = live.pop(rng.randrange(len(live)))
+    def arrive(self) -> None:
+        """Look up the prompt, share the hit, allocate the rest (or give the hit back)."""
+        rng, pool, model = self.rng, self.pool, self.model
+        tail = [rng.randrange(3) for _ in range(rng.randrange(9))]
+        tokens = rng.choice(self.bases)[:rng.randrange(1, 6 * PAGE)] + tail
+        lookup = rng.random() < 0.9  # else: admitted beside an equal prompt, before it registered
+        hit = pool.cached_prefix(tokens) if lookup else []
+        n = model.hit(tokens) if lookup else 0
+        if lookup:
+            model.queried += len(tokens)
+            model.hits += n * PAGE
+        assert len(hit) == n
+        for i, p in enumerate(hit):
+            assert self.content[p] == tuple(tokens[i * PAGE:(i + 1) * PAGE])
+            assert model.key[p] == tuple(tokens[:(i + 1) * PAGE])
+        self.seen["hits"] += n
+        pool.take(hit)
+        model.take(hit)
+        pages = list(hit)
+        if self.grow(pages, tokens, n * PAGE):
+            self.live.append((pages, tokens))
+        else:
             pool.release(pages)
             model.release(pages)
+
+    def step(self) -> None:
+        op = self.rng.random()
+        if op < 0.45 or not self.live:
+            self.arrive()
+        elif op < 0.75:  # a request finishes
+            pages, _ = self.live.pop(self.rng.randrange(len(self.live)))
+            self.pool.release(pages)
+            self.model.release(pages)
         else:  # a running request generates a few tokens
-            pages, tokens = rng.choice(live)
-            more = tokens + [rng.randrange(3) for _ in range(rng.randrange(1, 2 * PAGE))]
-            if grow(pages, more, len(tokens)):
+            pages, tokens = self.rng.choice(self.live)
+            more = tokens + [self.rng.randrange(3) for _ in range(self.rng.randrange(1, 2 * PAGE))]
+            if self.grow(pages, more, len(tokens)):
                 tokens[:] = more
+
+    def check(self) -> None:
+        pool, model = self.pool, self.model
         assert pool.num_free == model.num_free
-        assert [pool.refs(p) for p in range(num_pages)] == [model.refs[p] for p in range(num_pages)]
+        assert [pool.refs(p) for p in range(pool.num_pages)] == [model.refs[p] for p in range(pool.num_pages)]
         assert (pool.queried_tokens, pool.hit_tokens) == (model.queried, model.hits)
-        assert pool.usage == pytest.approx(1 - model.num_free / num_pages)
-    return seen
+        assert pool.usage == pytest.approx(1 - model.num_free / pool.num_pages)
 
 
 @pytest.mark.parametrize("seed", range(4))
 def test_random_operations_follow_the_brute_force_rules(seed):
-    seen = run_random_ops(seed, num_pages=24, steps=600)
+    run = Scenario(seed, num_pages=24)
+    for _ in range(600):
+        run.step()
+        run.check()
+    seen = run.seen
     # the sequences reached every rule: hits, evictions and a full pool
     assert seen["hits"] > 50 and seen["evicted"] > 10 and seen["exhausted"] > 5, seen
 

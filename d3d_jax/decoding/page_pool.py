@@ -156,3 +156,50 @@ class PagePool:
     def _check_held(self, page: int, what: str) -> None:
         if not 0 <= page < self.num_pages or self._refs[page] < 1:
             raise ValueError(f"{what}: page {page} is not held by any sequence")
+
+
+class SlotPages:
+    """Each decoder slot's pages of a :class:`PagePool`: held from insert to free, and the page
+    tables (``UNMAPPED``-padded rows) the device gets for admitted rows."""
+
+    def __init__(self, pool: PagePool, max_pages: int, unmapped: int = -1):
+        self.pool, self.max_pages, self.unmapped = pool, int(max_pages), int(unmapped)
+        self._held: dict[int, list[int]] = {}
+
+    @staticmethod
+    def of(config) -> "SlotPages | None":
+        """A decoder config's pages (no prefix sharing yet), or None for a dense cache."""
+        if not config.kv_page_size:
+            return None
+        return SlotPages(PagePool(config.kv_num_pages, config.kv_page_size, prefix_caching=False),
+                         config.kv_max_pages)
+
+    def hold(self, need: dict[int, int]) -> None:
+        """Pages for ``need[slot]`` tokens per slot, all or none (:class:`PoolExhausted`)."""
+        pages = {s: self.pool.pages_for(n) for s, n in need.items()}
+        if sum(pages.values()) > self.pool.num_free:
+            raise PoolExhausted(f"{sum(pages.values())} KV pages needed, {self.pool.num_free} of "
+                                f"{self.pool.num_pages} free")
+        for s, n in pages.items():
+            self._held[s] = self.pool.allocate(n)
+
+    def hold_requests(self, slots: Sequence[int], requests, cap: int) -> None:
+        """Each request's pages for what its prompt and ``max_new_tokens`` can fill (``cap`` at
+        most); a pool too short for them all refuses them all, by a request error."""
+        from d3d_jax.decoding.decoder_config import RequestError  # the pool stays free of JAX
+
+        try:
+            self.hold({s: min(len(r.prompt) + r.max_new_tokens, cap) for s, r in zip(slots, requests)})
+        except PoolExhausted as e:
+            raise RequestError(f"{e} (decoder.kv_pages)") from None
+
+    def release(self, slot: int) -> None:
+        self.pool.release(self._held.pop(slot, []))
+
+    def table(self, slots: Sequence[int], rows: int) -> np.ndarray:
+        """``[rows, max_pages]``: ``slots``' tables, the rows past them repeating the first."""
+        out = np.full((rows, self.max_pages), self.unmapped, np.int32)
+        for r in range(rows):
+            held = self._held[slots[r] if r < len(slots) else slots[0]]
+            out[r, :len(held)] = held
+        return out

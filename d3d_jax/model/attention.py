@@ -138,7 +138,7 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, q_meta: TokenMeta, k_meta: 
     ``q`` carries RoPE but no scaling (``H ** -0.5`` is applied here).  ``k``/``v`` are
     ``[B, S, K, H]`` with ``N`` a multiple of ``K`` (grouped-query attention); ``prefix`` is an
     optional earlier key segment (the KV cache span) with its own metadata, a
-    ``(k, v, meta)`` tuple or a :class:`CacheLayer`.  ``tiles`` are the
+    ``(k, v, meta)`` tuple, a :class:`CacheLayer` or a paged cache's :class:`PagedLayer`.  ``tiles`` are the
     fused kernel's largest (query, key) tiles (powers of two >= 16; shorter inputs get smaller).
     """
     if isinstance(prefix, (CacheSpans, PagedSpans)):
