@@ -32,6 +32,7 @@ from d3d_jax.decoding import verify as V
 from d3d_jax.decoding.drafting import DraftOutput, insert_cache_rows
 from d3d_jax.decoding.verify import SamplingParams
 from d3d_jax.model import kv_cache as kvc
+from d3d_jax.model import paged_kv as pkv
 from d3d_jax.model.masks import causal_meta
 
 RUNNING, FINISH_EOS, FINISH_STOP, FINISH_LENGTH = 0, 1, 2, 3
@@ -78,6 +79,7 @@ class RowInput:
     stop_is_eos: jax.Array  # [n, K]
     sampling: SamplingParams  # [n] arrays
     drafter_data: Any  # the drafter's request_data (or None)
+    pages: Any = None  # [n, max_pages] int32: each row's page table (a paged target cache only)
 
 
 @jax.tree_util.register_dataclass
@@ -93,6 +95,7 @@ class TargetRows:
     stop_ids: jax.Array
     stop_is_eos: jax.Array
     sampling: SamplingParams
+    pages: Any = None  # [n, max_pages] (a paged target cache only)
 
 
 @jax.tree_util.register_dataclass
@@ -123,6 +126,20 @@ def _insert(full: jax.Array, rows: jax.Array, slots: jax.Array) -> jax.Array:
     return full.at[slots].set(rows, mode="drop")
 
 
+def insert_target_rows(cache, rows: TargetRows, slots: jax.Array):
+    """The prefilled rows' caches written into ``slots``: dense rows as they are, or, into a paged
+    cache, the rows' page tables set and their valid positions scattered to those pages."""
+    if not isinstance(cache, pkv.PagedKVCache):
+        return insert_cache_rows(cache, rows.cache, slots)
+    dense = rows.cache
+    n, p = dense.batch, dense.max_len
+    pos = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (n, p))
+    write = kvc.PendingWrite(dense.k_lbskh, dense.v_lbskh, pos, pos < dense.lengths[:, None])
+    own = pkv.PagedKVCache(cache.k_lpskh, cache.v_lpskh, rows.pages, dense.lengths).written(write)
+    return pkv.PagedKVCache(own.k_lpskh, own.v_lpskh, _insert(cache.page_table, rows.pages, slots),
+                            _insert(cache.lengths, dense.lengths, slots))
+
+
 def emitted_tokens(fed: jax.Array, accepted: jax.Array, next_token: jax.Array) -> jax.Array:
     """``[b, W]``: the accepted drafts, then the target's token (the first ``accepted + 1`` count)."""
     b, w = fed.shape[0], fed.shape[1] + 1
@@ -143,12 +160,14 @@ class DecodeCore:
     ``drafter`` is the drafter whose state rides in :class:`DecodeState` (sync mode); None for
     plain decoding and for the target side of async decoding.  ``acceptance_rule(logits, drafts,
     draft_probs, anchor_pos, row_keys, sampling)``; ``override`` is the benchmark-only
-    ``acceptance_override`` (applied after the rule; None costs nothing).
+    ``acceptance_override`` (applied after the rule; None costs nothing).  ``page_size > 0``
+    keeps the target's cache paged (:mod:`~d3d_jax.model.paged_kv`), ``num_pages`` of them; the
+    host hands each admitted row its pages (:attr:`RowInput.pages`).
     """
 
     def __init__(self, target_graphdef, target_config, drafter, *, width: int, cache_len: int,
                  sample_drafts: bool = False, acceptance_rule: Callable | None = None,
-                 override: Any = None):
+                 override: Any = None, page_size: int = 0, num_pages: int = 0):
         self.target_graphdef = target_graphdef
         self.target_config = target_config
         self.drafter = drafter
@@ -157,13 +176,19 @@ class DecodeCore:
         self.sample_drafts = bool(sample_drafts)
         self.rule = acceptance_rule or V.default_rule(self.sample_drafts)
         self.override = override
+        self.page_size, self.num_pages = int(page_size), int(num_pages)
 
     # ---------------------------------------------------------------- slots
     def init_state(self, num_slots: int) -> DecodeState:
         b, s = num_slots, self.cache_len
         zeros = jnp.zeros((b,), jnp.int32)
+        if self.page_size:
+            cache = pkv.init_paged_cache(self.target_config, self.num_pages, self.page_size, b,
+                                         -(-s // self.page_size))
+        else:
+            cache = kvc.init_cache(self.target_config, b, s)
         return DecodeState(
-            target_cache=kvc.init_cache(self.target_config, b, s),
+            target_cache=cache,
             drafter_state=None if self.drafter is None else self.drafter.init_state(b, s),
             seq=jnp.zeros((b, s), jnp.int32), anchor_pos=zeros, prompt_len=zeros, n_out=zeros,
             done=jnp.ones((b,), bool), finish=zeros, key_data=key_data(zeros, zeros),
@@ -186,7 +211,7 @@ class DecodeCore:
             jnp.where(pos < rows.prompt_len[:, None], rows.prompt, 0))
         return TargetRows(cache.with_lengths(cached_len), seq, rows.prompt_len, rows.max_new,
                           key_data(rows.seed, rows.index), rows.stop_ids, rows.stop_is_eos,
-                          rows.sampling)
+                          rows.sampling, rows.pages)
 
     def prefill_drafter(self, drafter_params, rows: RowInput):
         return self.drafter.prefill(drafter_params, rows.drafter_data, rows.prompt,
@@ -202,7 +227,7 @@ class DecodeCore:
         if self.drafter is not None:
             dstate = self.drafter.insert(dstate, drafter_rows, slots)
         return DecodeState(
-            target_cache=insert_cache_rows(state.target_cache, rows.cache, slots),
+            target_cache=insert_target_rows(state.target_cache, rows, slots),
             drafter_state=dstate, seq=put(state.seq, rows.seq),
             anchor_pos=put(state.anchor_pos, rows.prompt_len - 1),
             prompt_len=put(state.prompt_len, rows.prompt_len), n_out=put(state.n_out, zeros),
@@ -248,6 +273,8 @@ class DecodeCore:
         needed = jnp.max(jnp.where(state.done, 0, cache_in.lengths))
         logits, write = kvc.call_with_span(forward, needed, cache_in,
                                            jnp.concatenate([anchor, fed], axis=1), pos)
+        if isinstance(cache_in, pkv.PagedKVCache):  # a done row's pages may be another's by now
+            write = dataclasses.replace(write, keep_bt=write.keep_bt & ~state.done[:, None])
         cache = write.apply(cache_in)
         logits = V.adjust_logits(logits, sampling, state.seq, state.prompt_len, s,
                                  state.n_out, state.stop_ids, fed)

@@ -46,6 +46,7 @@ from d3d_jax.decoding.core import FINISH_REASONS, MAX_STOP_IDS, RowInput
 from d3d_jax.decoding.decoder_config import (DecoderConfig, Request, RequestError, SlotError,
                                              StepOutput, prompt_bucket, request_problem)
 from d3d_jax.decoding.drafting import as_drafter
+from d3d_jax.decoding.page_pool import SlotPages
 from d3d_jax.parallel.sharding import place_slices
 from d3d_jax.decoding.programs import ProgramStore, decoder_salt
 from d3d_jax.decoding.strategies import LOGPROB_KEYS, OPS_PER_DISPATCH, Context
@@ -118,6 +119,7 @@ class SpecDecoder:
         self.programs: ProgramStore = self.strategy.ctx.programs  # read-only: the contract's view
         self._bind(nnx.state(target), drafter)
         self.placement = W.RowPlacement(cfg.num_slots)
+        self.pages = SlotPages.of(cfg)  # a paged target cache's pages per slot (None: dense)
         self._slots: dict[int, SlotInfo] = {}
         self.carry = None
         self._queue: list[tuple] = []  # ("admit", slot, row) | ("op", a, b, kind), in order
@@ -193,6 +195,8 @@ class SpecDecoder:
         if busy:
             raise SlotError(f"slot {busy[0]} is busy with an active request: free it first "
                             f"(in use: {slots_in_use(self)})")
+        if self.pages is not None:
+            self.pages.hold_requests(slots, prefix.requests, self.config.max_cache_len)
         for s, req in zip(slots, prefix.requests):
             self._slots[s] = SlotInfo(req, np.zeros(self.config.width, np.int64))
             row = self.placement.size
@@ -206,6 +210,8 @@ class SpecDecoder:
             info = self._slots.pop(s, None)
             if info is None:
                 continue
+            if self.pages is not None:  # later rounds write nothing for it (core.verify)
+                self.pages.release(s)
             if info.finish_reason is None:  # still running on the device: stop it there
                 self._queue.append(("op", self.placement.row_of[s], 0, W.OP_FREE))
             self._queue_swaps(self.placement.remove(s))
@@ -230,9 +236,9 @@ class SpecDecoder:
         if self.carry is None:
             self.carry = self.strategy.init(self.config.num_slots)
 
-    def _row_input(self, requests: Sequence[Request], width: int) -> RowInput:
+    def _row_input(self, requests: Sequence[Request], width: int, slots: Sequence[int] = ()) -> RowInput:
         """Host arrays for every slot's row, prompts ``width`` wide (their bucket); rows past the
-        requests repeat the first (unused)."""
+        requests repeat the first (unused); ``slots``' page tables with a paged cache."""
         n, cap = self.config.num_slots, self.config.max_cache_len
         reqs = [requests[r] if r < len(requests) else requests[0] for r in range(n)]
         prompt = np.zeros((n, width), np.int32)
@@ -248,7 +254,8 @@ class SpecDecoder:
         data = None if self.drafter is None else self.drafter.request_data(reqs, cap)
         return RowInput(prompt, ints(lambda q: len(q.prompt)), ints(lambda q: q.seed),
                         ints(lambda q: q.index), ints(lambda q: q.max_new_tokens), stop_ids,
-                        stop_is_eos, SamplingParams.stack([q.sampling for q in reqs]), data)
+                        stop_is_eos, SamplingParams.stack([q.sampling for q in reqs]), data,
+                        None if self.pages is None else self.pages.table(slots, n))
 
     def _flush(self) -> None:
         """Replay the queued admissions and row operations in order (consecutive ones of a kind
@@ -273,7 +280,7 @@ class SpecDecoder:
                 width = prompt_bucket(len(self._slots[s].request.prompt), self.config.max_cache_len)
                 by_bucket.setdefault(width, []).append((s, row))
         for width, live in sorted(by_bucket.items()):
-            rows = self._row_input([self._slots[s].request for s, _ in live], width)
+            rows = self._row_input([self._slots[s].request for s, _ in live], width, [s for s, _ in live])
             index = np.full((self.config.num_slots,), self.config.num_slots, np.int32)
             index[: len(live)] = [row for _, row in live]
             self.carry = self.strategy.admit(self.carry, self._params, rows, index, len(live))

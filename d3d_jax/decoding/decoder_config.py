@@ -65,6 +65,10 @@ class DecoderConfig(DecoderSettings):
     # rule; None costs nothing.  See d3d_jax.bench.simulate.
     acceptance_override: Any = None
     acceptance_rule: Callable | None = None  # experiments: replaces verify.default_rule
+    # > 0: the target's KV cache is paged, pages of this many tokens (plain mode so far); a
+    # request holds the pages its prompt and max_new_tokens need, not a whole max_cache_len row
+    kv_page_size: int = 0
+    kv_pages: int = 0  # the paged pool's pages; 0: as many as num_slots whole rows would take
 
     def __post_init__(self):
         fields = self.derived(has_drafter=self.mode != "plain", num_slots=DEFAULT_NUM_SLOTS,
@@ -85,6 +89,15 @@ class DecoderConfig(DecoderSettings):
     def layout(self) -> br.BranchLayout:
         """Async's branch pack (mode async only: the others leave C and F underived)."""
         return br.BranchLayout(self.block_size, self.branch_positions, self.branch_fanout)
+
+    @property
+    def kv_max_pages(self) -> int:
+        """Pages one row's table holds (0: the cache is dense)."""
+        return -(-int(self.max_cache_len) // self.kv_page_size) if self.kv_page_size else 0
+
+    @property
+    def kv_num_pages(self) -> int:
+        return int(self.kv_pages) or int(self.num_slots) * self.kv_max_pages
 
     @property
     def buckets(self) -> tuple[int, ...]:
@@ -111,10 +124,22 @@ class DecoderConfig(DecoderSettings):
             raise ConfigError(f"decoder.eos_token_ids: at most {MAX_STOP_IDS} ids >= 0, got "
                               f"{self.eos_token_ids}")
         self._validate_override()
+        self._validate_pages()
         try:
             hash(self)
         except TypeError as e:
             raise ConfigError(f"decoder: every field must be hashable ({e})") from None
+
+    def _validate_pages(self) -> None:
+        if int(self.kv_page_size) < 0 or int(self.kv_pages) < 0:
+            raise ConfigError(f"decoder.kv_page_size and decoder.kv_pages: must be >= 0, got "
+                              f"{self.kv_page_size} and {self.kv_pages}")
+        if self.kv_page_size and self.mode != "plain":
+            raise ConfigError(f"decoder.kv_page_size: a paged cache serves mode plain only so far, "
+                              f"not {self.mode}")
+        if self.kv_page_size and self.kv_num_pages < self.kv_max_pages:
+            raise ConfigError(f"decoder.kv_pages: {self.kv_pages} pages cannot hold one request of "
+                              f"max_cache_len {self.max_cache_len} ({self.kv_max_pages} pages)")
 
     def _validate_auto(self) -> None:
         b = int(self.block_size)

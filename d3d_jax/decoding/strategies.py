@@ -31,6 +31,7 @@ from d3d_jax.decoding.core import MAX_STOP_IDS, DecodeCore, DecodeState, RoundRe
 from d3d_jax.decoding.decoder_config import Request
 from d3d_jax.decoding.programs import ProgramStore
 from d3d_jax.decoding.verify import GREEDY, SamplingParams
+from d3d_jax.model.paged_kv import UNMAPPED
 
 
 @jax.tree_util.register_dataclass
@@ -82,7 +83,8 @@ class Context:
         return DecodeCore(self.target_graphdef, self.target_config,
                           self.drafter if with_drafter else None, width=width,
                           cache_len=cfg.max_cache_len, sample_drafts=cfg.sample_drafts,
-                          acceptance_rule=cfg.acceptance_rule, override=cfg.acceptance_override)
+                          acceptance_rule=cfg.acceptance_rule, override=cfg.acceptance_override,
+                          page_size=cfg.kv_page_size, num_pages=cfg.kv_num_pages)
 
     def window(self, lo: int, hi: int) -> tuple[int, int]:
         """``(start, rows)``: the smallest bucketed window holding rows ``lo … hi-1``."""
@@ -258,10 +260,11 @@ class Strategy:
         data = None
         if self.ctx.drafter is not None:
             data = self.ctx.drafter.request_data([Request([0], 1)] * n, cfg.max_cache_len)
+        pages = np.full((n, cfg.kv_max_pages), UNMAPPED, np.int32) if cfg.kv_page_size else None
         return RowInput(np.zeros((n, width), np.int32), zeros + 1, zeros, zeros,
                         zeros + 1, np.full((n, MAX_STOP_IDS), -1, np.int32),
                         np.zeros((n, MAX_STOP_IDS), bool),
-                        SamplingParams.stack([SamplingParams()] * n), data)
+                        SamplingParams.stack([SamplingParams()] * n), data, pages)
 
 
 class CoreStrategy(Strategy):

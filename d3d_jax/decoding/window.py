@@ -5,7 +5,9 @@ static widths (:attr:`DecoderConfig.buckets`), ``start`` traced.  The live reque
 packed at the low rows (:class:`RowPlacement`), so a round's cost
 follows the live requests, not the slots.  Rule for the pytrees: a
 :class:`~d3d_jax.model.kv_cache.KVCache` becomes a :class:`~d3d_jax.model.kv_cache.KVWindow`
-(read and written in place, never copied); every other array of rank >= 1 has its rows on axis
+(read and written in place, never copied); a
+:class:`~d3d_jax.model.paged_kv.PagedKVCache` keeps its pool whole and slices its page tables, so
+moving a row moves its page-table row, not its K/V; every other array of rank >= 1 has its rows on axis
 0 and is sliced; scalars pass through.
 """
 
@@ -17,10 +19,11 @@ import jax
 import jax.numpy as jnp
 
 from d3d_jax.model.kv_cache import KVCache, KVWindow
+from d3d_jax.model.paged_kv import PagedKVCache
 
 
 def _is_cache(x) -> bool:
-    return isinstance(x, (KVCache, KVWindow))
+    return isinstance(x, (KVCache, KVWindow, PagedKVCache))
 
 
 def view(tree, start: jax.Array, rows: int):
@@ -29,6 +32,8 @@ def view(tree, start: jax.Array, rows: int):
     def one(x):
         if isinstance(x, KVCache):
             return KVWindow.of(x, start, rows)
+        if isinstance(x, PagedKVCache):
+            return x.window(start, rows)
         if getattr(x, "ndim", 0) == 0:
             return x
         return jax.lax.dynamic_slice_in_dim(x, start, rows, axis=0)
@@ -44,6 +49,9 @@ def merge(full, window, keep: jax.Array, start: jax.Array):
     def one(old, new):
         if isinstance(old, KVCache):
             return new.merged(old.lengths, keep)
+        if isinstance(old, PagedKVCache):  # the window's pool, the full tables and merged lengths
+            lengths = one(old.lengths, new.lengths)
+            return PagedKVCache(new.k_lpskh, new.v_lpskh, old.page_table, lengths)
         if getattr(old, "ndim", 0) == 0:
             return new
         rows = new.shape[0]
@@ -96,6 +104,8 @@ def swap_rows(tree, a: jax.Array, b: jax.Array):
     def one(x):
         if isinstance(x, KVCache):
             return _swap_cache(x, a, b)
+        if isinstance(x, PagedKVCache):
+            return PagedKVCache(x.k_lpskh, x.v_lpskh, _swap(x.page_table, a, b, 0), _swap(x.lengths, a, b, 0))
         if getattr(x, "ndim", 0) == 0:
             return x
         return _swap(x, a, b, 0)

@@ -87,7 +87,50 @@ class CacheSpans:
         return CacheLayer(self.k_lbskh, self.v_lbskh, self.metas[j], self.layer)
 
 
-Prefix = Union[Segment, CacheLayer, CacheSpans]
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class PagedLayer:
+    """The first ``span`` positions of layer ``layer`` of a paged KV cache
+    (:mod:`~d3d_jax.model.paged_kv`), as an attention prefix: every backend reads it as the
+    segment one gather through the rows' page tables makes (the span's pages, in row order)."""
+
+    k_lpskh: jax.Array  # [L, num_pages, page_size, K, H]
+    v_lpskh: jax.Array
+    page_table: jax.Array  # [B, max_pages] int32; entries outside the pool are clipped (masked keys)
+    meta: TokenMeta  # of the span's positions, [B, span]
+    layer: jax.Array  # [] int32
+
+    def segment(self) -> Segment:
+        b, span = self.meta.shape
+        num_pages, page_size = self.k_lpskh.shape[1:3]
+        n = -(-span // page_size)
+        pages = jnp.clip(self.page_table[:, :n], 0, num_pages - 1)
+
+        def read(pool):  # one gather of the layer's pages: [B, n, page_size, K, H]
+            rows = pool[self.layer, pages]
+            return rows.reshape((b, n * page_size) + rows.shape[3:])[:, :span]
+
+        return read(self.k_lpskh), read(self.v_lpskh), self.meta
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class PagedSpans:
+    """A :class:`PagedLayer` at one of several static spans, picked on the device by ``index``
+    (as :class:`CacheSpans`)."""
+
+    k_lpskh: jax.Array
+    v_lpskh: jax.Array
+    page_table: jax.Array
+    metas: tuple[TokenMeta, ...]
+    index: jax.Array
+    layer: jax.Array
+
+    def at(self, j: int) -> PagedLayer:
+        return PagedLayer(self.k_lpskh, self.v_lpskh, self.page_table, self.metas[j], self.layer)
+
+
+Prefix = Union[Segment, CacheLayer, CacheSpans, PagedLayer, PagedSpans]
 
 
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, q_meta: TokenMeta, k_meta: TokenMeta, *,
@@ -98,13 +141,15 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, q_meta: TokenMeta, k_meta: 
     ``q`` carries RoPE but no scaling (``H ** -0.5`` is applied here).  ``k``/``v`` are
     ``[B, S, K, H]`` with ``N`` a multiple of ``K`` (grouped-query attention); ``prefix`` is an
     optional earlier key segment (the KV cache span) with its own metadata, a
-    ``(k, v, meta)`` tuple or a :class:`CacheLayer`.  ``tiles`` are the
+    ``(k, v, meta)`` tuple, a :class:`CacheLayer` or a paged cache's :class:`PagedLayer`.  ``tiles`` are the
     fused kernel's largest (query, key) tiles (powers of two >= 16; shorter inputs get smaller).
     """
-    if isinstance(prefix, CacheSpans):
+    if isinstance(prefix, (CacheSpans, PagedSpans)):
         branches = [lambda q, k, v, j=j: attend(q, k, v, q_meta, k_meta, backend=backend, prefix=prefix.at(j),
                                                 tiles=tiles) for j in range(len(prefix.metas))]
         return jax.lax.switch(prefix.index, branches, q, k, v)
+    if isinstance(prefix, PagedLayer):  # the fused kernels do not read through page tables yet
+        prefix = prefix.segment()
     if backend in ("pallas", "pallas_interpret"):
         run = functools.partial(_pallas, platform=kernel_platform(backend), tiles=tiles)
         return _per_shard(run, q, q_meta, (k, v, k_meta), prefix)

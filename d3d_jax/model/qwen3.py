@@ -6,7 +6,8 @@ Two ways to run it:
   from per-token :class:`~d3d_jax.model.masks.TokenMeta` (causal by default, the packed
   block-diffusion row of spec §2.3, or the branch pack of §5);
 * **cached** – ``model(tokens_bt, meta, cache=cache, keep=keep_bt)`` appends T tokens per row to
-  a position-indexed :class:`~d3d_jax.model.kv_cache.KVCache` (rows at different offsets) and
+  a position-indexed :class:`~d3d_jax.model.kv_cache.KVCache` or a
+  :class:`~d3d_jax.model.paged_kv.PagedKVCache` (rows at different offsets) and
   returns ``(logits, new_cache)``.  The new tokens attend to valid cache slots plus each other
   (by the same metadata rule); only tokens with ``keep`` set are written (the drafter's block
   tokens are not).  ``cache.lengths`` is left to the caller, who knows what was committed.
@@ -45,6 +46,7 @@ from d3d_jax.model import kv_cache as kvc
 from d3d_jax.model.attention import CacheLayer, CacheSpans, attend
 from d3d_jax.model.flash_attention import save_flash_forward
 from d3d_jax.model.masks import TokenMeta, cache_key_meta, default_meta
+from d3d_jax.model.paged_kv import PagedKVCache
 from d3d_jax.model.rope import frequencies as rope_frequencies
 from d3d_jax.parallel.sharding import shard
 
@@ -282,13 +284,16 @@ class Qwen3(nnx.Module):
     def _cache_prefix(self, cache, cache_span):
         """``i -> `` layer ``i``'s attention prefix: the whole stacked cache and the layer index
         (a fused kernel reads the span in place), at one span or a device-chosen one of several."""
-        if isinstance(cache_span, kvc.SpanChoice) and self.config.attention_backend != "xla":
+        paged = isinstance(cache, PagedKVCache)  # read by a gather whose cost follows the span
+        if isinstance(cache_span, kvc.SpanChoice) and self.config.attention_backend != "xla" and not paged:
             cache_span = max(cache_span.spans)  # the kernels skip dead key tiles themselves
         spans = cache_span.spans if isinstance(cache_span, kvc.SpanChoice) else (
             cache.max_len if cache_span is None else int(cache_span),)
         if not 0 < max(spans) <= cache.max_len:
             raise ValueError(f"cache_span {cache_span} must be in [1, cache length {cache.max_len}]")
         metas = tuple(cache_key_meta(cache.lengths, s) for s in spans)
+        if paged:
+            return cache.prefix_of(metas, getattr(cache_span, "index", None))
         if len(spans) == 1:
             return lambda i: CacheLayer(cache.k_lbskh, cache.v_lbskh, metas[0], i)
         return lambda i: CacheSpans(cache.k_lbskh, cache.v_lbskh, metas, cache_span.index, i)
