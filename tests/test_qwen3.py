@@ -358,3 +358,28 @@ def test_cached_step_writes_a_donated_cache_in_place():
     text = fn.lower(state, kvc.init_cache(cfg, 1, 40)).compile().as_text()
     whole = [ln for ln in text.splitlines() if re.search(r"= f32\[3,1,40,2,16\]\{[0-9,]*\} copy\(", ln)]
     assert not whole, whole
+
+
+def test_span_buckets_add_an_attention_only_where_they_save_a_third():
+    """Each cache-span bucket is one more attention per layer in a decode program: a cache within
+    1.5x of a power-of-two span (176 slots) compiles one attention per layer and no switch; a
+    256-slot cache still switches between 128 and 256 slots."""
+    from d3d_jax.config import ModelConfig
+    from d3d_jax.model.qwen3 import init_model, unstacked
+
+    cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=2,
+                      num_kv_heads=1, head_dim=16)
+    graphdef, state = nnx.split(unstacked(init_model(cfg, seed=0)))
+    tokens = jnp.zeros((1, 4), jnp.int32)
+
+    def switches(cache_len: int) -> int:
+        def step(s, cache):
+            forward = lambda span, c, t: nnx.merge(graphdef, s)(  # noqa: E731
+                t, causal_meta(cache.lengths[:, None] + jnp.arange(4)[None]), cache=c,
+                cache_span=span, defer_cache_write=True)
+            return kvc.call_with_span(forward, jnp.max(cache.lengths), cache, tokens)[0]
+        text = str(jax.make_jaxpr(step)(state, kvc.init_cache(cfg, 1, cache_len)))
+        return text.count(" cond[")
+
+    assert switches(176) == 0
+    assert switches(256) == cfg.num_layers
