@@ -96,7 +96,7 @@ def test_names_that_match_nothing_or_are_not_records_fail_in_one_line(tmp_path):
     (tmp_path / "x.parquet").write_bytes(b"PAR1")
     with pytest.raises(DataError, match="parquet is not read"):
         I.expand_paths(f"{tmp_path}/x.parquet")
-    with pytest.raises(DataError, match="no such file"):
+    with pytest.raises(FileNotFoundError, match="No such file"):
         I.expand_paths(f"{tmp_path}/missing.jsonl")
 
 
@@ -111,3 +111,13 @@ def test_worker_processes_read_the_same_batches_and_resume_from_their_state(tmp_
     again.set_state(state)
     for i, b in enumerate(got + [next(again)]):
         np.testing.assert_array_equal(b["tokens"], ds[i]["tokens"])
+
+
+def test_a_failed_step_names_its_records_by_file_and_line(tmp_path):
+    from d3d_jax.training.loop import nonfinite_message
+
+    files = _corpus(tmp_path)
+    lines, which = np.asarray([2, 5, 3]), np.asarray([0, 2, 2])
+    msg = nonfinite_message(7, (lines, which), f"{tmp_path}/a.jsonl,{tmp_path}/*.gz", None)
+    assert f"{files[0]}:2 (id 'synthetic-1')" in msg and f"{files[2]}:3 (id 'synthetic-22')" in msg
+    assert f"{files[2]}:5" in msg and f"{files[2]}:5 (id" not in msg  # line 5 of c is not JSON: no id

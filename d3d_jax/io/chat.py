@@ -141,10 +141,11 @@ def read_prompts(path: str | os.PathLike) -> tuple[list[Prompt], list[tuple[int,
     return prompts, malformed
 
 
-def render_prompt(tokenizer, messages: Sequence[dict]) -> list[int]:
-    """Token ids of the chat-templated prompt, generation prompt added, thinking disabled."""
-    text = tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True,
-                                         enable_thinking=False)
+def render_prompt(tokenizer, messages: Sequence[dict], template_kwargs: dict | None = None) -> list[int]:
+    """Token ids of the chat-templated prompt, generation prompt added, thinking disabled unless
+    ``template_kwargs`` (passed to the template) says ``enable_thinking``."""
+    kwargs = {"enable_thinking": False, **(template_kwargs or {})}
+    text = tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True, **kwargs)
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 

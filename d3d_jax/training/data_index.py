@@ -23,6 +23,7 @@ index.  An index whose source file changed size or modification time is rebuilt.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import fcntl
 import glob
 import hashlib
@@ -58,8 +59,8 @@ def expand_paths(spec: str) -> list[Path]:
                                 f".jsonl.gz with one record a line")
             if not records.is_jsonl(m):
                 raise DataError(f"{m}: training records must be .jsonl or .jsonl.gz files")
-            if not Path(m).is_file():
-                raise DataError(f"{m}: no such file")
+            if not Path(m).is_file():  # an OSError: the command's usage error, naming the path
+                raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), str(m))
             files.append(Path(m))
     if not files:
         raise DataError(f"{spec!r}: names no file")
