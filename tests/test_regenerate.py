@@ -456,3 +456,26 @@ def test_a_disk_filling_during_regeneration_is_one_line_and_the_rerun_completes(
     assert summary.written == 11 - summary.already_done and summary.complete
     canon = lambda rs: sorted(json.dumps(r, sort_keys=True) for r in rs)  # noqa: E731
     assert canon(_lines(out)) == canon(_lines(full_run[0]))
+
+
+def test_sampling_defaults_come_from_the_targets_generation_config(tmp_path):
+    from d3d_jax.config import RegenerateConfig, load_config
+
+    # Qwen3-8B's generation_config.json as shipped
+    (tmp_path / "generation_config.json").write_text(json.dumps(
+        {"bos_token_id": 151643, "do_sample": True, "eos_token_id": [151645, 151643], "pad_token_id": 151643,
+         "temperature": 0.6, "top_k": 20, "top_p": 0.95}))
+    cfg = load_config(RegenerateConfig, [], ["top_p=0.5"])
+    assert rg.settings_from_config(cfg, tmp_path) == rg.GenerationSettings(0.6, 0.5, 20, 512, 0)  # given wins
+    assert rg.settings_from_config(cfg, tmp_path / "none") == rg.GenerationSettings(0.7, 0.5, 20, 512, 0)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"do_sample": False}))
+    assert rg.settings_from_config(load_config(RegenerateConfig, [], []), tmp_path).temperature == 0.0
+
+
+def test_thinking_mode_renders_the_templates_thinking_prompt(target, tokenizer, prompts_file, tmp_path):
+    out = tmp_path / "thinking.jsonl"
+    _run(target, tokenizer, prompts_file, out, settings=GREEDY, enable_thinking=True, max_records=2)
+    for r in _lines(out):
+        text = tokenizer.apply_chat_template(r["messages"], tokenize=False, add_generation_prompt=True)
+        assert r["prompt_token_ids"] == tokenizer(text, add_special_tokens=False)["input_ids"]
+        assert "<think>" not in text and r["template"]["enable_thinking"] is True

@@ -52,6 +52,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True, help="output JSONL (appended to; resumable)")
     ap.add_argument("--config", action="append", default=[], help="YAML with RegenerateConfig fields")
     ap.add_argument("--greedy", action="store_true", default=None)
+    ap.add_argument("--enable-thinking", action="store_true", default=None,
+                    help="render prompts with the chat template's enable_thinking (thinking-mode responses)")
     ap.add_argument("--max-new-tokens", type=int)
     ap.add_argument("--batch-size", type=int)
     ap.add_argument("--seed", type=int)
@@ -61,12 +63,18 @@ def main(argv=None) -> int:
     ap.add_argument("--no-progress", action="store_true")
     ap.add_argument("--merge", action="store_true",
                     help="after every process finished: join the --process-count shard files into --out")
+    ap.add_argument("--endpoint", help="an OpenAI-compatible server's API base URL (vLLM, SGLang, "
+                                       "infer/serve.py), e.g. http://host:8000/v1, instead of loading --target")
+    ap.add_argument("--api-key", default=None, help="the server's API key (default: $OPENAI_API_KEY)")
+    ap.add_argument("--concurrency", type=int, help="--endpoint: requests in flight per process")
+    ap.add_argument("--model", help="--endpoint: the served model's name (default: the server's first)")
     ap.add_argument("overrides", nargs="*", help="key=value RegenerateConfig overrides")
     args = ap.parse_intermixed_args(argv)  # key=value before and after each --config
 
     flags = {"greedy": args.greedy, "max_new_tokens": args.max_new_tokens, "batch_size": args.batch_size,
              "seed": args.seed, "max_records": args.max_records, "process_index": args.process_index,
-             "process_count": args.process_count}
+             "process_count": args.process_count, "endpoint": args.endpoint, "concurrency": args.concurrency,
+             "model": args.model, "enable_thinking": args.enable_thinking}
     overrides = [f"{k}={v}" for k, v in flags.items() if v is not None] + list(args.overrides)
     cfg = load_config(RegenerateConfig, args.config, overrides)
     if args.merge:
@@ -79,8 +87,10 @@ def main(argv=None) -> int:
         result = merge_shards(args.out, cfg.process_count, args.prompts)
         print(json.dumps({**result, "missing": len(result["missing"]), "missing_ids": result["missing"][:50]}))
         return 0
+    if cfg.endpoint:
+        return _via_endpoint(args, cfg)
     if not args.target:
-        ap.error("--target is required (except with --merge)")
+        ap.error("--target is required (except with --merge or --endpoint)")
 
     tokenizer = check_before_loading(args, cfg)
 
@@ -96,12 +106,34 @@ def main(argv=None) -> int:
         raise UsageError(f"num_devices={cfg.num_devices} but this process has {len(devices)} devices")
     mesh = make_mesh(cfg.mesh, devices[: cfg.num_devices or len(devices)])
     target = load_model(args.target, mesh=mesh, dtype=cfg.dtype)
-    summary = rg.regenerate(target, tokenizer, args.prompts, args.out, settings=rg.settings_from_config(cfg),
-                            batch_size=cfg.batch_size, process_index=cfg.process_index,
+    summary = rg.regenerate(target, tokenizer, args.prompts, args.out,
+                            settings=rg.settings_from_config(cfg, args.target), batch_size=cfg.batch_size, process_index=cfg.process_index,
                             process_count=cfg.process_count, target_path=args.target,
                             max_records=cfg.max_records, max_prompt_tokens=cfg.max_prompt_tokens,
                             cache_multiple=cfg.cache_multiple, progress=not args.no_progress,
-                            max_skipped_fraction=cfg.max_skipped_fraction)
+                            max_skipped_fraction=cfg.max_skipped_fraction, enable_thinking=cfg.enable_thinking)
+    print(summary.format())
+    return 0
+
+
+def _via_endpoint(args, cfg) -> int:
+    """The prompts through a running server: no weights here; a tokenizer only if given."""
+    from d3d_jax.errors import UsageError
+    from d3d_jax.io.hf import open_tokenizer
+    from d3d_jax.training import regen_endpoint as ep
+    from d3d_jax.training import regenerate as rg
+
+    if not os.path.isfile(args.prompts):
+        raise UsageError(f"--prompts {args.prompts}: no such file")
+    tok_dir = args.tokenizer or args.target
+    tokenizer = open_tokenizer(tok_dir) if tok_dir else None
+    endpoint = ep.Endpoint(cfg.endpoint, cfg.model, args.api_key or os.environ.get("OPENAI_API_KEY"),
+                           cfg.concurrency, cfg.request_timeout_s, cfg.retry_s)
+    summary = ep.regenerate_via_endpoint(
+        endpoint, args.prompts, args.out, settings=rg.settings_from_config(cfg, tok_dir), tokenizer=tokenizer,
+        thinking=cfg.enable_thinking,
+        process_index=cfg.process_index or 0, process_count=cfg.process_count or 1, max_records=cfg.max_records,
+        max_skipped_fraction=cfg.max_skipped_fraction, progress=not args.no_progress)
     print(summary.format())
     return 0
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from d3d_jax.config.base import DTYPES, _require, above, between, one_of
+from d3d_jax.config.base import DTYPES, TEXT, _require, above, between, one_of
 from d3d_jax.config.limits import INT32_MAX, MAX_CACHE_LEN, MAX_SLOTS, check_sampling, require_int
 from d3d_jax.config.model import MeshConfig
 
@@ -14,11 +14,16 @@ from d3d_jax.config.model import MeshConfig
 # --------------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class RegenerateConfig:
-    """Sampling and batching of ``train/regenerate_data.py`` (defaults: Qwen3 non-thinking)."""
+    """Sampling and batching of ``train/regenerate_data.py`` (defaults: the target's own)."""
 
-    temperature: float = 0.7
-    top_p: float = 0.8
-    top_k: int = 20  # 0 = off
+    # None: the target's generation_config.json (its authors' defaults), else Qwen3's non-thinking
+    # T 0.7 / top-p 0.8 / top-k 20; the values used are recorded in every record
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None  # 0 = off
+    # the chat template's enable_thinking (Qwen3): drafters for thinking-mode serving train on
+    # thinking-mode responses
+    enable_thinking: bool = False
     greedy: bool = False  # overrides temperature/top_p/top_k with argmax decoding
     max_new_tokens: int = 512
     seed: int = 0
@@ -36,6 +41,14 @@ class RegenerateConfig:
     # split across processes); num_devices 0 = all of this process's devices.
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
     num_devices: int = 0
+    # Through an OpenAI-compatible server instead (vLLM, SGLang, infer/serve.py): its API base URL,
+    # e.g. http://host:8000/v1 (d3d_jax.training.regen_endpoint); the key comes from --api-key or
+    # the OPENAI_API_KEY environment variable, never from a config file.
+    endpoint: str | None = None
+    model: str | None = None  # the served model's name (None: the server's first)
+    concurrency: int = 16  # requests in flight per process
+    request_timeout_s: float = 600.0
+    retry_s: float = 600.0  # a request retries a down server (5xx, refused, timeout) this long
 
     # each field's valid values, checked by config.base.check_fields for every loader
     BOUNDS = dict(temperature=between(0, 1e6), top_p=above(0, 1), top_k=between(0, INT32_MAX),
@@ -43,12 +56,14 @@ class RegenerateConfig:
                   max_records=between(1, INT32_MAX), max_prompt_tokens=between(1, MAX_CACHE_LEN),
                   cache_multiple=between(1, MAX_CACHE_LEN), max_skipped_fraction=between(0, 1),
                   process_index=between(0, 1 << 16), process_count=between(1, 1 << 16), dtype=one_of(*DTYPES),
-                  num_devices=between(0, 1 << 16))
+                  num_devices=between(0, 1 << 16), endpoint=TEXT, model=TEXT, concurrency=between(1, 4096),
+                  request_timeout_s=above(0, 1e6), retry_s=between(0, 1e7))
 
     def validate(self, prefix: str = "regenerate") -> None:
         self.mesh.validate(f"{prefix}.mesh")
         _require(self.num_devices >= 0, f"{prefix}.num_devices", "must be >= 0")
-        check_sampling(f"{prefix}.", temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+        check_sampling(f"{prefix}.", temperature=0.7 if self.temperature is None else self.temperature,
+                       top_p=0.8 if self.top_p is None else self.top_p, top_k=20 if self.top_k is None else self.top_k,
                        seed=self.seed, max_new_tokens=self.max_new_tokens)
         require_int(self.batch_size, f"{prefix}.batch_size", 1, MAX_SLOTS)
         require_int(self.cache_multiple, f"{prefix}.cache_multiple", 1, MAX_CACHE_LEN)

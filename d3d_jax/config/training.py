@@ -21,7 +21,9 @@ class DataConfig:
     """
 
     mode: str = "d3d"  # "d3d": regenerated-response JSONL -> packed rows; "lm": text -> AR only
-    train_path: str = ""  # JSONL (d3d: id/messages/response_token_ids...; lm: {"text"} or plain text)
+    # d3d: .jsonl / .jsonl.gz files and globs, comma-separated (id/messages/response_token_ids...),
+    # read by a cached index, each process only its rows' records; lm: one JSONL of {"text"} or plain text
+    train_path: str = ""
     dev_path: str = ""
     tokenizer: str = ""  # HF tokenizer dir, needed when records carry no prompt_token_ids
     packed_length: int = 4096
@@ -40,13 +42,17 @@ class DataConfig:
     # generation's first block; the block's slots are then the first B-1 response tokens.  On by
     # default: it lengthens first blocks at unchanged overall τ (docs/results/demo.md, first-block anchors).
     first_block_anchor: bool = True
+    # grain worker processes that read, tokenise and pack the training rows (0: in the training
+    # process).  A checkpoint's data position resumes only with the same count.
+    worker_count: int = 0
 
     # each field's valid values, checked by config.base.check_fields for every loader
     BOUNDS = dict(mode=one_of("d3d", "lm"), train_path=TEXT, dev_path=TEXT, tokenizer=TEXT,
                   packed_length=between(2, MAX_CACHE_LEN), num_anchors=between(1, MAX_CACHE_LEN),
                   block_size=between(2, MAX_BLOCK_SIZE), batch_size=between(1, 1 << 20), seed=between(0, INT32_MAX),
                   dev_batches=between(0, INT32_MAX), mask_token_id=between(0, INT32_MAX),
-                  pad_token_id=between(0, INT32_MAX), max_skipped_fraction=between(0, 1))
+                  pad_token_id=between(0, INT32_MAX), max_skipped_fraction=between(0, 1),
+                  worker_count=between(0, 1024))
 
     def validate(self, prefix: str = "data") -> None:
         _require(self.mode in ("d3d", "lm"), f"{prefix}.mode", f"must be 'd3d' or 'lm', got {self.mode!r}")

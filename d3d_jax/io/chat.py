@@ -141,16 +141,19 @@ def read_prompts(path: str | os.PathLike) -> tuple[list[Prompt], list[tuple[int,
     return prompts, malformed
 
 
-def chat_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
-    """Token ids of ``messages`` + the assistant header in non-thinking mode (Qwen3's template),
-    tokenized by the template itself (the server, evaluation and the demo's pretraining rows)."""
+def chat_prompt_ids(tokenizer, messages: list[dict], **template_kwargs) -> list[int]:
+    """Token ids of ``messages`` + the assistant header, tokenized by the template itself (the
+    server, evaluation and the demo's pretraining rows): non-thinking mode (Qwen3's template)
+    unless ``template_kwargs`` set ``enable_thinking``."""
     ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True,
-                                        enable_thinking=False)
+                                        **{"enable_thinking": False, **template_kwargs})
     if isinstance(ids, dict) or hasattr(ids, "keys"):
         ids = ids["input_ids"]
     return list(ids)
 
 
-# the name regeneration and the training data read prompts by: the same ids (transformers
-# tokenizes a rendered template without adding special tokens, as rendering then tokenizing did)
-render_prompt = chat_prompt_ids
+def render_prompt(tokenizer, messages: Sequence[dict], template_kwargs: dict | None = None) -> list[int]:
+    """The ids regeneration and the training data read prompts by: :func:`chat_prompt_ids` (the
+    template tokenizes a rendered prompt without adding special tokens, as rendering then
+    tokenizing did), ``template_kwargs`` passed to the template."""
+    return chat_prompt_ids(tokenizer, list(messages), **(template_kwargs or {}))

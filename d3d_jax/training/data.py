@@ -32,7 +32,8 @@ A row is a dict of arrays (batched: a leading batch axis):
   the objective turns it into the weights ``w_k`` (slot 0 gets none);
 * ``anchors, anchor_valid`` – ``[n]`` anchor positions and which are real;
 * ``record_line`` – scalar: the record's line in its JSONL file (LM rows: the document's where
-  the window starts).  Host-side bookkeeping; the train step never sees it.
+  the window starts); ``record_file`` (d3d rows): which of the data files.  Host-side
+  bookkeeping; the train step never sees them.
 
 LM rows (``mode="lm"``) are windows of one token stream, all causal: ``slot`` is all ``-1`` and
 ``ar_mask`` marks every real next token.
@@ -55,12 +56,15 @@ from d3d_jax.errors import DataError, RecordError
 from d3d_jax.model.masks import CAUSAL, TokenMeta, packed_training_meta
 from d3d_jax.io import records
 from d3d_jax.io.files import read_bytes
+from d3d_jax.training import data_index
 from d3d_jax.io.chat import render_prompt  # noqa: F401  (re-exported)
 
 log = logging.getLogger(__name__)
 
 REQUIRED_FIELDS = ("response_token_ids",)
 RECORD_LINE = "record_line"  # batch key: each row's source line (popped before the device step)
+RECORD_FILE = "record_file"  # batch key: which data file that line is in (popped likewise)
+RECORD_KEYS = (RECORD_LINE, RECORD_FILE)
 MAX_LISTED = 20  # skipped records listed by file:line (all of them are counted)
 
 
@@ -105,6 +109,7 @@ class Example:
     tokens: np.ndarray  # int32 [len], prompt then response
     response_start: int
     line: int = 0  # the record's line in its file
+    file: int = 0  # which of the data files (data.train_path may name several)
 
 
 # --------------------------------------------------------------------------------------
@@ -165,6 +170,46 @@ def load_examples(path: str | Path, tokenizer: Any, cfg: DataConfig,
         raise DataError(f"{path}: no usable records ({stats.lines} lines, {stats.invalid} invalid, "
                         f"{stats.empty_response} with an empty response)")
     return out, stats
+
+
+class LazyExamples:
+    """A grain source of the chosen records' examples (:mod:`~d3d_jax.training.data_index`), each
+    read and tokenised when a row needs it.  A record whose rendered prompt fails or leaves no
+    response (found only now) becomes a row with no loss, so that the global batches stay the same
+    on any number of processes; it is logged."""
+
+    def __init__(self, reader: data_index.RecordReader, tokenizer: Any, cfg: DataConfig, vocab_size: int | None):
+        self.reader, self.tokenizer, self.cfg, self.vocab_size = reader, tokenizer, cfg, vocab_size
+
+    def __len__(self) -> int:
+        return len(self.reader)
+
+    def example_of(self, raw: bytes, line: int, stats: DataStats | None = None) -> Example | None:
+        return record_to_example(records.decode_line(raw), self.tokenizer, self.cfg.clean_length,
+                                 stats or DataStats(), self.vocab_size, line)
+
+    def __getitem__(self, k: int) -> Example:
+        k, reader = int(k), self.reader
+        try:
+            ex = self.example_of(reader.read(k), int(reader.line[k]))
+        except RecordError as e:
+            log.warning("%s: %s; its row carries no loss", reader.where(k), e)
+            ex = None
+        if ex is None:
+            ex = Example(np.asarray([self.cfg.pad_token_id], np.int32), 1, int(reader.line[k]))
+        ex.file = int(reader.file[k])
+        return ex
+
+
+def indexed_examples(spec: str, tokenizer: Any, cfg: DataConfig, vocab_size: int | None = None,
+                     start: int = 0) -> tuple[LazyExamples, DataStats]:
+    """The records of the files ``spec`` names (:func:`~d3d_jax.training.data_index.expand_paths`)
+    that reading every line would keep, with the same :class:`DataStats`; read on demand."""
+    index = data_index.corpus_index(spec, start)
+    stats, probe = DataStats(), LazyExamples(None, tokenizer, cfg, vocab_size)
+    chosen = data_index.select(index, cfg, vocab_size, tokenizer is not None, stats,
+                               lambda raw, line: probe.example_of(raw, line, stats), spec)
+    return LazyExamples(data_index.RecordReader(index, chosen), tokenizer, cfg, vocab_size), stats
 
 
 # --------------------------------------------------------------------------------------
@@ -339,14 +384,15 @@ def d3d_dataset(examples: Sequence[Example], cfg: DataConfig, mask_token_id: int
                 shuffle: bool | None = None, shard: tuple[int, int] = (0, 1)) -> grain.MapDataset:
     """Infinite (reshuffled each epoch), batched packed rows; anchors fixed by (seed, index)."""
     seed = cfg.seed if seed is None else seed
-    ds = grain.MapDataset.source(list(examples))
+    ds = grain.MapDataset.source(examples if hasattr(examples, "__getitem__") else list(examples))
     if cfg.shuffle if shuffle is None else shuffle:
         ds = ds.shuffle(seed=seed)
     ds = ds.repeat()
 
     def pack(ex: Example, rng: np.random.Generator) -> dict:
         anchors, valid = sample_anchors(rng, first_anchor(ex, cfg), len(ex.tokens), cfg.num_anchors, cfg.block_size)
-        return {**pack_example(ex, anchors, valid, cfg, mask_token_id), RECORD_LINE: np.int32(ex.line)}
+        return {**pack_example(ex, anchors, valid, cfg, mask_token_id), RECORD_LINE: np.int32(ex.line),
+                RECORD_FILE: np.int32(ex.file)}
 
     return batch_shard(ds.random_map(pack, seed=seed + 1), cfg.batch_size, shard)
 
@@ -389,7 +435,9 @@ def build_dataset(cfg: DataConfig, path: str, *, tokenizer: Any = None, mask_tok
                   shard: tuple[int, int] = (0, 1), vocab_size: int | None = None
                   ) -> tuple[grain.MapDataset, DataStats]:
     """The batched dataset for ``path`` in ``cfg.mode``; ``shard=(i, n)``: process ``i`` of ``n``'s
-    rows of every global batch of ``cfg.batch_size`` rows (:func:`batch_shard`).
+    rows of every global batch of ``cfg.batch_size`` rows (:func:`batch_shard`).  ``d3d`` records
+    are read by a cached index (``path``: files and globs, :mod:`~d3d_jax.training.data_index`),
+    each process reading and tokenising only its rows' records, when they are packed.
     ``vocab_size``: the model's; a record with an id outside it is skipped (None: int32 range)."""
     if not path:
         raise ConfigError("data path is empty (set data.train_path / data.dev_path)")
@@ -399,8 +447,21 @@ def build_dataset(cfg: DataConfig, path: str, *, tokenizer: Any = None, mask_tok
         return lm_dataset(stream, cfg, seed=seed, shuffle=shuffle, shard=shard), stats
     if mask_token_id is None:
         raise ConfigError("data.mask_token_id: required for mode 'd3d'")
-    examples, stats = load_examples(path, tokenizer, cfg, vocab_size)
+    examples, stats = indexed_examples(path, tokenizer, cfg, vocab_size, start=shard[0])
     return d3d_dataset(examples, cfg, mask_token_id, seed=seed, shuffle=shuffle, shard=shard), stats
+
+
+def iterate(ds: grain.MapDataset, worker_count: int = 0) -> grain.DatasetIterator:
+    """The training iterator (its state is the checkpointed data position); ``worker_count``
+    processes read, tokenise and pack the rows (a resume needs the same count)."""
+    it = ds.to_iter_dataset(grain.ReadOptions(num_threads=1, prefetch_buffer_size=2))
+    if worker_count:
+        from absl import flags
+
+        if not flags.FLAGS.is_parsed():  # grain's workers read absl flags, parsed only under absl.app
+            flags.FLAGS.mark_as_parsed()
+        it = it.mp_prefetch(grain.MultiprocessingOptions(num_workers=worker_count))
+    return it.__iter__()
 
 
 def take_batches(ds: grain.MapDataset, n: int) -> list[dict]:

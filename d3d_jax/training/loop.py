@@ -127,8 +127,7 @@ class Trainer:
         self.dev_batches = dev_batches or []
         for name, st in self.data_stats.items():
             self.log(f"data {name}: {st}")
-        self.train_iter = train_data.to_iter_dataset(
-            grain.ReadOptions(num_threads=1, prefetch_buffer_size=2)).__iter__()
+        self.train_iter = data_lib.iterate(train_data, dc.worker_count)
 
     # ---- construction ---------------------------------------------------------------------
     def _model_overrides(self) -> dict:
@@ -234,8 +233,8 @@ class Trainer:
 
     # ---- one step / evaluation ----------------------------------------------------------------
     def train_step(self, host_batch: dict) -> dict:
-        lines = host_batch.get(data_lib.RECORD_LINE)
-        batch = self.device_batch({k: v for k, v in host_batch.items() if k != data_lib.RECORD_LINE})
+        lines = host_batch.get(data_lib.RECORD_LINE), host_batch.get(data_lib.RECORD_FILE)
+        batch = self.device_batch({k: v for k, v in host_batch.items() if k not in data_lib.RECORD_KEYS})
         if self._compiled is None:
             if self.cfg.train.aot_compile:
                 self.compile(batch)
@@ -386,11 +385,22 @@ class Trainer:
 
 
 def nonfinite_message(step: int, lines: Any, data_path: str, checkpointer: Any) -> str:
-    """One sentence: the step, what was kept, and the batch's records."""
+    """One sentence: the step, what was kept, and the batch's records (``lines``: the batch's
+    ``(record_line, record_file)``)."""
     last = checkpointer.latest_step() if checkpointer is not None else None
     kept = f"the last good checkpoint is step {last}" if last is not None else "no checkpoint was saved"
     return (f"step {step}: the loss or gradient norm is not finite (NaN/inf), so its update was not applied "
-            f"and training stopped; {kept}; the batch held {records.describe_lines(data_path, lines)}")
+            f"and training stopped; {kept}; the batch held {_describe_records(data_path, *lines)}")
+
+
+def _describe_records(data_path: str, lines: Any, files: Any) -> str:
+    """The batch's records, by file when ``data_path`` names several."""
+    if files is None or lines is None or ("," not in data_path and not any(c in data_path for c in "*?[")):
+        return records.describe_lines(data_path, lines)
+    from d3d_jax.training.data_index import expand_paths
+
+    paths, lines, files = expand_paths(data_path), np.ravel(lines), np.ravel(files)
+    return "; ".join(records.describe_lines(paths[f], lines[files == f]) for f in np.unique(files))
 
 
 def _first(x):

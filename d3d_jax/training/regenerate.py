@@ -1,7 +1,7 @@
 """Target-aligned data regeneration (spec §2.1): the target rewrites every response.
 
 Pipeline: read prompt lines in the common chat formats -> keep the user side -> render with the
-target's chat template (generation prompt, thinking disabled) -> length-bucketed batches -> the
+target's chat template (generation prompt; thinking disabled unless ``enable_thinking``) -> length-bucketed batches -> the
 engine's plain sampling -> one JSONL record per prompt, appended and fsynced so that an
 interrupted run resumes exactly where it stopped.
 
@@ -66,11 +66,35 @@ class GenerationSettings:
             raise UsageError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
 
 
-def settings_from_config(cfg) -> GenerationSettings:
-    """The record's sampling settings from a :class:`d3d_jax.config.RegenerateConfig`."""
+def settings_from_config(cfg, target_dir: str | os.PathLike | None = None) -> GenerationSettings:
+    """The record's sampling settings from a :class:`d3d_jax.config.RegenerateConfig`; a setting
+    left unset comes from ``target_dir``'s ``generation_config.json`` (:func:`target_sampling`)."""
     if cfg.greedy:
         return GenerationSettings.greedy(cfg.max_new_tokens, cfg.seed)
-    return GenerationSettings(cfg.temperature, cfg.top_p, cfg.top_k, cfg.max_new_tokens, cfg.seed)
+    own = target_sampling(target_dir)
+    pick = lambda key, value: own[key] if value is None else value  # noqa: E731
+    return GenerationSettings(pick("temperature", cfg.temperature), pick("top_p", cfg.top_p),
+                              pick("top_k", cfg.top_k), cfg.max_new_tokens, cfg.seed)
+
+
+def target_sampling(target_dir: str | os.PathLike | None) -> dict:
+    """``temperature / top_p / top_k`` from the target's ``generation_config.json`` (its authors'
+    defaults, what vLLM samples with too); each one it lacks is Qwen3's non-thinking value.
+    ``do_sample: false`` there means greedy."""
+    path = Path(target_dir) / "generation_config.json" if target_dir else None
+    if path is None or not path.is_file():
+        return dict(QWEN3_NON_THINKING)
+    try:
+        own = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ModelFileError(f"{path}: not a JSON object ({e})") from None
+    if not isinstance(own, dict):
+        raise ModelFileError(f"{path}: not a JSON object")
+    if own.get("do_sample") is False:
+        return dict(temperature=0.0, top_p=1.0, top_k=0)
+    out = {k: own.get(k, v) for k, v in QWEN3_NON_THINKING.items()}
+    GenerationSettings(out["temperature"], out["top_p"], out["top_k"]).validate()
+    return out
 
 
 # --------------------------------------------------------------------------------------------
@@ -182,10 +206,10 @@ def stop_token_ids(target, tokenizer, target_path: str | os.PathLike | None = No
     return tuple(ids)
 
 
-def template_identity(tokenizer) -> dict:
+def template_identity(tokenizer, enable_thinking: bool = False) -> dict:
     template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else json.dumps(
         tokenizer.chat_template, sort_keys=True)
-    return {"add_generation_prompt": True, "enable_thinking": False,
+    return {"add_generation_prompt": True, "enable_thinking": bool(enable_thinking),
             "chat_template_sha256": hashlib.sha256((template or "").encode()).hexdigest()}
 
 
@@ -241,7 +265,8 @@ def regenerate(target, tokenizer, prompts_path: str | os.PathLike, out_path: str
                process_index: int | None = None, process_count: int | None = None,
                target_path: str | os.PathLike | None = None, max_records: int | None = None,
                max_prompt_tokens: int | None = None, cache_multiple: int = 64,
-               progress: bool = True, max_skipped_fraction: float = 0.01) -> RegenerationSummary:
+               progress: bool = True, max_skipped_fraction: float = 0.01,
+               enable_thinking: bool = False) -> RegenerationSummary:
     """Regenerate responses for every prompt of this process's shard not yet in the output.
 
     ``max_records`` stops after that many new records (a partial run; rerun to continue).
@@ -262,12 +287,14 @@ def regenerate(target, tokenizer, prompts_path: str | os.PathLike, out_path: str
     out = shard_output_path(out_path, process_index, process_count)
     summary = RegenerationSummary(output=str(out), prompt_lines=len(prompts), shard_prompts=len(mine),
                                   malformed=malformed)
-    run = _Run(settings=settings, generation=dataclasses.asdict(settings), template=template_identity(tokenizer),
+    run = _Run(settings=settings, generation=dataclasses.asdict(settings),
+               template=template_identity(tokenizer, enable_thinking),
                target_id=target_identity(target, target_path), eos_ids=stop_token_ids(target, tokenizer, target_path))
     done = _resume(out, run, target.config.vocab_size, summary)
     summary.already_done = sum(p.id in done for p in mine)
 
-    usable, token_ids, rejected = _render_all(mine, tokenizer, max_prompt_tokens, target.config.vocab_size, summary)
+    usable, token_ids, rejected = _render_all(mine, tokenizer, max_prompt_tokens, target.config.vocab_size, summary,
+                                              {"enable_thinking": enable_thinking})
     first = (malformed + summary.skipped)[:1]
     rec_lib.check_skipped_fraction(len(malformed) + rejected, len(prompts) + len(malformed), max_skipped_fraction,
                                    str(prompts_path), "max_skipped_fraction",
@@ -379,7 +406,8 @@ def _max_token_chars(tokenizer) -> int:
 
 
 def _render_all(prompts: Sequence[Prompt], tokenizer, max_prompt_tokens: int, vocab_size: int,
-                summary: RegenerationSummary) -> tuple[list[Prompt], list[np.ndarray], int]:
+                summary: RegenerationSummary, template_kwargs: dict | None = None
+                ) -> tuple[list[Prompt], list[np.ndarray], int]:
     """Prompt ids of every prompt that renders, fits the vocabulary and ``max_prompt_tokens``; the
     others go into ``summary.skipped`` with the reason.  Also returns how many were rejected as bad
     (template or vocabulary; a prompt over the length limit is the limit working, not a bad one)."""
@@ -392,7 +420,8 @@ def _render_all(prompts: Sequence[Prompt], tokenizer, max_prompt_tokens: int, vo
                                             f"{max_prompt_tokens} tokens can hold"))
             continue
         try:
-            ids = rec_lib.token_ids(render_prompt(tokenizer, p.messages), "rendered prompt", vocab_size)
+            ids = rec_lib.token_ids(render_prompt(tokenizer, p.messages, template_kwargs), "rendered prompt",
+                                    vocab_size)
         except Exception as e:  # a template may reject a turn order (e.g. system not first)
             why = str(e) if isinstance(e, RecordError) else f"chat template failed: {e}"
             summary.skipped.append((p.line, f"id {p.id!r}: {why}"))
