@@ -1,6 +1,6 @@
 """Only regular files are opened as model, tokenizer, config and data files (d3d_jax/io/files.py):
 a directory, FIFO, socket or device in their place is refused by name before any read.  The
-reference is the file type itself (``os.mkfifo``, a bound socket, ``/dev/zero``); each call runs
+reference is the file type itself (``os.mkfifo``, a bound socket, ``/dev/null``); each call runs
 in a thread with a deadline, since the old failure was a read that never returned."""
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ def _replace(path, kind: str, keep: list) -> None:
         s.bind(str(path))
         keep.append(s)
     else:
-        os.symlink("/dev/zero", path)  # endless bytes: a read that never ends
+        os.symlink("/dev/null", path)  # not /dev/zero: without the check its endless read fills memory
 
 
 def _refused(call, path, kind):
