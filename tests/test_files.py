@@ -1,6 +1,6 @@
 """Only regular files are opened as model, tokenizer, config and data files (d3d_jax/io/files.py):
 a directory, FIFO, socket or device in their place is refused by name before any read.  The
-reference is the file type itself (``os.mkfifo``, a bound socket, ``/dev/zero``); each call runs
+reference is the file type itself (``os.mkfifo``, a bound socket, ``/dev/null``); each call runs
 in a thread with a deadline, since the old failure was a read that never returned."""
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ def _replace(path, kind: str, keep: list) -> None:
         s.bind(str(path))
         keep.append(s)
     else:
-        os.symlink("/dev/zero", path)  # endless bytes: a read that never ends
+        os.symlink("/dev/null", path)  # not /dev/zero: without the check its endless read fills memory
 
 
 def _refused(call, path, kind):
@@ -84,6 +84,7 @@ def _copy(src, dst):
 
 
 def _cases():
+    from d3d_jax.bench.evaluation.benchmarks import read_records
     from d3d_jax.config.base import read_yaml
     from d3d_jax.config.model import load_model_config
     from d3d_jax.io.checkpoint import load_model
@@ -102,12 +103,13 @@ def _cases():
         "jsonl data": ("train.jsonl", lambda d: list(jsonl_lines(d / "train.jsonl"))),
         "gzip data": ("train.jsonl.gz", lambda d: list(jsonl_lines(d / "train.jsonl.gz"))),
         "text data": ("train.txt", lambda d: load_lm_stream(d / "train.txt", object(), None)),
+        "benchmark": ("bench.jsonl", lambda d: read_records(d / "bench.jsonl")),
     }
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
 @pytest.mark.parametrize("case", ["weights", "index", "config.json", "model config", "tokenizer", "tokenizer config",
-                                  "yaml", "jsonl data", "gzip data", "text data"])
+                                  "yaml", "jsonl data", "gzip data", "text data", "benchmark"])
 def test_a_special_file_in_place_of_an_input_is_refused_by_name(model_dir, tmp_path, case, kind):
     name, call = _cases()[case]
     d = _copy(model_dir, tmp_path / "m")

@@ -193,3 +193,12 @@ def test_a_long_number_in_a_safetensors_header_is_refused_by_name(tmp_path):
     (tmp_path / "x.safetensors").write_bytes(len(blob).to_bytes(8, "little") + blob + bytes(4))
     with pytest.raises(ModelFileError, match=r"x.safetensors: tensor w: shape \[a number of 5000 characters\]"):
         SafetensorsFile(tmp_path / "x.safetensors")
+
+
+def test_a_long_number_in_a_benchmark_file_names_the_line_and_key(tmp_path):
+    from d3d_jax.bench.evaluation.benchmarks import read_records
+    from d3d_jax.errors import DataError
+
+    (tmp_path / "b.jsonl").write_text('{"question": "q", "answer": 1}\n{"question": "q", "answer": ' + LONG_INT + "}\n")
+    with pytest.raises(DataError, match=rf"^{tmp_path / 'b.jsonl'}:2: answer: a number of 5,000 characters"):
+        read_records(tmp_path / "b.jsonl")

@@ -24,6 +24,7 @@ from typing import Sequence
 
 import numpy as np
 
+from d3d_jax.config.limits import dotted, json_loads, long_number
 from d3d_jax.errors import DataError
 from d3d_jax.io.files import open_regular
 
@@ -53,15 +54,20 @@ def read_records(path: str | Path) -> list[dict]:
         raw = f.read()
     text = (gzip.decompress(raw) if path.suffix == ".gz" else raw).decode("utf-8")
     if text.lstrip().startswith("["):
-        return json.loads(text)
-    out = []
-    for n, line in enumerate(text.splitlines(), 1):
-        if line.strip():
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{n}: not valid JSON ({e.msg})") from None
-    return out
+        return _bounded(text, f"{path}")
+    return [_bounded(line, f"{path}:{n}") for n, line in enumerate(text.splitlines(), 1) if line.strip()]
+
+
+def _bounded(text: str, where: str):
+    """JSON with its numbers bounded before they are converted (config/limits.py)."""
+    try:
+        value = json_loads(text)
+    except json.JSONDecodeError as e:
+        raise DataError(f"{where}: not valid JSON ({e.msg})") from None
+    found = long_number(value)
+    if found is not None:
+        raise DataError(f"{where}: {dotted(found[0]) or 'the value'}: {found[1].problem()}")
+    return value
 
 
 def _field(rec: dict, names: Sequence[str], where: str):
