@@ -160,7 +160,7 @@ def test_tiny_drafter_reaches_offline_tau(corpus, tmp_path):
     assert taus[1.0] >= 8.0
 
 
-def test_cli_trains_and_exports(corpus, tmp_path):
+def test_cli_trains_and_exports(corpus, tmp_path, capsys):
     sys.path.insert(0, str(REPO / "train"))
     import train_drafter
 
@@ -170,6 +170,13 @@ def test_cli_trains_and_exports(corpus, tmp_path):
                          "data.mask_token_id=3", "data.dev_batches=1", "optim.grad_accum_steps=2",
                          "train.steps=2", "model.num_layers=1", f"train.out_dir={out}", "train.progress_bar=false", "num_devices=1"]
     assert train_drafter.main(args) == 0
+    capsys.readouterr()
+    assert train_drafter.main(args) == 0  # rerun once finished: says so, and the last loss
+    printed = capsys.readouterr().out.splitlines()
+    last_loss = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()
+                 if '"loss"' in l][-1]["loss"]
+    assert json.loads(printed[-1])["loss"] == last_loss  # was: null
+    assert any(f"already complete: step 2 of train.steps=2, last loss {last_loss:.4f}" in l for l in printed)
     hf = json.loads((out / "export/hf/config.json").read_text())
     assert hf["mask_token_id"] == 3 and hf["block_size"] == 16 and hf["num_hidden_layers"] == 1
     lines = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]

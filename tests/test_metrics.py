@@ -1,6 +1,8 @@
 """Decoding metrics against hand-computed values, and the engine's per-request metrics against the
 tokens it produced (every round commits τ tokens; only a request's last round can be cut)."""
 
+import time
+
 import numpy as np
 import pytest
 
@@ -49,3 +51,33 @@ def test_engine_metrics_agree_with_its_tokens():
     s = summarize_outputs(outs)
     assert s["num_tokens"] == 63 and 1.0 < s["tau"] < block
     assert all(p.metrics["tau"] == 1.0 for p in plain)
+
+
+def test_a_batch_that_compiled_has_no_cpu_time_and_one_that_did_not_has_its_own(monkeypatch):
+    """Compile time comes in wall seconds; a compile that waits (a busy host, the disk) takes
+    less CPU than that, and CPU minus compile wall time went negative (-0.069 s)."""
+    from d3d_jax.bench.clock import CompileClock
+    from d3d_jax.decoding import engine
+
+    cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2,
+                      num_kv_heads=1, head_dim=16, tie_word_embeddings=False)
+    target = init_model(cfg, 3)
+    cpu_now = [0.0]
+
+    class StalledCpu:  # the engine's clocks, with a CPU clock that stands still: the batch waited
+        perf_counter = staticmethod(time.perf_counter)
+
+        def process_time(self):
+            return cpu_now[0]
+
+    monkeypatch.setattr(engine, "time", StalledCpu())
+    cold = generate(target, [[1, 2, 3]], max_new_tokens=4, max_cache_len=32, clock=CompileClock)[0].metrics
+    assert cold["compile_s"] > 0 and cold["batch_cpu_s"] is None  # was: 0 - compile_s < 0
+
+    def advancing():  # each read 0.125 s later: the batch's start and end reads
+        cpu_now[0] += 0.125
+        return cpu_now[0]
+
+    monkeypatch.setattr(StalledCpu, "process_time", lambda self: advancing())
+    warm = generate(target, [[1, 2, 3]], max_new_tokens=4, max_cache_len=32, clock=CompileClock)[0].metrics
+    assert warm["compile_s"] == 0 and warm["batch_cpu_s"] == pytest.approx(0.125)  # two reads, 0.125 apart

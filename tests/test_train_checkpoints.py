@@ -191,6 +191,32 @@ def test_killed_save_and_torn_metrics_line_resume_without_repeats(corpus, templa
     assert sorted(os.listdir(run_dir / "checkpoints")) == ["2", "4", "6"]
 
 
+def test_steps_logged_less_often_than_saved_survive_a_kill(corpus, template, tmp_path):
+    """log_every 5, checkpoint_every 2, killed during step 5: the resume from step 4 must still
+    find steps 1-4 logged (they were in memory only, waiting for step 5's log)."""
+    run_dir = tmp_path / "run"
+    tr = Trainer(_cfg(corpus, run_dir, "train.log_every=5"))
+    real = tr.train_step
+
+    def killed_at_step_5(batch):
+        if tr.step == 4:
+            raise KeyboardInterrupt("killed")  # nothing more is written, as with SIGKILL
+        return real(batch)
+
+    tr.train_step = killed_at_step_5
+    with pytest.raises(KeyboardInterrupt):
+        tr.fit()
+    tr.close()
+    resumed = Trainer(_cfg(corpus, run_dir, "train.log_every=5"))
+    assert resumed.step == 4
+    resumed.fit()
+    resumed.close()
+    assert _steps_logged(run_dir) == [1, 2, 3, 4, 5, 6]  # was [5, 6]
+    losses = [json.loads(l)["loss"] for l in (run_dir / "metrics.jsonl").read_text().splitlines()
+              if "loss" in json.loads(l)]
+    np.testing.assert_allclose(losses, template[1], rtol=1e-6)  # the uninterrupted run's
+
+
 def test_trim_metrics_keeps_records_through_the_restored_step(tmp_path):
     path = tmp_path / "metrics.jsonl"
     recs = [{"step": 0, "data_stats": {}}, {"step": 1, "loss": 3.0}, {"step": 2, "loss": 2.0},

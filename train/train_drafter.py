@@ -39,7 +39,7 @@ def main(argv=None) -> int:
     from d3d_jax.training.loop import run
 
     trainer = run(cfg)  # a damaged or mismatched checkpoint: a ConfigError, one line via run_cli
-    last = trainer.history[-1] if trainer.history else {}
+    last = trainer.last_logged()  # a finished run rerun trains nothing: its last logged step
     skipped = {k: v["invalid"] for k, v in trainer.data_stats.items()}
     print(json.dumps({"step": trainer.step, "loss": last.get("loss"), "out_dir": str(trainer.out_dir),
                       "skipped_records": skipped}))

@@ -157,7 +157,10 @@ def _run_batch(dec: SpecDecoder, requests: list[Request], batch_index: int, hook
         timings = dec.run_until_done(hook=hook, loop=loop)
         compile_s = getattr(clk, "seconds", 0.0)
         wall = time.perf_counter() - t0 - compile_s
-        cpu = time.process_time() - c0 - compile_s
+        # compile time is known in wall seconds only (JAX reports spans), and a compile's CPU time
+        # is not its wall time (XLA's threads, waits for the disk or a busy host): taking one from
+        # the other gave negative CPU times, so a batch that compiled has none
+        cpu = time.process_time() - c0 if not compile_s else None
     if hasattr(hook, "finish"):  # a timeline: its per-round means join the batch's metrics
         timings = dict(timings, **hook.finish())
     results = dec.results(slots)
@@ -174,7 +177,7 @@ def _run_batch(dec: SpecDecoder, requests: list[Request], batch_index: int, hook
             for r in results]
 
 
-def _output(r: dict, mode: str, batch_index: int, wall: float, cpu: float, compile_s: float,
+def _output(r: dict, mode: str, batch_index: int, wall: float, cpu: float | None, compile_s: float,
             timings: dict, batch: dict) -> GenerationOutput:
     met = M.request_metrics(r["accept_hist"], len(r["token_ids"]), wall, mode=mode,
                             batch_index=batch_index, draft_s=timings.get("draft_s"),

@@ -69,7 +69,7 @@ def request_metrics(hist: np.ndarray, num_tokens: int, wall_s: float, *, mode: s
         "tokens_per_s": float(num_tokens / wall_s) if wall_s > 0 else float("nan"),
         "draft_s": draft_s,
         "verify_s": verify_s,
-        "batch_cpu_s": cpu_s,  # process CPU time of the batch's decode (CPU hosts)
+        "batch_cpu_s": cpu_s,  # process CPU time of the batch's decode; None when it compiled
         "compile_s": compile_s,
     }
 

@@ -18,8 +18,9 @@ bytes under that key.  A warm start deserializes and runs them.
   compile of the same code), and a compile that JAX's cache answered anyway (this store's entry
   was removed, JAX's was not; counted in ``cache_answered``) is compiled again under a fresh
   name before it is stored.
-* Entries are written atomically; one that cannot be read (damaged, another jaxlib) is logged,
-  removed and compiled again.  Each holds its full key, compared on load.
+* Entries are written atomically; a start removes killed writers' temporary files; an entry that
+  cannot be read (damaged, another jaxlib) is logged, removed and compiled again; failed writes
+  are one line per start.  Each holds its full key, compared on load.
 * :meth:`ProgramStore.preload` reads every entry of this salt that was not used yet (the server
   does it in a background thread after ``READY``: deserializing releases the GIL); a program
   asked for while its entry is being read waits for that read instead of reading it twice.
@@ -46,6 +47,8 @@ from typing import Any, Callable, Mapping
 
 import jax
 import numpy as np
+
+from d3d_jax.io.atomic import remove_stale_temps, write_atomic
 
 log = logging.getLogger("d3d_jax.programs")
 
@@ -141,6 +144,7 @@ class ProgramStore:
         self._reading: dict[str, threading.Event] = {}  # full key -> read in progress
         self._ahead = threading.local()  # .jobs: full key -> (future, output types) in an ahead pass
         self.counts = dict(loaded=0, compiled=0, stored=0, cache_answered=0, damaged=0)
+        self.write_failed = False  # a failed write is logged once per start
         if self.enabled:
             try:
                 self._prune(Path(directory))
@@ -148,6 +152,7 @@ class ProgramStore:
                 if os.access(self.dir, os.R_OK | os.X_OK) and self.dir.is_dir():
                     log.warning("program store: %s is read-only (%s); programs are read from it, new "
                                 "ones kept in memory only", self.dir, e.strerror or e)
+                    self.write_failed = True  # said once: each write that fails is not said again
                 else:  # none there to read: this start compiles, as without a store
                     log.warning("program store: %s is not usable (%s); programs are kept in memory only",
                                 directory, e)
@@ -158,13 +163,14 @@ class ProgramStore:
         directories (each change of the source or a version makes a new one: without this the
         store grows with every edit).  A removed entry costs a compile, never a wrong program."""
         import shutil
-        import time
 
         self.dir.mkdir(parents=True, exist_ok=True)
         now = time.time()
         os.utime(self.dir, (now, now))
         salts = [p for p in root.iterdir() if p.is_dir() and len(p.name) == 32 and p != self.dir]
         salts.sort(key=lambda p: p.stat().st_mtime, reverse=True)
+        if stale := sum(remove_stale_temps(d) for d in [self.dir] + salts[:KEEP_SALTS - 1]):
+            log.warning("program store: removed %d temporary files of writes that never finished", stale)
         for old in salts[KEEP_SALTS - 1:]:
             log.warning("program store: removing %s, not used since %s", old,
                         time.strftime("%Y-%m-%d %H:%M", time.localtime(old.stat().st_mtime)))
@@ -186,7 +192,7 @@ class ProgramStore:
 
     def _write(self, path: Path, entry: _Entry) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
-        _replace(path, zlib.compress(pickle.dumps(dataclasses.asdict(entry), protocol=5), 1))
+        write_atomic(path, zlib.compress(pickle.dumps(dataclasses.asdict(entry), protocol=5), 1))
 
     def _read(self, path: Path) -> _Entry | None:
         """The entry in ``path`` (None: absent); a damaged one is logged and removed."""
@@ -312,21 +318,13 @@ class ProgramStore:
         if not self.enabled:
             return
         try:
-            _replace(self.dir / f"{name}.json", json.dumps(data, indent=1, sort_keys=True).encode())
+            write_atomic(self.dir / f"{name}.json", json.dumps(data, indent=1, sort_keys=True).encode())
         except OSError as e:
             log.warning("program store: note %s not kept (%s)", name, e.strerror or e)
 
     def stored(self) -> int:
         """Entries on disk for this salt."""
         return len(list(self.dir.glob(f"*{SUFFIX}"))) if self.enabled and self.dir.is_dir() else 0
-
-
-def _replace(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` atomically: a temporary name of this process and thread, then
-    renamed (a reader sees the old file or the new one, never part of one)."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
 
 
 def _tuple(x) -> tuple:
@@ -465,7 +463,10 @@ class Program:
             with store._lock:
                 store.counts["stored"] += 1
         except OSError as e:  # a full or read-only disk costs the next start, not this one
-            log.warning("program store: could not write %s: %s", path, e)
+            first, store.write_failed = not store.write_failed, True
+            (log.warning if first else log.debug)(
+                "program store: could not write %s (%s); programs not written are compiled again at "
+                "the next start%s", path.name, e.strerror or e, "" if first else " (again)")
 
     def _ahead(self, jobs: dict, key: tuple, leaves: list, args: tuple, kwargs: dict):
         """One call in :meth:`ProgramStore.ahead`: the outputs' types, the compile queued."""

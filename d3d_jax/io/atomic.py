@@ -1,5 +1,8 @@
-"""Directories that are replaced whole, and writes whose failure names the path: an export is written beside its destination and renamed
-into place, so a kill at any moment leaves either the old export or the new one, never a mix.
+"""Directories that are replaced whole, files written whole, and writes whose failure names the
+path: an export is written beside its destination and renamed into place, so a kill at any moment
+leaves either the old export or the new one, never a mix.  Cache files (compiled programs) are
+written the same way by :func:`write_atomic`; a write that fails removes its temporary file, and
+:func:`remove_stale_temps` removes those of writers that were killed.
 
     with staged_directory(out_dir) as tmp:
         write everything into tmp
@@ -16,11 +19,17 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
+import threading
+import time
 from pathlib import Path
 from typing import Callable, Iterator
 
 from d3d_jax.errors import ResourceError, os_error
+
+STALE_TEMP_S = 3600.0  # a temporary file this old is stale even if its pid is alive (reused pids)
+_TEMP = re.compile(r"^\..+\.(\d+)\.\d+\.tmp$")  # .<name>.<pid>.<thread>.tmp (write_atomic's)
 
 
 def staging_paths(final: Path) -> tuple[Path, Path]:
@@ -109,3 +118,53 @@ def writing(path: str | os.PathLike) -> Iterator[None]:
         yield
     except OSError as e:
         raise os_error(path, e) from None
+
+
+def write_atomic(path: str | os.PathLike, data: bytes) -> None:
+    """Write ``data`` to ``path`` whole: a temporary file of this process and thread in the same
+    directory, renamed over ``path`` (a reader sees the old file or the new one, never part of
+    one).  A write that fails (a full disk) removes its temporary file and raises."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def _writer_gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # another user's process: alive
+        return False
+    return False
+
+
+def remove_stale_temps(directory: str | os.PathLike) -> int:
+    """Remove the temporary files of :func:`write_atomic` in ``directory`` whose writer is gone
+    (killed mid-write) or that are older than ``STALE_TEMP_S``; how many.  A read-only directory
+    removes none."""
+    n, now = 0, time.time()
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return 0
+    for name in names:
+        m = _TEMP.match(name)
+        if m is None:
+            continue
+        path = os.path.join(directory, name)
+        try:
+            old = now - os.lstat(path).st_mtime > STALE_TEMP_S
+            if old or _writer_gone(int(m.group(1))):
+                os.unlink(path)
+                n += 1
+        except OSError:
+            continue
+    return n

@@ -45,7 +45,7 @@ class Event:
 
 
 class QueueFull(RuntimeError):
-    """More requests waiting than ``max_queue``: the HTTP layer answers 503."""
+    """More requests waiting for a slot than ``max_queue``: the HTTP layer answers 503."""
 
 
 class Handle:
@@ -95,6 +95,9 @@ class Scheduler:
         self.num_slots = int(decoder.config.num_slots)
         self._queue: collections.deque[Handle] = collections.deque()
         self._active: dict[int, Handle] = {}  # slot -> handle (scheduler thread only)
+        # slots held by a request, being prefilled or active: counted under the lock, because a
+        # request popped for its prefill is in neither the queue nor _active for a while
+        self._held = 0
         self._cv = threading.Condition()
         self._ids = itertools.count()
         self._thread: threading.Thread | None = None
@@ -108,8 +111,9 @@ class Scheduler:
         with self._cv:
             if self._draining:
                 raise QueueFull("the server is shutting down")
-            if len(self._queue) >= self.max_queue:
-                raise QueueFull(f"{len(self._queue)} requests are already waiting (max_queue)")
+            waiting = self._num_waiting()
+            if waiting >= self.max_queue:
+                raise QueueFull(f"{waiting} requests are already waiting for a slot (max_queue)")
             h = Handle(next(self._ids), request, sink, self._wake, warmup)
             self._queue.append(h)
             self._cv.notify()
@@ -118,6 +122,12 @@ class Scheduler:
     def _wake(self) -> None:
         with self._cv:
             self._cv.notify()
+
+    def _num_waiting(self) -> int:
+        """Queued requests that no free slot takes at the next round (the caller holds the lock):
+        a request with a free slot is only waiting for the round, and ``max_queue`` bounds the
+        ones that wait for another request to finish."""
+        return max(0, len(self._queue) - (self.num_slots - self._held))
 
     @property
     def num_queued(self) -> int:
@@ -224,12 +234,15 @@ class Scheduler:
                 if not self._queue:
                     return
                 h = self._queue.popleft()
+                self._held += 1
             try:
                 prefix = self.decoder.prefill(h.request)
                 slot = free.pop(0)
                 self.decoder.insert(prefix, slot)
             except Exception as e:  # noqa: BLE001 - this request fails, the server goes on
                 log.exception("prefill failed")
+                with self._cv:
+                    self._held -= 1
                 h.done = True
                 self.metrics.record_request("error")
                 self._send(h, Event([], True, "error", error=f"prefill failed: {type(e).__name__}: {e}"))
@@ -284,6 +297,8 @@ class Scheduler:
     def _release(self, slot: int) -> None:
         h = self._active.pop(slot)
         h.done = True
+        with self._cv:
+            self._held -= 1
         try:
             self.decoder.free(slot)
         except Exception:  # noqa: BLE001
@@ -314,3 +329,5 @@ class Scheduler:
             h.done = True
             self._send(h, Event([], True, "error", error=message))
         self._active.clear()
+        with self._cv:
+            self._held = 0

@@ -14,11 +14,13 @@ one sets a field, see :func:`add_arguments`), then ``key=value`` overrides; chec
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import json
 import logging
 import os
+import signal
 import socket
 import threading
 import time
@@ -338,13 +340,46 @@ def uvicorn_server(app, log_level: str, grace_s: float = SHUTDOWN_GRACE_S):
     import uvicorn
 
     class Draining(uvicorn.Server):
+        caught: tuple = ()  # the signals that stopped a server run on the main thread
+
         def handle_exit(self, sig, frame) -> None:
             svc = getattr(app.state, "service", None)
             if svc is not None:
                 svc.scheduler.drain()
             super().handle_exit(sig, frame)
 
+        @contextlib.contextmanager
+        def capture_signals(self):
+            # uvicorn's own re-raises a caught signal into the handler the process inherited: one
+            # started with SIGINT ignored (a background job of a script) drained and exited 0
+            if threading.current_thread() is not threading.main_thread():
+                yield  # signals reach only the main thread: this server is stopped by its owner
+                return
+            inherited = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for sig, handler in inherited.items():
+                    signal.signal(sig, handler)
+            self.caught = tuple(self._captured_signals)
+
+        def run(self, sockets=None) -> None:
+            super().run(sockets=sockets)
+            exit_as_signalled(self.caught)
+
     return Draining(uvicorn_config(app, log_level, grace_s))
+
+
+def exit_as_signalled(caught) -> None:
+    """End as a process stopped by the last of ``caught`` does, whatever handlers it inherited:
+    SIGINT raises KeyboardInterrupt (exit 130 from :func:`~d3d_jax.cli.run_cli`), SIGTERM ends
+    the process by SIGTERM (-15 / 143)."""
+    if not caught:
+        return
+    if caught[-1] == signal.SIGINT:
+        raise KeyboardInterrupt
+    signal.signal(caught[-1], signal.SIG_DFL)
+    signal.raise_signal(caught[-1])
 
 
 def bind(host: str, port: int) -> socket.socket:

@@ -299,6 +299,32 @@ class Trainer:
             self._metrics_file.write(json.dumps(record) + "\n")
             self._metrics_file.flush()
 
+    def last_logged(self) -> dict:
+        """The newest step's metrics: this process's, else (nothing trained since the start: a
+        finished run rerun) the newest training record of ``metrics.jsonl``."""
+        if self.history:
+            return self.history[-1]
+        last: dict = {}
+        try:
+            lines = (self.out_dir / "metrics.jsonl").read_text().splitlines()
+        except OSError:
+            return last
+        for line in lines:
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            last = rec if isinstance(rec, dict) and "loss" in rec else last
+        return last
+
+    def sync_metrics(self) -> None:
+        """The metrics lines written so far, on the disk (not only in the OS's cache)."""
+        if self._metrics_file is not None:
+            from d3d_jax.io.atomic import writing
+
+            with writing(self.out_dir / "metrics.jsonl"):
+                os.fsync(self._metrics_file.fileno())
+
     def save_checkpoint(self) -> None:
         self.check_finite()  # never save a halted state
         self.checkpointer.save(self.step, self.state, self.train_iter.get_state(),
@@ -312,6 +338,12 @@ class Trainer:
         with ``self.stop_signal`` set."""
         tc = self.cfg.train
         until = tc.steps if until is None else min(until, tc.steps)
+        if self.step >= tc.steps:  # a finished run rerun: its checkpoint is the last step
+            last = self.last_logged().get("loss")
+            self.log(f"the run is already complete: step {self.step} of train.steps={tc.steps}"
+                     + (f", last loss {last:.4f}" if isinstance(last, float) else "")
+                     + "; raise train.steps to train further")
+            return []
         if self.step == 0 and self.data_stats:
             self.write_metrics({"step": 0, "data_stats": self.data_stats})
         bar = None

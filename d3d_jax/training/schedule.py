@@ -2,8 +2,10 @@
 stop), each a small function of the trainer and the fit's running state (:class:`FitRun`).
 
 The last step and a stop signal (SIGTERM / SIGINT) trigger a log and a save; ``log_every``,
-``eval_every`` and ``checkpoint_every`` steps trigger theirs; eval runs only with dev data.  The
-events of one step run in :data:`EVENTS` order (the run's export is :func:`loop.run`'s)."""
+``eval_every`` and ``checkpoint_every`` steps trigger theirs; eval runs only with dev data.  A
+save logs first, and its metrics lines are on disk before the checkpoint is written: a resume
+from it, after a kill, finds every step it holds logged once.  The events of one step run in
+:data:`EVENTS` order (the run's export is :func:`loop.run`'s)."""
 
 from __future__ import annotations
 
@@ -37,9 +39,10 @@ def due(trainer, run: FitRun) -> list[str]:
     def every(n: int) -> bool:
         return bool(n) and step % n == 0
 
-    wanted = {"log": done or stopping or every(tc.log_every),
+    save = done or stopping or every(tc.checkpoint_every)
+    wanted = {"log": save or every(tc.log_every),  # steps not logged before a save were lost to a kill
               "eval": bool(trainer.dev_batches) and (done or every(tc.eval_every)),
-              "save": done or stopping or every(tc.checkpoint_every),
+              "save": save,
               "stop": stopping}
     return [name for name in EVENTS if wanted[name]]
 
@@ -64,6 +67,7 @@ def evaluate(trainer, run: FitRun) -> None:
 
 
 def save(trainer, run: FitRun) -> None:
+    trainer.sync_metrics()  # the lines of the steps it holds, on disk before the checkpoint is
     trainer.save_checkpoint()
 
 
