@@ -75,6 +75,24 @@ def test_model_overrides_merge_into_the_yaml_model_file():
     assert (cfg.model.hidden_size, cfg.model.mask_token_id) == (2560, None)
 
 
+@pytest.mark.parametrize("platform,head_dim,want", [
+    ("cpu", 128, "xla"), ("gpu", 128, "pallas"), ("gpu", 48, "xla"), ("tpu", 128, "pallas"), ("tpu", 64, "xla")])
+def test_decoding_attention_auto_picks_the_fused_kernels_where_they_run(monkeypatch, platform, head_dim, want):
+    """--attention auto: the kernels on GPU/TPU for a head width their tiles take, else xla; a
+    backend asked for by name is refused by the key where it cannot run."""
+    from d3d_jax.config import model as M
+
+    monkeypatch.setattr(M, "_platform", lambda: platform)
+    cfg = ModelConfig(num_heads=4, num_kv_heads=2, head_dim=head_dim)
+    assert M.decoding_attention("auto", cfg) == want
+    assert M.decoding_attention("xla", cfg) == "xla"
+    if want == "xla":
+        with pytest.raises(ConfigError, match="models.attention: 'pallas'"):
+            M.decoding_attention("pallas", cfg)
+    with pytest.raises(ConfigError, match="models.attention: must be one of auto|xla|pallas"):
+        M.decoding_attention("flash", cfg)
+
+
 @pytest.mark.parametrize("override,key", [
     ("model.num_layers=many", "model.num_layers: expected an integer"),
     ("model.num_kv_heads=3", "model.num_kv_heads: num_heads=4 must be a multiple"),

@@ -6,7 +6,7 @@ import dataclasses
 
 from d3d_jax.config.base import DTYPES, _require, above, between, one_of
 from d3d_jax.config.limits import INT32_MAX, MAX_CACHE_LEN, MAX_SLOTS, check_sampling, require_int
-from d3d_jax.config.model import MeshConfig
+from d3d_jax.config.model import ATTENTION_CHOICES, MeshConfig
 
 
 # --------------------------------------------------------------------------------------
@@ -32,6 +32,8 @@ class RegenerateConfig:
     process_index: int | None = None  # None: jax.process_index()
     process_count: int | None = None  # None: jax.process_count()
     dtype: str | None = None  # cast the target after loading (None: as stored)
+    # attention backend: auto (the fused kernels on GPU and TPU, xla on a CPU), xla or pallas
+    attention: str = "auto"
     # Each process loads the target onto a mesh over its own devices (prompts, not tensors, are
     # split across processes); num_devices 0 = all of this process's devices.
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
@@ -43,6 +45,7 @@ class RegenerateConfig:
                   max_records=between(1, INT32_MAX), max_prompt_tokens=between(1, MAX_CACHE_LEN),
                   cache_multiple=between(1, MAX_CACHE_LEN), max_skipped_fraction=between(0, 1),
                   process_index=between(0, 1 << 16), process_count=between(1, 1 << 16), dtype=one_of(*DTYPES),
+                  attention=one_of(*ATTENTION_CHOICES),
                   num_devices=between(0, 1 << 16))
 
     def validate(self, prefix: str = "regenerate") -> None:
@@ -65,6 +68,8 @@ class RegenerateConfig:
             if self.process_count is not None:
                 _require(self.process_index < self.process_count, f"{prefix}.process_index",
                          f"must be < process_count={self.process_count}, got {self.process_index}")
+        _require(self.attention in ATTENTION_CHOICES, f"{prefix}.attention",
+                 f"must be one of {'|'.join(ATTENTION_CHOICES)}, got {self.attention!r}")
         if self.dtype is not None:
             _require(self.dtype in DTYPES, f"{prefix}.dtype", f"must be one of {DTYPES}")
 
