@@ -25,7 +25,7 @@ class RegenerateConfig:
     batch_size: int = 8
     max_records: int | None = None  # stop after this many new records (rerun resumes)
     max_prompt_tokens: int | None = None  # None: max_position_embeddings - max_new_tokens
-    cache_multiple: int = 64  # KV cache lengths are rounded up to this (bounded recompiles)
+    cache_multiple: int = 64  # the run's one KV cache length (longest prompt + max_new_tokens) is rounded up to this
     # Malformed prompt lines and prompts the template or vocabulary rejects are skipped and listed;
     # more than this fraction of them stops the run before anything is generated.
     max_skipped_fraction: float = 0.01
