@@ -176,6 +176,16 @@ def test_real_qwen3_shapes_have_the_published_sizes(name):
     assert cfg.tie_word_embeddings == (name in ("qwen3-0.6b", "qwen3-1.7b", "qwen3-4b"))
 
 
+@pytest.mark.parametrize("key", ["target_devices", "drafter_devices"])
+def test_training_refuses_the_decoding_device_split_by_name(key):
+    """mesh.target_devices / drafter_devices split devices for decoding; a training run would
+    silently ignore them, so it refuses them, naming the key."""
+    from d3d_jax.config import TrainRunConfig
+
+    with pytest.raises(ConfigError, match=f"mesh.{key}: is a decoding setting"):
+        load_config(TrainRunConfig, [], [f"mesh.{key}=2", "num_devices=1"])
+
+
 def test_every_shipped_model_and_mesh_config_loads():
     models = sorted((CONFIG_DIR / "models").glob("*.yaml"))
     meshes = sorted((CONFIG_DIR / "meshes").glob("*.yaml"))
