@@ -208,7 +208,7 @@ def load_drafter(cfg, load_model):
     """``(drafter or None, its mask id)`` for the mode; the mode and the drafter agree (checked at load)."""
     if cfg.models.drafter is None:
         return None, cfg.generate.mask_token_id
-    drafter = load_model(cfg.models.drafter, dtype=cfg.models.dtype, stacked=False)  # as decoders run it
+    drafter = load_model(cfg.models.drafter)
     trained, block = drafter.config.block_size, cfg.decoder.block_size
     if block is not None and trained is not None and block > trained:
         raise UsageError(f"--block-size {block} is more than the drafter was trained for ({trained}): its "
@@ -252,7 +252,8 @@ def _check_context(cfg, prompts, target, drafter) -> None:
                                   hint="--allow-beyond-context")
 
 
-def _print(cfg, outs, tokenizer) -> None:
+def _print(cfg, outs, tokenizer, run: dict) -> None:
+    """``run``: what every JSON object also says about how it was decoded (the attention backend)."""
     from d3d_jax.decoding import engine
 
     g = cfg.generate
@@ -262,22 +263,23 @@ def _print(cfg, outs, tokenizer) -> None:
         if g.json:
             print(json.dumps({"index": i, "token_ids": o.token_ids, "text": text,
                               "finish_reason": o.finish_reason, "tau": o.metrics["tau"],
-                              "tokens_per_s": o.metrics["tokens_per_s"], "metrics": o.metrics}))
+                              "tokens_per_s": o.metrics["tokens_per_s"], "metrics": o.metrics, **run}))
         else:
             print(f"--- [{i}] {o.finish_reason}, {len(o.token_ids)} tokens, tau {o.metrics['tau']:.2f}")
             print(text if text is not None else " ".join(map(str, o.token_ids)))
     summary = engine.summarize_outputs(outs)
     compile_s = summary.get("compile_s") or 0.0  # tracing, lowering and compiling: not in tokens_per_s
-    print(json.dumps({"summary": summary}) if g.json else
+    print(json.dumps({"summary": {**summary, **run}}) if g.json else
           f"=== {summary['requests']} prompts, {summary['num_tokens']} tokens, tau {summary['tau']:.2f}, "
-          f"{summary['tokens_per_s']:.1f} tokens/s decoding (compile excluded); compile {compile_s:.2f} s",
+          f"{summary['tokens_per_s']:.1f} tokens/s decoding (compile excluded); compile {compile_s:.2f} s; "
+          f"attention {run['attention']}",
           file=sys.stderr)
 
 
 def main(argv=None):
     args, cfg = parse_args(argv)
     from d3d_jax.decoding import engine
-    from d3d_jax.io.checkpoint import load_model
+    from d3d_jax.io.checkpoint import load_decoding_model
     from d3d_jax.io.hf import has_tokenizer, load_tokenizer
     from d3d_jax.io.pairing import check_pairing
 
@@ -287,7 +289,8 @@ def main(argv=None):
 
     g, m = cfg.generate, cfg.models
     programs = compile_cache.enable(args.compile_cache)  # before anything compiles
-    target = load_model(m.target, dtype=m.dtype, stacked=False)  # as decoders run it
+    load_model = functools.partial(load_decoding_model, dtype=m.dtype, attention=m.attention)
+    target = load_model(m.target)
     vocab = target.config.vocab_size
     tok_path = Path(m.tokenizer) if m.tokenizer else Path(m.target)
     tokenizer = load_tokenizer(tok_path, vocab)[0] if m.tokenizer or has_tokenizer(tok_path) else None
@@ -313,7 +316,7 @@ def main(argv=None):
         raise
     except ValueError as e:  # the engine checks its arguments with ValueError
         raise UsageError(str(e)) from None
-    _print(cfg, outs, tokenizer)
+    _print(cfg, outs, tokenizer, dict(attention=target.config.attention_backend))
     return outs
 
 

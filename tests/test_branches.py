@@ -144,7 +144,7 @@ def test_n_async_counted_from_what_the_packed_forward_is_fed(model, c, f, monkey
     draft_len = np.array([B - 1, B - 2], np.int32)
     alts = np.asarray(br.slot_alternatives(jnp.asarray(rng.normal(size=(2, B, CFG.vocab_size))),
                                            jnp.asarray(block), f))
-    d = ModelDrafter(model, MASK)  # its params: the model unstacked, as a decoder runs it
+    d = ModelDrafter(model, MASK)  # its params: the model's own
     monkeypatch.setattr(Qwen3, "__call__", recording)
     d.branch_pack(  # eager: the metadata are concrete arrays
         d.params, cache, jnp.asarray(block), jnp.asarray(alts), jnp.asarray(s),

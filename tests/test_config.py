@@ -75,6 +75,24 @@ def test_model_overrides_merge_into_the_yaml_model_file():
     assert (cfg.model.hidden_size, cfg.model.mask_token_id) == (2560, None)
 
 
+@pytest.mark.parametrize("platform,head_dim,want", [
+    ("cpu", 128, "xla"), ("gpu", 128, "pallas"), ("gpu", 48, "xla"), ("tpu", 128, "pallas"), ("tpu", 64, "xla")])
+def test_decoding_attention_auto_picks_the_fused_kernels_where_they_run(monkeypatch, platform, head_dim, want):
+    """--attention auto: the kernels on GPU/TPU for a head width their tiles take, else xla; a
+    backend asked for by name is refused by the key where it cannot run."""
+    from d3d_jax.config import model as M
+
+    monkeypatch.setattr(M, "_platform", lambda: platform)
+    cfg = ModelConfig(num_heads=4, num_kv_heads=2, head_dim=head_dim)
+    assert M.decoding_attention("auto", cfg) == want
+    assert M.decoding_attention("xla", cfg) == "xla"
+    if want == "xla":
+        with pytest.raises(ConfigError, match="models.attention: 'pallas'"):
+            M.decoding_attention("pallas", cfg)
+    with pytest.raises(ConfigError, match="models.attention: must be one of auto|xla|pallas"):
+        M.decoding_attention("flash", cfg)
+
+
 @pytest.mark.parametrize("override,key", [
     ("model.num_layers=many", "model.num_layers: expected an integer"),
     ("model.num_kv_heads=3", "model.num_kv_heads: num_heads=4 must be a multiple"),
@@ -156,6 +174,16 @@ def test_real_qwen3_shapes_have_the_published_sizes(name):
     digits = 2 if published < 1e9 or published == 6.95e9 else 1  # as printed on the cards
     assert round((total - embedding) / 1e9, digits) == round(published / 1e9, digits), name
     assert cfg.tie_word_embeddings == (name in ("qwen3-0.6b", "qwen3-1.7b", "qwen3-4b"))
+
+
+@pytest.mark.parametrize("key", ["target_devices", "drafter_devices"])
+def test_training_refuses_the_decoding_device_split_by_name(key):
+    """mesh.target_devices / drafter_devices split devices for decoding; a training run would
+    silently ignore them, so it refuses them, naming the key."""
+    from d3d_jax.config import TrainRunConfig
+
+    with pytest.raises(ConfigError, match=f"mesh.{key}: is a decoding setting"):
+        load_config(TrainRunConfig, [], [f"mesh.{key}=2", "num_devices=1"])
 
 
 def test_every_shipped_model_and_mesh_config_loads():

@@ -84,6 +84,28 @@ def test_continuous_batching_equals_solo_greedy(setup, mode):
     assert slots_in_use(dec) == []
 
 
+def test_the_decoder_reads_the_callers_weights_in_place(setup):
+    """No copy of a caller's weights: a stacked model's arrays (training's layout) and a per-layer
+    model's are the very arrays the decoder binds, drafter's too; either layout decodes the solo
+    greedy tokens."""
+    from flax import nnx
+
+    from d3d_jax.model.qwen3 import unstacked
+
+    s = setup
+    own = lambda m: {id(x) for x in jax.tree.leaves(nnx.state(m))}  # noqa: E731
+    dec = _decoder(s, "sync")
+    assert {id(x) for x in dec._params[0]} == own(s["target"])
+    assert {id(x) for x in dec._params[1]} == own(s["drafter"])
+    loose = unstacked(s["target"])
+    cfg = DecoderConfig(mode="plain", num_slots=SLOTS, max_cache_len=CACHE, block_size=BLOCK)
+    dec = SpecDecoder(loose, None, cfg)
+    assert {id(x) for x in dec._params[0]} == own(loose)
+    reqs = [Request(p, max_new_tokens=n, index=i) for i, (p, n) in enumerate(zip(s["prompts"][:2], MAX_NEW))]
+    tokens, _ = serve(dec, reqs, schedule=[0, 0])
+    assert [tokens[i] for i in (0, 1)] == [s["solo"][i][: MAX_NEW[i]] for i in (0, 1)]
+
+
 def test_eos_and_stop_per_request(setup):
     """Each request carries its own EOS/stop ids (data, not static): cut exactly where the solo
     greedy output first hits them."""

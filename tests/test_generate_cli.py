@@ -14,7 +14,7 @@ import pytest
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from d3d_jax.config import ModelConfig
+from d3d_jax.config import ConfigError, ModelConfig
 from d3d_jax.errors import UsageError
 from d3d_jax.io.checkpoint import save_params
 from d3d_jax.io.hf import load_tokenizer
@@ -79,6 +79,8 @@ def test_json_output_sync_mode_matches_transformers(dirs, tmp_path, capsys):
     prompts = [tok.encode(text, add_special_tokens=False), [1, 2, 3], [7, 8, 9, 10, 11],
                tok.encode(chat, add_special_tokens=False)]
     assert len(rows) == 4 and summary["requests"] == 4
+    # --attention auto on a CPU: the reference backend, said in every object
+    assert {r["attention"] for r in rows} == {"xla"} and summary["attention"] == "xla"
     for row, prompt in zip(rows, prompts):
         assert row["token_ids"] == _hf_greedy(dirs["hf"], prompt)
         assert row["text"] == tok.decode(row["token_ids"], skip_special_tokens=True)  # as the server
@@ -105,6 +107,8 @@ def test_plain_sampling_flags_and_overrides(dirs, capsys):
         cli.main(["--target", str(dirs["target"]), "--prompt-ids", "1", "--top-p", "2"])
     with pytest.raises(UsageError, match="no prompts"):
         cli.main(["--target", str(dirs["target"])])
+    with pytest.raises(ConfigError, match="models.attention: 'pallas' needs gpu or tpu"):
+        cli.main(["--target", str(dirs["target"]), "--prompt-ids", "1", "--attention", "pallas"])
 
 
 def test_cli_help_runs_as_a_program():

@@ -333,6 +333,31 @@ def test_greedy_regeneration_equals_engine_plain_greedy(target, tokenizer, promp
         assert seq[len(r["prompt_token_ids"]):] == r["response_token_ids"]
 
 
+def test_one_decoder_reads_the_target_in_place_for_every_prompt_length(target, tokenizer, prompts_file,
+                                                                        tmp_path, monkeypatch):
+    """Batches whose prompts pad to 3+ cache lengths share one decoder, bound to the target's own
+    arrays (no copy of the weights per length), and write the tokens a one-length run writes."""
+    import jax
+    from flax import nnx
+
+    from d3d_jax.decoding import engine
+
+    built = []
+    make = engine.make_decoder
+    monkeypatch.setattr(engine, "make_decoder", lambda *a, **k: built.append(make(*a, **k)) or built[-1])
+    one = tmp_path / "one.jsonl"
+    _run(target, tokenizer, prompts_file, one, settings=GREEDY, batch_size=2, cache_multiple=256)
+    many = tmp_path / "many.jsonl"
+    _run(target, tokenizer, prompts_file, many, settings=GREEDY, batch_size=2, cache_multiple=4)
+    lengths = [len(r["prompt_token_ids"]) for r in _lines(many)]
+    assert len({rg._round_up(n, 4) for n in lengths}) >= 3  # the prompts span 3+ length buckets
+    assert len(built) == 2  # one decoder per run, whatever the prompts' lengths
+    own = {id(x) for x in jax.tree.leaves(nnx.state(target))}
+    assert all(id(x) in own for x in built[1]._params[0])  # the target's arrays, not a copy
+    by_id = {r["id"]: r["response_token_ids"] for r in _lines(one)}
+    assert {r["id"]: r["response_token_ids"] for r in _lines(many)} == by_id
+
+
 def test_records_load_in_training_pipeline_without_conversion(full_run, tokenizer):
     import numpy as np
 

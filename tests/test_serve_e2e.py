@@ -181,6 +181,7 @@ def test_load_200_requests_with_cancellations(models, tmp_path):
                             "--num-slots", "8", "--max-model-len", "192", "--warmup-max-prompt", "64",
                             "--served-model-name", "demo"],
                            timeout_s=900, env=env)
+    assert " mode=auto attention=xla " in server.ready  # --attention auto on a CPU: the reference
     try:
         # warm-up: every prompt once (all prefill buckets compiled), then the baseline RSS
         asyncio.run(_load(server.url, "load-test-key", [(p, 4, None) for p in pool], 120))

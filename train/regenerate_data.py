@@ -23,7 +23,7 @@ import sys
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-from d3d_jax.config import RegenerateConfig, load_config  # noqa: E402
+from d3d_jax.config import ATTENTION_CHOICES, RegenerateConfig, load_config  # noqa: E402
 
 
 def check_before_loading(args, cfg):
@@ -57,6 +57,8 @@ def main(argv=None) -> int:
     ap.add_argument("--max-new-tokens", type=int)
     ap.add_argument("--batch-size", type=int)
     ap.add_argument("--seed", type=int)
+    ap.add_argument("--attention", choices=ATTENTION_CHOICES,
+                    help="attention backend: auto (default: the fused kernels on GPU and TPU, xla on a CPU), xla or pallas")
     ap.add_argument("--max-records", type=int)
     ap.add_argument("--process-index", type=int)
     ap.add_argument("--process-count", type=int)
@@ -72,9 +74,9 @@ def main(argv=None) -> int:
     args = ap.parse_intermixed_args(argv)  # key=value before and after each --config
 
     flags = {"greedy": args.greedy, "max_new_tokens": args.max_new_tokens, "batch_size": args.batch_size,
-             "seed": args.seed, "max_records": args.max_records, "process_index": args.process_index,
-             "process_count": args.process_count, "endpoint": args.endpoint, "concurrency": args.concurrency,
-             "model": args.model, "enable_thinking": args.enable_thinking}
+             "seed": args.seed, "attention": args.attention, "max_records": args.max_records,
+             "process_index": args.process_index, "process_count": args.process_count, "endpoint": args.endpoint,
+             "concurrency": args.concurrency, "model": args.model, "enable_thinking": args.enable_thinking}
     overrides = [f"{k}={v}" for k, v in flags.items() if v is not None] + list(args.overrides)
     cfg = load_config(RegenerateConfig, args.config, overrides)
     if args.merge:
@@ -96,7 +98,7 @@ def main(argv=None) -> int:
 
     import jax
 
-    from d3d_jax.io.checkpoint import load_model
+    from d3d_jax.io.checkpoint import load_decoding_model
     from d3d_jax.parallel.sharding import make_mesh
     from d3d_jax.training import regenerate as rg
 
@@ -105,9 +107,11 @@ def main(argv=None) -> int:
     if cfg.num_devices > len(devices):
         raise UsageError(f"num_devices={cfg.num_devices} but this process has {len(devices)} devices")
     mesh = make_mesh(cfg.mesh, devices[: cfg.num_devices or len(devices)])
-    target = load_model(args.target, mesh=mesh, dtype=cfg.dtype)
+    # one module per layer, as the decoder runs it: the decoder reads these arrays, no copy
+    target = load_decoding_model(args.target, mesh=mesh, dtype=cfg.dtype, attention=cfg.attention)
     summary = rg.regenerate(target, tokenizer, args.prompts, args.out,
-                            settings=rg.settings_from_config(cfg, args.target), batch_size=cfg.batch_size, process_index=cfg.process_index,
+                            settings=rg.settings_from_config(cfg, args.target), batch_size=cfg.batch_size,
+                            process_index=cfg.process_index,
                             process_count=cfg.process_count, target_path=args.target,
                             max_records=cfg.max_records, max_prompt_tokens=cfg.max_prompt_tokens,
                             cache_multiple=cfg.cache_multiple, progress=not args.no_progress,

@@ -67,10 +67,10 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 def _model(name: str, dtype: str | None, seed: int):
     from d3d_jax.config import load_model_config
-    from d3d_jax.model.qwen3 import init_model
+    from d3d_jax.model.qwen3 import init_model, unstacked
 
     overrides = [f"dtype={dtype}", f"param_dtype={dtype}"] if dtype else []
-    return init_model(load_model_config(name, overrides), seed)
+    return unstacked(init_model(load_model_config(name, overrides), seed))  # as the commands load one
 
 
 def _summary(outs) -> dict:

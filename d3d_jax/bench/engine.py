@@ -72,7 +72,7 @@ def _build_models(args):
     hf = Qwen3ForCausalLM(cfg).eval()
     with tempfile.TemporaryDirectory() as d:
         hf.save_pretrained(d)
-        ours = load_qwen3(d, dtype=args.dtype)
+        ours = load_qwen3(d, dtype=args.dtype, stacked=False)  # as the commands load a target
     return hf, ours
 
 

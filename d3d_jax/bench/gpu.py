@@ -164,9 +164,9 @@ def param_bytes(spec: ModelSpec) -> int:
 
 
 def build(spec: ModelSpec, seed: int):
-    from d3d_jax.model.qwen3 import init_model
+    from d3d_jax.model.qwen3 import init_model, unstacked
 
-    model = init_model(model_config(spec), seed)
+    model = unstacked(init_model(model_config(spec), seed))  # as the commands load one (decoders read it in place)
     jax.block_until_ready(jax.tree.leaves(nnx.state(model)))
     return model
 

@@ -90,12 +90,12 @@ class EventLog:
 
 def _model(args, seed: int, layers: int):
     from d3d_jax.config import ModelConfig
-    from d3d_jax.model.qwen3 import init_model
+    from d3d_jax.model.qwen3 import init_model, unstacked
 
     cfg = ModelConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
                       num_layers=layers, num_heads=args.heads, num_kv_heads=args.kv_heads,
                       head_dim=args.head_dim, max_position_embeddings=4096, mask_token_id=args.vocab - 1)
-    return init_model(cfg, seed)
+    return unstacked(init_model(cfg, seed))  # as the commands load one
 
 
 def measure(args) -> list[dict]:

@@ -43,7 +43,10 @@ def tiny_setup(workdir: str | Path, num_prompts: int = 32, model: str = "tiny", 
     texts = [f"Continue this scene:\n{p}" for p in passages[:num_prompts]]
     if len(texts) < num_prompts:
         raise ValueError(f"only {len(texts)} prompt passages available, {num_prompts} requested")
-    return init_model(cfg, seed), tokenizer, write_prompts(workdir / "prompts.jsonl", texts)
+    from d3d_jax.model.qwen3 import unstacked
+
+    # per layer, as train/regenerate_data.py loads one (the decoder reads it in place)
+    return unstacked(init_model(cfg, seed)), tokenizer, write_prompts(workdir / "prompts.jsonl", texts)
 
 
 def write_prompts(path: str | Path, texts: Sequence[str]) -> Path:
@@ -125,7 +128,7 @@ def main(args: argparse.Namespace) -> list[dict]:
 
             from d3d_jax.io.checkpoint import load_model
 
-            target = load_model(args.target)
+            target = load_model(args.target, stacked=False)
             tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.target, local_files_only=True)
             prompts = args.prompts
         else:

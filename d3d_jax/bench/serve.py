@@ -132,6 +132,7 @@ class ServerProcess:
             if sel.select(timeout=0.5):
                 line = self.proc.stdout.readline()
                 if line.startswith("READY "):
+                    self.ready = line.strip()  # what the server says it runs (mode, attention, ...)
                     return line.split()[1]
         self.log.flush()
         self.log.seek(0)

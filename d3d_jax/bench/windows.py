@@ -92,8 +92,8 @@ def step_seconds(target, drafter, mode: str, active: int, args) -> tuple[float, 
 def main(args) -> int:
     from d3d_jax.io.checkpoint import load_model
 
-    target = load_model(args.target, dtype=args.dtype)
-    drafter = load_model(args.drafter, dtype=args.dtype)
+    target = load_model(args.target, dtype=args.dtype, stacked=False)  # as the commands load them
+    drafter = load_model(args.drafter, dtype=args.dtype, stacked=False)
     rows, report = [], {"settings": {k: v for k, v in vars(args).items() if k != "func"},
                         "load_avg_start": os.getloadavg(), "results": []}
     for mode in [m for m in args.modes.split(",") if m]:

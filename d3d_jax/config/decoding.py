@@ -15,6 +15,7 @@ import dataclasses
 import numbers
 
 from d3d_jax.config.base import DTYPES, TEXT, _require, between, one_of
+from d3d_jax.config.model import ATTENTION_CHOICES
 from d3d_jax.config.limits import MAX_BLOCK_SIZE, MAX_CACHE_LEN, MAX_SLOTS, require_int
 
 MODES = ("plain", "sync", "async", "auto")
@@ -46,14 +47,20 @@ class ModelPaths:
     drafter: str | None = None  # drafter checkpoint (every mode but plain)
     tokenizer: str | None = None  # tokenizer directory; None: the target's, else the drafter's
     dtype: str | None = None  # parameter/compute dtype of both models; None: each checkpoint's
+    # attention backend of both models: auto (the fused kernels on GPU and TPU, xla on a CPU),
+    # xla or pallas (d3d_jax.config.model.decoding_attention)
+    attention: str = "auto"
 
     # each field's valid values, checked by config.base.check_fields for every loader
-    BOUNDS = dict(target=TEXT, drafter=TEXT, tokenizer=TEXT, dtype=one_of(*DTYPES))
+    BOUNDS = dict(target=TEXT, drafter=TEXT, tokenizer=TEXT, dtype=one_of(*DTYPES),
+                  attention=one_of(*ATTENTION_CHOICES))
 
     def validate(self, prefix: str = "models") -> None:
         _require(self.target is not None, f"{prefix}.target", "is required (--target PATH)")
         _require(self.dtype is None or self.dtype in DTYPES, f"{prefix}.dtype",
                  f"must be one of {'|'.join(DTYPES)}, got {self.dtype!r}")
+        _require(self.attention in ATTENTION_CHOICES, f"{prefix}.attention",
+                 f"must be one of {'|'.join(ATTENTION_CHOICES)}, got {self.attention!r}")
 
 
 def _given(value, default):

@@ -16,6 +16,7 @@ from typing import Any
 
 from d3d_jax.config.base import ConfigError, _check_bound, load_config
 from d3d_jax.config.decoding import MODES
+from d3d_jax.config.model import ATTENTION_CHOICES
 
 
 def add_config_arguments(p: argparse.ArgumentParser, example: str) -> None:
@@ -44,6 +45,8 @@ def add_model_flags(p, *, mode: bool = True) -> None:
     config_flag(p, "--tokenizer", key="models.tokenizer", help="tokenizer dir (default: the target's)")
     config_flag(p, "--dtype", key="models.dtype",
                 help="parameter/compute dtype of the models (default: each checkpoint's; on a CPU float32 is the fast one)")
+    config_flag(p, "--attention", key="models.attention", choices=ATTENTION_CHOICES,
+                help="attention backend: auto (default: the fused kernels on GPU and TPU, xla on a CPU), xla or pallas")
 
 
 def add_auto_flags(p) -> None:

@@ -134,8 +134,8 @@ class ModelConfig:
                 _require(0 <= value < self.vocab_size, f"{prefix}.{key}",
                          f"{value} is outside the vocabulary [0, {self.vocab_size})")
 
-    def _validate_attention(self, prefix: str) -> None:
-        key, h = f"{prefix}.attention_backend", self.head_dim
+    def _validate_attention(self, prefix: str, key: str | None = None) -> None:
+        key, h = key or f"{prefix}.attention_backend", self.head_dim
         check_attention_backend(self.attention_backend, key)
         if self.attention_backend != "pallas":
             return
@@ -211,6 +211,29 @@ class ModelConfig:
             if getattr(self, k) is not None:
                 d[k] = getattr(self, k)
         return d
+
+
+# What a decoding command's --attention chooses between; auto resolves by
+# :func:`decoding_attention`.
+ATTENTION_CHOICES = ("auto", "xla", "pallas")
+
+
+def decoding_attention(choice: str, cfg: ModelConfig, key: str = "models.attention") -> str:
+    """The attention backend a decoding command runs ``cfg``'s model on.  ``auto``: the fused
+    kernels (``pallas``) on GPU and TPU where this model's head width suits them, else ``xla``
+    (a CPU runs the reference faster than the kernels interpreted); another choice as given,
+    refused by name where this platform or this model cannot run it."""
+    _require(choice in ATTENTION_CHOICES, key, f"must be one of {'|'.join(ATTENTION_CHOICES)}, got {choice!r}")
+    if choice != "auto":
+        dataclasses.replace(cfg, attention_backend=choice)._validate_attention("", key)
+        return choice
+    if _platform() not in ATTENTION_BACKENDS["pallas"]:
+        return "xla"
+    try:
+        dataclasses.replace(cfg, attention_backend="pallas")._validate_attention("", key)
+    except ConfigError:  # e.g. a head width Triton cannot tile: the reference runs it
+        return "xla"
+    return "pallas"
 
 
 # --------------------------------------------------------------------------------------

@@ -6,7 +6,7 @@ import dataclasses
 
 from d3d_jax.config.base import DTYPES, TEXT, _require, above, between, one_of
 from d3d_jax.config.limits import INT32_MAX, MAX_CACHE_LEN, MAX_SLOTS, check_sampling, require_int
-from d3d_jax.config.model import MeshConfig
+from d3d_jax.config.model import ATTENTION_CHOICES, MeshConfig
 
 
 # --------------------------------------------------------------------------------------
@@ -30,13 +30,15 @@ class RegenerateConfig:
     batch_size: int = 8
     max_records: int | None = None  # stop after this many new records (rerun resumes)
     max_prompt_tokens: int | None = None  # None: max_position_embeddings - max_new_tokens
-    cache_multiple: int = 64  # KV cache lengths are rounded up to this (bounded recompiles)
+    cache_multiple: int = 64  # the run's one KV cache length (longest prompt + max_new_tokens) is rounded up to this
     # Malformed prompt lines and prompts the template or vocabulary rejects are skipped and listed;
     # more than this fraction of them stops the run before anything is generated.
     max_skipped_fraction: float = 0.01
     process_index: int | None = None  # None: jax.process_index()
     process_count: int | None = None  # None: jax.process_count()
     dtype: str | None = None  # cast the target after loading (None: as stored)
+    # attention backend: auto (the fused kernels on GPU and TPU, xla on a CPU), xla or pallas
+    attention: str = "auto"
     # Each process loads the target onto a mesh over its own devices (prompts, not tensors, are
     # split across processes); num_devices 0 = all of this process's devices.
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
@@ -56,6 +58,7 @@ class RegenerateConfig:
                   max_records=between(1, INT32_MAX), max_prompt_tokens=between(1, MAX_CACHE_LEN),
                   cache_multiple=between(1, MAX_CACHE_LEN), max_skipped_fraction=between(0, 1),
                   process_index=between(0, 1 << 16), process_count=between(1, 1 << 16), dtype=one_of(*DTYPES),
+                  attention=one_of(*ATTENTION_CHOICES),
                   num_devices=between(0, 1 << 16), endpoint=TEXT, model=TEXT, concurrency=between(1, 4096),
                   request_timeout_s=above(0, 1e6), retry_s=between(0, 1e7))
 
@@ -80,6 +83,8 @@ class RegenerateConfig:
             if self.process_count is not None:
                 _require(self.process_index < self.process_count, f"{prefix}.process_index",
                          f"must be < process_count={self.process_count}, got {self.process_index}")
+        _require(self.attention in ATTENTION_CHOICES, f"{prefix}.attention",
+                 f"must be one of {'|'.join(ATTENTION_CHOICES)}, got {self.attention!r}")
         if self.dtype is not None:
             _require(self.dtype in DTYPES, f"{prefix}.dtype", f"must be one of {DTYPES}")
 

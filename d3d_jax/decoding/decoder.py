@@ -12,6 +12,12 @@ JetStream's prefill / insert / generate; the caller picks free slots)::
     dec.free(slot)                            # finished or cancelled
     dec.run_until_done()                      # or: every active slot to its end
 
+* **The caller's weights, read in place.** The decoder binds the models' own arrays and never
+  copies them (on one device; a device split places each model's on its slice).  A model loaded
+  one module per layer (``load_decoding_model``, ``stacked=False``: what the commands load) is
+  what runs fastest; a stacked model (training's layout) is read as it is, its layers run by one
+  scan that slices each layer's weights per step (slower on CPU and GPU, :mod:`~d3d_jax.model.qwen3`).
+  Make the per-layer copy yourself (``qwen3.unstacked``) if you keep decoding a stacked model.
 * **Placement.** Live requests sit packed at the low device rows
   (:class:`~d3d_jax.decoding.window.RowPlacement`); a round runs over the smallest bucketed
   window holding them, so its cost follows the live requests, not the slots.  Slots are stable
@@ -98,12 +104,6 @@ def _strategy(ctx: Context):
             "auto": AutoStrategy}[ctx.config.mode](ctx)
 
 
-def _unstacked(model):
-    from d3d_jax.model.qwen3 import Qwen3, unstacked
-
-    return unstacked(model) if isinstance(model, Qwen3) else model
-
-
 class SpecDecoder:
     """Plain, sync, async or auto decoding over a fixed set of slots (see the module doc)."""
 
@@ -112,7 +112,6 @@ class SpecDecoder:
         (:class:`~d3d_jax.decoding.programs.ProgramStore`; None: in memory only).  ``config`` was
         checked when it was built; here it meets the models."""
         self.config = cfg = config
-        target = _unstacked(target)  # one module per layer: no weight slices per step (qwen3 doc)
         self.vocab_size = target.config.vocab_size
         self._trees = [None, None]
         self.strategy = _strategy(self._context(target, drafter, program_dir))
@@ -499,7 +498,7 @@ class SpecDecoder:
 
 def load_weights(decoder: SpecDecoder, target, drafter=None) -> None:
     """(Re)bind ``decoder``'s weights: the structure it was built for (no recompile)."""
-    decoder._bind(nnx.state(_unstacked(target)), drafter)
+    decoder._bind(nnx.state(target), drafter)
 
 
 def slots_in_use(decoder: SpecDecoder) -> list[int]:

@@ -141,10 +141,8 @@ class ModelDrafter:
             raise ValueError("drafter mask_token_id is unknown: pass mask_token_id= (config.json has none)")
         if not 0 <= int(mask) < cfg.vocab_size:
             raise ValueError(f"drafter mask_token_id {mask} is outside its vocabulary [0, {cfg.vocab_size})")
-        from d3d_jax.model.qwen3 import unstacked
-
-        # one module per layer: a decoder's forwards read each layer's weights where they lie
-        self.graphdef, self.params = nnx.split(unstacked(model))
+        # the model's own arrays, never a copy (a decoder reads them in place; the decoder doc)
+        self.graphdef, self.params = nnx.split(model)
         self.config = cfg
         self.vocab_size = cfg.vocab_size
         self.mask_token_id = int(mask)

@@ -25,7 +25,7 @@ from d3d_jax.decoding.decoder_config import DecoderConfig, Request, decoder_conf
 from d3d_jax.decoding.drafting import ModelDrafter, ReplayDrafter, as_drafter
 from d3d_jax.decoding.verify import SamplingParams
 
-__all__ = ["SamplingParams", "GenerationOutput", "generate", "make_decoder", "cache_len_for",
+__all__ = ["SamplingParams", "GenerationOutput", "generate", "make_decoder", "cache_len_for", "decoding_layout",
            "summarize_outputs", "ModelDrafter", "ReplayDrafter", "MODES"]
 
 
@@ -34,6 +34,15 @@ class GenerationOutput:
     token_ids: list[int]  # generated ids only
     finish_reason: str  # "eos" | "stop" | "length"
     metrics: dict
+
+
+def decoding_layout(model):
+    """``model`` laid out as decoders run it fastest: a stacked Qwen3 becomes one module per layer
+    (a copy of its weights, made here by the caller's choice: a decoder never copies); an
+    unstacked model, a non-model drafter or None as given."""
+    from d3d_jax.model.qwen3 import Qwen3, unstacked
+
+    return unstacked(model) if isinstance(model, Qwen3) else model
 
 
 def make_decoder(target, drafter=None, *, mode: str = "plain", num_slots: int = 1,

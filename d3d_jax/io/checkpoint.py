@@ -122,6 +122,19 @@ def is_params_checkpoint(path: str | os.PathLike) -> bool:
     return (Path(path) / PARAMS_CONFIG_FILE).exists()
 
 
+def load_decoding_model(path: str | os.PathLike, *, dtype: str | None = None, attention: str = "auto",
+                        mesh: Mesh | None = None, rules: Sequence[tuple[str, Any]] | None = None) -> Qwen3:
+    """A model as decoders run it: one module per layer, read straight into that layout, on the
+    attention backend ``attention`` (``auto``/``xla``/``pallas``, the commands' ``--attention``)
+    resolves to for this platform and model (:func:`~d3d_jax.config.model.decoding_attention`)."""
+    from d3d_jax.config.model import decoding_attention
+
+    backend = attention
+    if Path(path).is_dir():  # else load_model names the bad path
+        backend = decoding_attention(attention, stored_model_config(path))
+    return load_model(path, mesh=mesh, dtype=dtype, rules=rules, stacked=False, attention_backend=backend)
+
+
 def load_model(path: str | os.PathLike, mesh: Mesh | None = None, dtype: str | None = None, *,
                rules: Sequence[tuple[str, Any]] | None = None, stacked: bool = True,
                **config_overrides: Any) -> Qwen3:

@@ -37,7 +37,10 @@ def regenerate(p: Context) -> None:
         for i, pair in enumerate(regen_prompt_pairs(c)):
             f.write(json.dumps({"id": f"{pair['source']}-{i}",
                                 "messages": [{"role": "user", "content": pair["prompt"]}]}) + "\n")
-    target = p.load(p.model_dir("target"))
+    from d3d_jax.decoding.engine import decoding_layout
+
+    # per layer, the layout the decoder runs fast; the stacked load is dropped (one copy)
+    target = decoding_layout(p.load(p.model_dir("target")))
     settings = (regen.GenerationSettings.greedy(c.regen_max_new_tokens, c.seed) if c.regen_greedy
                 else regen.GenerationSettings(max_new_tokens=c.regen_max_new_tokens, seed=c.seed))
     summary = regen.regenerate(target, p.tokenizer(), prompts_path, p.regen_path, settings=settings,

@@ -136,14 +136,14 @@ def load(cfg: ServeConfig):
     """(decoder, tokenizer, eos ids, target model) for the settings; bad settings and files end in one error line."""
     from d3d_jax.decoding.decoder import SpecDecoder
     from d3d_jax.errors import UsageError
-    from d3d_jax.io.checkpoint import load_model
+    from d3d_jax.io.checkpoint import load_decoding_model
     from d3d_jax.io.hf import eos_token_ids, load_tokenizer
     from d3d_jax.io.pairing import check_pairing
 
     m = cfg.models
     tokenizer = load_tokenizer(_tokenizer_dir(m))[0]
-    target = load_model(m.target, dtype=m.dtype, stacked=False)  # as decoders run it
-    drafter = load_model(m.drafter, dtype=m.dtype, stacked=False) if m.drafter else None
+    target = load_decoding_model(m.target, dtype=m.dtype, attention=m.attention)
+    drafter = load_decoding_model(m.drafter, dtype=m.dtype, attention=m.attention) if m.drafter else None
     eos_ids = eos_token_ids(target.config, tokenizer)
     check_pairing(tokenizer, target.config, drafter.config if drafter is not None else None, eos_ids=eos_ids,
                   where=f"--drafter {m.drafter}")
@@ -462,7 +462,7 @@ def main(args) -> None:
     host, port = sock.getsockname()[:2]
     # one machine-readable line: tests and infer/bench.py serve wait for it
     print(f"READY http://{host}:{port} model={svc.model_name} mode={decoder.config.mode} "
-          f"slots={svc.scheduler.num_slots} auth={'on' if api_key else 'off'} "
+          f"attention={target.config.attention_backend} slots={svc.scheduler.num_slots} auth={'on' if api_key else 'off'} "
           f"start_s={time.perf_counter() - t_start:.1f}", flush=True)
     server = uvicorn_server(create_app(svc), srv.log_level)
     try:

@@ -137,7 +137,7 @@ def _tau_measure(cfg: Any, tokenizer: Any, vocab: int, mask_id: int) -> tuple[Ca
                                            seed=dc.seed + 12345, shuffle=False, vocab_size=vocab)
         dev = data_lib.take_batches(dev_ds, dc.dev_batches)
         return OfflineTau(dev, dc.block_size), dev
-    target = load_model(pc.target)
+    target = load_model(pc.target, stacked=False)  # only decoded here: the layout decoders run
     prompts = _online_prompts(cfg, tokenizer, vocab)
     eos = target.config.eos_token_id
     eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))

@@ -210,6 +210,7 @@ def online_tau(drafter: Qwen3, target: Qwen3, prompts: Sequence[Sequence[int]], 
     from d3d_jax.decoding.metrics import summarize
 
     prompts = [list(p) for p in prompts]
+    target, drafter = engine.decoding_layout(target), engine.decoding_layout(drafter)
     dec = engine.make_decoder(target, drafter, mode="sync", num_slots=batch_size or len(prompts),
                               max_cache_len=engine.cache_len_for(prompts, max_new_tokens, block_size),
                               block_size=block_size, mask_token_id=mask_token_id)

@@ -84,10 +84,7 @@ def target_sampling(target_dir: str | os.PathLike | None) -> dict:
     path = Path(target_dir) / "generation_config.json" if target_dir else None
     if path is None or not path.is_file():
         return dict(QWEN3_NON_THINKING)
-    try:
-        own = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise ModelFileError(f"{path}: not a JSON object ({e})") from None
+    own = read_json(path, "generation_config.json")  # a regular file, numbers bounded before parsing
     if not isinstance(own, dict):
         raise ModelFileError(f"{path}: not a JSON object")
     if own.get("do_sample") is False:
@@ -368,7 +365,11 @@ def _write_batches(target, tokenizer, out: Path, usable, token_ids, batches, don
         out.parent.mkdir(parents=True, exist_ok=True)
     bar = tqdm(total=total, unit="prompt", desc=f"regenerate {out.name}", disable=not progress)
     start, cpu_start = time.perf_counter(), time.process_time()
-    decoders: dict = {}  # one decoder per cache-length bucket, kept for the whole run
+    # one decoder for every prompt length, built when the first batch needs it: its cache fits
+    # the longest prompt, and it reads the target's arrays (one copy of the weights, however
+    # many length buckets the prompts span)
+    cache_len = run_cache_len([len(t) for t in token_ids], run.settings.max_new_tokens, cache_multiple)
+    decoder = None
     with writing(out), open(out, "ab") as f:
         for batch in batches:
             if max_records is not None and summary.written >= max_records:
@@ -376,10 +377,12 @@ def _write_batches(target, tokenizer, out: Path, usable, token_ids, batches, don
             todo = [i for i in batch if usable[i].id not in done]
             if not todo:
                 continue
+            if decoder is None:
+                decoder = _decoder(target, batch_size, cache_len)
             # The whole planned batch is regenerated (same rows as an uninterrupted run).
-            outputs = _generate_batch(target, [token_ids[i] for i in batch],
+            outputs = _generate_batch(decoder, [token_ids[i] for i in batch],
                                       [record_seed(run.settings.seed, usable[i].id) for i in batch],
-                                      run.settings, run.eos_ids, batch_size, cache_multiple, decoders)
+                                      run.settings, run.eos_ids)
             records = [_record(usable[i], token_ids[i], o, tokenizer, run.generation, run.template, run.target_id)
                        for i, o in zip(batch, outputs) if i in todo]
             if max_records is not None:
@@ -451,24 +454,27 @@ def _record(prompt: Prompt, prompt_ids: Sequence[int], output, tokenizer, genera
     }
 
 
-def _generate_batch(target, prompt_ids: Sequence[Sequence[int]], row_seeds: list[int], settings: GenerationSettings,
-                    eos_ids: Sequence[int], batch_size: int, cache_multiple: int, decoders: dict):
-    """One planned batch through the engine's plain sampling.
+def run_cache_len(prompt_lengths: Sequence[int], max_new_tokens: int, cache_multiple: int) -> int:
+    """KV slots per row of a run's one decoder: the longest prompt rounded up to
+    ``cache_multiple``, plus ``max_new_tokens`` and the engine's block slack, rounded up again."""
+    prompt_pad = _round_up(max(prompt_lengths, default=1), cache_multiple)
+    return _round_up(prompt_pad + max_new_tokens + ENGINE_BLOCK_SLACK, cache_multiple)
 
-    Shapes are bucketed so the engine compiles once per bucket, not per batch: ``batch_size``
-    slots, and the cache to the longest prompt rounded up to ``cache_multiple`` plus
-    ``max_new_tokens`` plus the engine's block slack, rounded up again; ``decoders`` keeps one
-    decoder per cache length.
-    """
+
+def _decoder(target, batch_size: int, cache_len: int):
+    """The run's plain decoder (``batch_size`` slots).  Prompts are admitted by the decoder's own
+    prompt-length buckets, one program each, so one decoder serves every length."""
     from d3d_jax.decoding import engine
 
-    prompt_pad = _round_up(max(map(len, prompt_ids)), cache_multiple)
-    cache_len = _round_up(prompt_pad + settings.max_new_tokens + ENGINE_BLOCK_SLACK, cache_multiple)
+    return engine.make_decoder(target, mode="plain", num_slots=batch_size, max_cache_len=cache_len)
+
+
+def _generate_batch(decoder, prompt_ids: Sequence[Sequence[int]], row_seeds: list[int], settings: GenerationSettings,
+                    eos_ids: Sequence[int]):
+    """One planned batch through the engine's plain sampling."""
+    from d3d_jax.decoding import engine
+
     sampling = engine.SamplingParams(temperature=settings.temperature, top_p=settings.top_p,
                                      top_k=settings.top_k)
-    if cache_len not in decoders:
-        decoders[cache_len] = engine.make_decoder(target, mode="plain", num_slots=batch_size,
-                                                  max_cache_len=cache_len)
-    return engine.generate(decoders[cache_len], prompt_ids, sampling=sampling,
-                           max_new_tokens=settings.max_new_tokens, eos_token_ids=tuple(eos_ids),
-                           seed=settings.seed, row_seeds=row_seeds)
+    return engine.generate(decoder, prompt_ids, sampling=sampling, max_new_tokens=settings.max_new_tokens,
+                           eos_token_ids=tuple(eos_ids), seed=settings.seed, row_seeds=row_seeds)

@@ -165,11 +165,11 @@ def _write(report: dict, out: Path) -> str:
 
 def load_drafter(cfg: EvalConfig, target, tok, tokenizer_mask_id: int):
     """``(drafter, mask id, eos ids)``, the drafter checked against target and tokenizer."""
-    from d3d_jax.io.checkpoint import load_model
+    from d3d_jax.io.checkpoint import load_decoding_model
     from d3d_jax.io.hf import eos_token_ids
     from d3d_jax.io.pairing import check_pairing
 
-    drafter = load_model(cfg.models.drafter, dtype=cfg.models.dtype, stacked=False)  # as decoders run it
+    drafter = load_decoding_model(cfg.models.drafter, dtype=cfg.models.dtype, attention=cfg.models.attention)
     eos_ids = eos_token_ids(target.config, tok)
     mask = check_pairing(tok, target.config, drafter.config, eos_ids=eos_ids,
                          where=f"--drafter {cfg.models.drafter}")
@@ -188,11 +188,11 @@ def main(args) -> int:
     from d3d_jax.bench.evaluation import plots
     from d3d_jax.bench.evaluation import runner as R
     from d3d_jax.io.chat import chat_prompt_ids as encode
-    from d3d_jax.io.checkpoint import load_model
+    from d3d_jax.io.checkpoint import load_decoding_model
     from d3d_jax.io.hf import load_tokenizer
 
     m = cfg.models
-    target = load_model(m.target, dtype=m.dtype, stacked=False)  # as decoders run it
+    target = load_decoding_model(m.target, dtype=m.dtype, attention=m.attention)
     tok, mask_id = load_tokenizer(m.tokenizer or m.target, target.config.vocab_size)
     drafter, mask_id, eos_ids = load_drafter(cfg, target, tok, mask_id)
     suites, longest = _suites(cfg, tok, encode)
@@ -205,7 +205,8 @@ def main(args) -> int:
               f"devices)", flush=True)
     kw = dict(eos_token_ids=eos_ids, mask_token_id=mask_id, encode_fn=encode)
     results, raw = R.evaluate(target, drafter, tok, suites, settings, **kw)
-    report = {"target": m.target, "drafter": m.drafter, "results": results,
+    report = {"target": m.target, "drafter": m.drafter, "attention": target.config.attention_backend,
+              "results": results,
               "async_devices": {k: settings.async_options.get(k) for k in ("target_devices", "drafter_devices")}}
     if cfg.eval.hf_peer:
         _hf_peer(cfg, tok, suites, raw, results, eos_ids, encode)

@@ -156,8 +156,12 @@ def _in_flight_generate(target, drafter, settings, eos_token_ids, decoders, deco
 def evaluate(target, drafter, tokenizer, suites: dict[str, list[Sample]], settings: EvalSettings, *,
              eos_token_ids: Sequence[int], mask_token_id: int | None,
              encode_fn: Callable, progress: bool = True) -> tuple[dict, dict[str, dict[str, ModeRun]]]:
-    """Run every suite in every mode; returns (summaries per benchmark, the raw runs)."""
+    """Run every suite in every mode; returns (summaries per benchmark, the raw runs).  A stacked
+    model is laid out per layer once here, for every mode's decoder (they read it in place)."""
+    from d3d_jax.decoding.engine import decoding_layout
+
     settings.validate()
+    target, drafter = decoding_layout(target), decoding_layout(drafter)
     decoders: dict = {}  # the caller's decoders: one per mode, shared by every run below
     runner = make_runner(target, drafter, settings, eos_token_ids, mask_token_id, decoders=decoders)
     results, raw = {}, {}
@@ -223,6 +227,9 @@ def budget_sweep(target, drafter, tokenizer, samples: Sequence[Sample], settings
                  grid: Sequence[tuple[int, int]], plain: ModeRun, *, eos_token_ids, mask_token_id,
                  encode_fn: Callable, option_names: tuple[str, str] = ("branch_positions", "branch_fanout")) -> list[dict]:
     """Async hit rate and speedup for each (C, F); N_async = B·[(C-1)·F + 2]."""
+    from d3d_jax.decoding.engine import decoding_layout
+
+    target, drafter = decoding_layout(target), decoding_layout(drafter)  # once for every (C, F)
     out = []
     plain_tpot = plain.seconds / max(plain.new_tokens, 1)
     for c, f in grid:
