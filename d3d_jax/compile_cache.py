@@ -97,9 +97,19 @@ class HealingCache:
 def _install(path: str) -> None:
     """Make JAX build :class:`HealingCache` for its persistent cache (a hook of the pinned jax:
     the cache factory it calls when the cache is first used)."""
-    from jax._src import compilation_cache as cc
-    from jax._src import config as jax_config
-    from jax._src.compilation_cache_interface import CacheInterface
+    try:
+        from jax._src import compilation_cache as cc
+        from jax._src import config as jax_config
+        from jax._src.compilation_cache_interface import CacheInterface
+
+        cc.get_file_cache, cc.reset_cache, cc.VerificationCache  # noqa: B018  (the hook's names)
+        jax_config.compilation_cache_check_contents  # noqa: B018
+    except (ImportError, AttributeError) as e:  # another jax: its own cache, unhealed
+        import jax
+
+        log.warning("compile cache: this jax (%s) lacks the hook the healing cache needs (%s); "
+                    "JAX's own cache is used", jax.__version__, e)
+        return
 
     healing = type("HealingJaxCache", (HealingCache, CacheInterface), {})
 

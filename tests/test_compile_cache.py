@@ -123,3 +123,19 @@ def test_stale_temporary_files_are_told_from_live_ones(tmp_path):
     os.utime(old, (1, 1))
     assert atomic.remove_stale_temps(tmp_path) == 2
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live.name, other.name])
+
+
+def test_a_jax_without_the_cache_hook_keeps_its_own_cache_with_one_warning(tmp_path, monkeypatch, caplog):
+    """The healing cache replaces a private factory of the pinned jax; a jax that lacks it (the GPU
+    image's newer one, say) must still start, on JAX's own cache, saying so once."""
+    from jax._src import compilation_cache as cc
+
+    from d3d_jax import compile_cache
+
+    before = cc.get_file_cache
+    monkeypatch.delattr(cc, "VerificationCache")
+    with caplog.at_level("WARNING", logger="d3d_jax.compile_cache"):
+        compile_cache._install(str(tmp_path))
+    assert cc.get_file_cache is before  # JAX's own factory, untouched
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and "lacks the hook" in lines[0], lines
