@@ -114,9 +114,9 @@ def test_a_huge_regeneration_prompt_is_skipped_before_it_is_tokenized(monkeypatc
     rendered = []
     real = rg.render_prompt
 
-    def render(tokenizer, messages):
+    def render(tokenizer, messages, *template_kwargs):
         rendered.append(sum(len(m["content"]) for m in messages))
-        return real(tokenizer, messages)
+        return real(tokenizer, messages, *template_kwargs)
 
     monkeypatch.setattr(rg, "render_prompt", render)
     prompts = [Prompt("huge", [{"role": "user", "content": "word " * 2_000_000}], 1),

@@ -24,6 +24,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from d3d_jax.errors import UsageError
 from d3d_jax.model.kv_cache import span_buckets
 
 DEFAULT_CELLS = ",".join(f"{h}:{f}:{n}" for h in ("4/4", "4/2", "4/1", "8/8") for f in (512, 1536)
@@ -50,12 +51,12 @@ def parse_cells(text: str) -> list[tuple[int, int, int, int]]:
             q, k = (int(x) for x in heads.split("/"))
             cell = (q, k, int(f), int(n))
         except ValueError:
-            raise ValueError(f"--cells: {item!r} is not HEADS/KV_HEADS:INTERMEDIATE:NEW_TOKENS") from None
+            raise UsageError(f"--cells: {item!r} is not HEADS/KV_HEADS:INTERMEDIATE:NEW_TOKENS") from None
         if min(cell) < 1 or q % k:
-            raise ValueError(f"--cells: {item!r} needs positive sizes and heads a multiple of KV heads")
+            raise UsageError(f"--cells: {item!r} needs positive sizes and heads a multiple of KV heads")
         cells.append(cell)
     if not cells:
-        raise ValueError("--cells: no cell given")
+        raise UsageError("--cells: no cell given")
     return cells
 
 

@@ -42,9 +42,9 @@ _BIG_NEG = -1e30
 # calling a dot, on accelerators: a dot's batch dims must be major, so XLA would copy every
 # layer's cache span into [b, k, s, h] first (a whole-cache copy per decode step: 288 MB at
 # Qwen3-8B, cache 2048).  Below a tensor-core tile (16 rows) the products cost less than that copy.
-# On CPU the dot stays: XLA's CPU library fusion (YNNPACK) runs the multiply-and-sum 10-25x slower
-# whenever the cache operand needs no broadcast (one query row per kv head: no GQA, T = 1), which
-# made plain decoding 4.5x slower at 4 / 4 heads than at 4 / 2; its dot has no such cliff.
+# One row on CPU gets the dot: XLA's CPU library fusion (YNNPACK) runs the multiply-and-sum
+# 10-25x slower when the cache operand needs no broadcast (one query row per kv head: no GQA,
+# T = 1), which made plain decoding 4.5x slower at 4 / 4 heads than at 4 / 2.
 _IN_PLACE_ROWS = 8
 
 
@@ -165,12 +165,13 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, q_meta: TokenMeta, k_meta: 
 def _xla(q: jax.Array, q_meta: TokenMeta, segments: Sequence[Segment]) -> jax.Array:
     """The reference: dense scores per segment, concatenated, one softmax.
 
-    Few query rows per kv head read the cache span in place by products summed, except on CPU
-    (``_IN_PLACE_ROWS``); the platform is the one the program is lowered for (a compile-only
-    GPU program built on a CPU host gets the GPU's choice)."""
+    Few query rows per kv head read the cache span in place by products summed, except one row
+    on CPU (``_IN_PLACE_ROWS``); the platform is the one the program is lowered for (a
+    compile-only GPU program built on a CPU host gets the GPU's choice)."""
     _, t, n, _ = q.shape
-    if t * (n // segments[-1][0].shape[2]) > _IN_PLACE_ROWS:
-        return _xla_dense(q, q_meta, segments, in_place=False)
+    rows = t * (n // segments[-1][0].shape[2])
+    if rows > 1:
+        return _xla_dense(q, q_meta, segments, in_place=rows <= _IN_PLACE_ROWS)
     return jax.lax.platform_dependent(
         q, q_meta, tuple(segments), cpu=functools.partial(_xla_dense, in_place=False),
         default=functools.partial(_xla_dense, in_place=True))
