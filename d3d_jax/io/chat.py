@@ -141,18 +141,24 @@ def read_prompts(path: str | os.PathLike) -> tuple[list[Prompt], list[tuple[int,
     return prompts, malformed
 
 
-def render_prompt(tokenizer, messages: Sequence[dict]) -> list[int]:
-    """Token ids of the chat-templated prompt, generation prompt added, thinking disabled."""
+NON_THINKING = {"enable_thinking": False}  # the default: the drafters learn non-thinking responses
+
+
+def render_prompt(tokenizer, messages: Sequence[dict], **template_kwargs) -> list[int]:
+    """Token ids of the chat-templated prompt, generation prompt added, thinking disabled unless
+    ``template_kwargs`` (the template's variables) say otherwise."""
     text = tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True,
-                                         enable_thinking=False)
+                                         **{**NON_THINKING, **template_kwargs})
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
-def chat_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
-    """Token ids of ``messages`` + the assistant header in non-thinking mode (Qwen3's template),
-    tokenized by the template itself (the server, evaluation and the demo's pretraining rows)."""
-    ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True,
-                                        enable_thinking=False)
+def chat_prompt_ids(tokenizer, messages: list[dict], tools: list[dict] | None = None,
+                    **template_kwargs) -> list[int]:
+    """Token ids of ``messages`` + the assistant header, tokenized by the template itself (the
+    server, evaluation and the demo's pretraining rows): non-thinking mode (Qwen3's template)
+    unless ``template_kwargs`` set ``enable_thinking``; ``tools`` for a template that lists them."""
+    ids = tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=True,
+                                        add_generation_prompt=True, **{**NON_THINKING, **template_kwargs})
     if isinstance(ids, dict) or hasattr(ids, "keys"):
         ids = ids["input_ids"]
     return list(ids)

@@ -87,6 +87,9 @@ class ParsedRequest:
     params: GenParams
     prompts: list = dataclasses.field(default_factory=list)  # completion: str or list of ids each
     messages: list[dict] | None = None
+    tools: list[dict] | None = None  # chat: the functions offered, as the template reads them
+    tool_choice: str | dict | None = None  # chat: "none" | "auto" (tools parsed from the output)
+    template_kwargs: dict | None = None  # chat: the request's chat_template_kwargs
 
 
 # --------------------------------------------------------------------------------------------
@@ -330,9 +333,13 @@ def parse_completion(body: dict, served_model: str, limits: Limits) -> ParsedReq
 def parse_chat(body: dict, served_model: str, limits: Limits) -> ParsedRequest:
     req = validate("chat", body, limits)
     model = _model(req.model, served_model)
-    messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                for m in req.messages]
-    return ParsedRequest("chat", model, _params(req, "chat"), messages=messages)
+    if req.tool_choice == "required" or isinstance(req.tool_choice, S.NamedToolChoice):
+        raise ApiError("'tool_choice' \"required\" or a named function is not supported by this server "
+                       "(it needs structured output)", param="tool_choice")
+    tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+    choice = "none" if req.tool_choice == "none" or not tools else "auto"
+    return ParsedRequest("chat", model, _params(req, "chat"), messages=[m.for_template() for m in req.messages],
+                         tools=tools, tool_choice=choice, template_kwargs=req.chat_template_kwargs)
 
 
 def parse_tokenize(body: dict, served_model: str, limits: Limits) -> S.TokenizeRequest:
