@@ -34,9 +34,10 @@ ACCEPTS = {
     "chat": COMMON | {"messages": {"list"}, "max_completion_tokens": INT, "logprobs": BOOL, "top_logprobs": INT,
                       "safety_identifier": TEXT, "prompt_cache_key": TEXT}
     | {"tools": {"null", "list"}, "tool_choice": {"null", "str", "object"}, "parallel_tool_calls": BOOL,
-       "chat_template_kwargs": {"null", "object"}}
+       "chat_template_kwargs": {"null", "object"}, "response_format": {"null", "object"},
+       "structured_outputs": {"null", "object"}}
     | dict.fromkeys(("audio", "function_call", "functions", "modalities", "moderation", "prediction", "reasoning_effort", "verbosity",
-                     "web_search_options", "response_format", "store", "metadata", "service_tier",
+                     "web_search_options", "store", "metadata", "service_tier",
                      "prompt_cache_retention", "prompt_cache_options"), REFUSED),
 }
 # list fields: the kinds their elements may be

@@ -88,8 +88,9 @@ def test_chat_template_kwargs_the_template_does_not_read_are_refused_by_name(ser
             assert status == 400 and out["error"]["param"] == "chat_template_kwargs", out
             assert word in out["error"]["message"]
     status, out = server.raw("POST", "/v1/chat/completions",
-                             {"model": "toy", "messages": MSGS, "tools": TOOLS, "tool_choice": "required"})
-    assert status == 400 and out["error"]["param"] == "tool_choice" and "not supported" in out["error"]["message"]
+                             {"model": "toy", "messages": MSGS, "tools": TOOLS, "tool_choice": {
+                                 "type": "function", "function": {"name": "other"}}})
+    assert status == 400 and out["error"]["param"] == "tool_choice" and "not in 'tools'" in out["error"]["message"]
 
 
 def test_tool_calls_are_parsed_streamed_and_not_and_the_answer_goes_back(server, script):

@@ -58,6 +58,20 @@ class Service:
     reasoning_parser: str = "qwen3"  # "none": the thought stays in content
     tool_call_parser: str = "hermes"  # "none": tool calls stay in content
     _template: Any = None
+    _vocabulary: Any = None  # the grammar engine's view of the tokenizer (structured output)
+
+    def matcher(self, params: P.GenParams):
+        """A fresh grammar matcher for one choice of a constrained request (a 400 names the field
+        whose grammar does not compile)."""
+        from d3d_jax.decoding.grammar import Vocabulary
+
+        if self._vocabulary is None:
+            self._vocabulary = Vocabulary(self.tokenizer, self.limits.vocab_size or len(self.tokenizer))
+        problem = self._vocabulary.check(params.grammar)
+        if problem:
+            raise P.ApiError(f"'{params.grammar_field}' gives a grammar that cannot be used: {problem}",
+                             param=params.grammar_field)
+        return self._vocabulary.matcher(params.grammar)
 
     def template_kwargs(self, asked: dict | None) -> dict:
         """The chat template's variables for a request (its own over the server's defaults)."""
@@ -111,12 +125,15 @@ class Service:
         max_new = P.resolve_max_tokens(len(ids), params, self.limits) if max_new is None else max_new
         stop_ids = tuple(dict.fromkeys(params.stop_token_ids + (() if params.ignore_eos else self.eos_token_ids)))
         kw = dict(prompt=ids, max_new_tokens=max_new, stop_token_ids=stop_ids, seed=seed)
+        if params.grammar is not None:
+            kw["grammar"] = self.matcher(params)
         out = self.make_request(sampling=self.sampling(params), **kw)
         if self.validate_request is not None:
             try:
                 self.validate_request(out)
-            except ValueError as e:
-                raise P.ApiError(str(e), param="prompt") from None
+            except ValueError as e:  # a grammar the mode cannot serve is the constraint's field's problem
+                grammar = params.grammar is not None and "structured output" in str(e)
+                raise P.ApiError(str(e), param=params.grammar_field if grammar else "prompt") from None
         return out
 
 

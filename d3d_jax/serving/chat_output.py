@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 
 from d3d_jax.serving.reasoning import Qwen3Reasoning
-from d3d_jax.serving.tools import HermesTools
+from d3d_jax.serving.tools import HermesTools, tool_call
 
 
 @dataclasses.dataclass
@@ -28,9 +28,12 @@ class ChatOutput:
     """``reasoning``: a :class:`Qwen3Reasoning` (None: no reasoning parser); ``tools``: whether
     tool calls are parsed (the request offered tools and did not say ``tool_choice: "none"``)."""
 
-    def __init__(self, reasoning: Qwen3Reasoning | None, tools: bool):
+    def __init__(self, reasoning: Qwen3Reasoning | None, tools: bool, forced=None):
+        """``forced``: the request's ``tool_choice`` when a grammar makes the output the calls
+        themselves (``"required"`` or ``{"name": ...}``), sent once the output is whole."""
         self.reasoning = reasoning
-        self.tools = HermesTools() if tools else None
+        self.tools = HermesTools() if tools and forced is None else None
+        self.forced, self._held = forced, ""
         self.total = Delta()
         self._n_calls = 0
 
@@ -40,7 +43,14 @@ class ChatOutput:
             r2, c2 = self.reasoning.flush()
             r, c = r + r2, c + c2
         calls: list = []
-        if self.tools is not None:
+        if self.forced is not None:
+            self._held, c = self._held + c, ""
+            if final:
+                from d3d_jax.serving.structured import forced_calls
+
+                found = forced_calls(self._held, self.forced)
+                c, calls = (self._held, []) if found is None else ("", [tool_call(f) for f in found])
+        elif self.tools is not None:
             c, calls = self.tools.push(c)
             if final:
                 c2, calls2 = self.tools.flush()

@@ -175,7 +175,8 @@ def chat_output(svc, parsed: P.ParsedRequest, prompt_ids: list[int]) -> ChatOutp
     reasoning = None
     if svc.reasoning_parser == "qwen3":
         reasoning = Qwen3Reasoning(not prompt_ends_reasoning(svc.tokenizer.decode(prompt_ids)))
-    return ChatOutput(reasoning, svc.tool_call_parser == "hermes" and parsed.tool_choice == "auto")
+    forced = parsed.tool_choice if parsed.tool_choice == "required" or isinstance(parsed.tool_choice, dict) else None
+    return ChatOutput(reasoning, svc.tool_call_parser == "hermes" and parsed.tool_choice == "auto", forced)
 
 
 def _sink(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue, index: int) -> Callable[[Event], None]:

@@ -137,6 +137,45 @@ class NamedToolChoice(_Strict):
     function: NamedFunction
 
 
+class JsonSchemaFormat(_Strict):
+    name: Union[str, None] = None
+    description: Union[str, None] = None
+    schema_: Union[dict[str, Any], None] = Field(None, alias="schema")
+    strict: Flag = None
+
+
+class ResponseFormat(_Strict):
+    """OpenAI's ``response_format``: ``text``, ``json_object`` or ``json_schema``."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Union[JsonSchemaFormat, None] = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self):
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise FieldError("'json_schema' goes with \"type\": \"json_schema\", and only with it",
+                             "response_format")
+        return self
+
+
+class StructuredOutputs(_Strict):
+    """vLLM's ``structured_outputs``: exactly one of ``json`` (a schema), ``json_object``,
+    ``regex`` or ``choice``."""
+
+    json_: Union[dict[str, Any], str, None] = Field(None, alias="json")
+    json_object: Flag = None
+    regex: Union[Text, None] = None
+    choice: Union[Annotated[list[Text], Field(min_length=1)], None] = None
+
+    @model_validator(mode="after")
+    def _exactly_one(self):
+        given = [k for k in ("json_", "json_object", "regex", "choice") if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise FieldError("'structured_outputs' needs exactly one of 'json', 'json_object', 'regex', 'choice'",
+                             "structured_outputs")
+        return self
+
+
 class Message(_Strict):
     """A chat message; ``developer`` is read as ``system``.  An assistant turn may carry the
     ``tool_calls`` it made (then ``content`` may be null), a ``tool`` turn the result of one.
@@ -303,7 +342,8 @@ class ChatRequest(_Generation):
     reasoning_effort: Refused(None) = None
     verbosity: Refused(None) = None
     web_search_options: Refused(None) = None
-    response_format: Refused(None, {"type": "text"}) = None
+    response_format: Union[ResponseFormat, None] = None
+    structured_outputs: Union[StructuredOutputs, None] = None  # vLLM's
     store: Refused(None, False) = None
     metadata: Refused(None, {}) = None
     service_tier: Refused(None, "auto", "default") = None
@@ -326,6 +366,14 @@ class ChatRequest(_Generation):
                              f"in 'tools'", "tool_choice")
         if choice == "required" and not names:
             raise FieldError("'tool_choice' \"required\" needs 'tools'", "tool_choice")
+        constraints = [k for k, on in (("response_format", self.response_format is not None
+                                        and self.response_format.type != "text"),
+                                       ("structured_outputs", self.structured_outputs is not None),
+                                       ("tool_choice", choice == "required" or isinstance(choice, NamedToolChoice)))
+                       if on]
+        if len(constraints) > 1:
+            raise FieldError(f"'{constraints[0]}' and '{constraints[1]}' each constrain the output: send one",
+                             constraints[1])
         return self
 
 
