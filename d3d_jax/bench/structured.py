@@ -29,7 +29,8 @@ PROMPTS = [f"Describe the {w} in one line." for w in
 
 
 def run(mode: str) -> dict:
-    cfg = load_config(ServeConfig, ["configs/serve/demo.yaml"], [f"decoder.mode={mode}", "server.compile_cache=none"])
+    cfg = load_config(ServeConfig, ["configs/serve/demo.yaml"], [f"decoder.mode={mode}", "server.compile_cache=none"]
+                      + (["models.drafter=none"] if mode == "plain" else []))
     decoder, tok, eos, target = load(cfg)
     svc = make_service(decoder, tok, eos, model_name="demo", mode=mode)
     warmup(svc, [16, 32])
