@@ -33,9 +33,11 @@ ACCEPTS = {
                             "best_of": REFUSED},
     "chat": COMMON | {"messages": {"list"}, "max_completion_tokens": INT, "logprobs": BOOL, "top_logprobs": INT,
                       "safety_identifier": TEXT, "prompt_cache_key": TEXT}
-    | dict.fromkeys(("audio", "function_call", "functions", "tools", "tool_choice", "parallel_tool_calls",
-                     "modalities", "moderation", "prediction", "reasoning_effort", "verbosity",
-                     "web_search_options", "response_format", "store", "metadata", "service_tier",
+    | {"tools": {"null", "list"}, "tool_choice": {"null", "str", "object"}, "parallel_tool_calls": BOOL,
+       "chat_template_kwargs": {"null", "object"}, "response_format": {"null", "object"},
+       "structured_outputs": {"null", "object"}}
+    | dict.fromkeys(("audio", "function_call", "functions", "modalities", "moderation", "prediction", "reasoning_effort", "verbosity",
+                     "web_search_options", "store", "metadata", "service_tier",
                      "prompt_cache_retention", "prompt_cache_options"), REFUSED),
 }
 # list fields: the kinds their elements may be
@@ -198,10 +200,10 @@ def test_a_broken_chat_template_is_the_servers_error_a_refusing_one_the_requests
 
     chat = dict(BASE["chat"])
 
-    def refuses(tok, messages):
+    def refuses(tok, messages, **kw):
         raise jinja2.exceptions.TemplateError("Conversation roles must alternate")
 
-    def broken(tok, messages):
+    def broken(tok, messages, **kw):
         raise jinja2.exceptions.UndefinedError("'bos_token' is undefined")
 
     monkeypatch.setattr(server.svc, "chat_encode", refuses)

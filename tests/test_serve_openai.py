@@ -365,3 +365,99 @@ def test_every_schema_field_is_served_or_refused_by_name(srv):
                 with pytest.raises(openai.BadRequestError) as e:
                     create(**body)
                 assert e.value.body["param"] == name and name in e.value.body["message"], (route, name)
+
+
+# --------------------------------------------------------------------------------------------
+# Structured output: a grammar masks every verified position, so outputs obey it in every mode
+# and speculative ones equal plain's token for token (greedy, and sampled by the same keys)
+SCHEMA = {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]},
+                                           "count": {"type": "integer", "minimum": 1, "maximum": 20},
+                                           "name": {"type": "string", "maxLength": 8}},
+          "required": ["color", "count", "name"], "additionalProperties": False}
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}, "days": {"type": "integer", "minimum": 1,
+                                                                                   "maximum": 7}},
+    "required": ["city", "days"], "additionalProperties": False}}}
+
+
+def _constrained_chat(srv, mode, text, **kw):
+    """A chat completion in ``mode``; plain's output becomes the replay drafters' continuation,
+    so the speculative modes' drafts are mostly right and the masks of later slots are used."""
+    body = dict(model="tiny", messages=[{"role": "user", "content": text}], max_tokens=48, **kw)
+    srv.built.clear()
+    out = srv.clients[mode].chat.completions.create(**body, extra_body={"return_token_ids": True})
+    if mode == "plain":
+        for key in srv.built:
+            for d in srv.drafters:
+                d.continuations[srv.index[key]] = list(out.choices[0].model_extra["token_ids"])
+    return out
+
+
+@pytest.mark.parametrize("sampling", [dict(temperature=0), dict(temperature=0.9, seed=11)])
+def test_json_schema_output_is_valid_and_speculation_equals_plain(srv, sampling):
+    import json
+
+    jsonschema = pytest.importorskip("jsonschema")
+    fmt = {"type": "json_schema", "json_schema": {"name": "thing", "schema": SCHEMA}}
+    for text in TEXTS[:3]:
+        outs = {}
+        for mode in ("plain", "sync", "auto"):
+            out = _constrained_chat(srv, mode, text, response_format=fmt, **sampling)
+            content = out.choices[0].message.content
+            jsonschema.validate(json.loads(content), SCHEMA)
+            outs[mode] = content
+        assert outs["sync"] == outs["plain"] == outs["auto"], outs
+    with pytest.raises(openai.BadRequestError) as e:
+        srv.clients["async"].chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}],
+                                                     response_format=fmt)
+    assert e.value.body["param"] == "response_format" and "async" in e.value.body["message"]
+
+
+@pytest.mark.parametrize("mode", ["plain", "sync", "auto"])
+def test_a_named_tool_choice_calls_it_with_valid_arguments(srv, mode):
+    import json
+
+    jsonschema = pytest.importorskip("jsonschema")
+    choice = {"type": "function", "function": {"name": "get_weather"}}
+    for stream in (False, True):
+        body = dict(model="tiny", messages=[{"role": "user", "content": "Weather?"}], max_tokens=40,
+                    temperature=0, tools=[WEATHER], tool_choice=choice)
+        if stream:
+            chunks = list(srv.clients[mode].chat.completions.create(stream=True, **body))
+            calls = [c for ch in chunks for x in ch.choices for c in (x.delta.tool_calls or [])]
+            reason = [x.finish_reason for ch in chunks for x in ch.choices if x.finish_reason][-1]
+        else:
+            out = srv.clients[mode].chat.completions.create(**body)
+            calls, reason = out.choices[0].message.tool_calls, out.choices[0].finish_reason
+        assert reason == "tool_calls" and len(calls) == 1 and calls[0].function.name == "get_weather"
+        jsonschema.validate(json.loads(calls[0].function.arguments), WEATHER["function"]["parameters"])
+
+
+def test_the_openai_clients_parse_and_tool_loop(srv):
+    from typing import Literal
+
+    import pydantic
+
+    class Thing(pydantic.BaseModel):  # bounded, so a random model cannot write digits forever
+        color: Literal["red", "green", "blue"]
+        count: int = pydantic.Field(ge=1, le=20)
+
+    client = srv.clients["sync"]
+    parsed = client.beta.chat.completions.parse(model="tiny", messages=[{"role": "user", "content": "a thing"}],
+                                                response_format=Thing, max_tokens=40, temperature=0)
+    assert isinstance(parsed.choices[0].message.parsed, Thing)
+    tool = openai.pydantic_function_tool(Thing, name="make_thing")
+    first = client.beta.chat.completions.parse(model="tiny", messages=[{"role": "user", "content": "make one"}],
+                                               tools=[tool], tool_choice="required", parallel_tool_calls=False,
+                                               max_tokens=60, temperature=0)
+    call = first.choices[0].message.tool_calls[0]
+    assert call.function.name == "make_thing" and isinstance(call.function.parsed_arguments, Thing)
+    # the loop as OpenAI's guide writes it: the assistant's message object goes back as it came
+    asked = [{"role": "user", "content": "make one"}]
+    first = client.chat.completions.create(model="tiny", messages=asked, tools=[tool], tool_choice="required",
+                                           parallel_tool_calls=False, max_tokens=60, temperature=0)
+    call = first.choices[0].message.tool_calls[0]
+    Thing.model_validate_json(call.function.arguments)
+    back = asked + [first.choices[0].message, {"role": "tool", "tool_call_id": call.id, "content": "made"}]
+    final = client.chat.completions.create(model="tiny", messages=back, tools=[tool], max_tokens=8, temperature=0)
+    assert final.choices[0].finish_reason in ("stop", "length", "tool_calls")

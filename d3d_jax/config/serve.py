@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from d3d_jax.config.base import TEXT, _require, between
+from d3d_jax.config.base import TEXT, ConfigError, _require, between, one_of
 from d3d_jax.config.decoding import DecoderSettings, ModelPaths
 
 NUM_SLOTS = 8  # the server's decoder.num_slots when none is given: concurrent requests decoded together
@@ -46,12 +46,19 @@ class ServerSettings:
     compile_cache: str = dataclasses.field(default_factory=default_compile_cache)
     vllm_metrics: bool = False  # /metrics also under vLLM's vllm: names
     log_level: str = "warning"
+    # the chat template's variables when a request's chat_template_kwargs leave them out (a JSON
+    # object); thinking off: the drafters are trained on non-thinking responses
+    default_chat_template_kwargs: str = '{"enable_thinking": false}'
+    reasoning_parser: str = "qwen3"  # the thought in reasoning_content, as vLLM's; none: left in content
+    tool_call_parser: str = "hermes"  # <tool_call> output as tool_calls, as vLLM's; none: left in content
 
     # each field's valid values, checked by config.base.check_fields for every loader
     BOUNDS = dict(host=TEXT, port=between(0, 65535), api_key=TEXT, served_model_name=TEXT,
                   max_body_bytes=between(1, 1 << 30), max_prompt_tokens=between(1, INT32),
                   default_max_tokens=between(1, INT32), max_queue=between(1, 1 << 20),
-                  warmup_max_prompt=between(0, INT32), compile_cache=TEXT, log_level=TEXT)
+                  warmup_max_prompt=between(0, INT32), compile_cache=TEXT, log_level=TEXT,
+                  default_chat_template_kwargs=TEXT, reasoning_parser=one_of("qwen3", "none"),
+                  tool_call_parser=one_of("hermes", "none"))
 
     def validate(self, prefix: str = "server") -> None:
         for key, lo, hi in (("port", 0, 65535), ("max_body_bytes", 1, 1 << 30), ("max_prompt_tokens", 1, INT32),
@@ -61,6 +68,19 @@ class ServerSettings:
             _require(value is None or lo <= value <= hi, f"{prefix}.{key}", f"must be in [{lo}, {hi}], got {value}")
         _require(self.log_level.lower() in LOG_LEVELS, f"{prefix}.log_level",
                  f"must be one of {'|'.join(LOG_LEVELS)}, got {self.log_level!r}")
+        self.template_kwargs(prefix)
+
+    def template_kwargs(self, prefix: str = "server") -> dict:
+        """``default_chat_template_kwargs`` as a dict (a ConfigError names the field)."""
+        import json
+
+        key = f"{prefix}.default_chat_template_kwargs"
+        try:
+            value = json.loads(self.default_chat_template_kwargs or "{}")
+        except ValueError as e:
+            raise ConfigError(f"{key}: is not JSON ({e})") from None
+        _require(isinstance(value, dict), key, f"must be a JSON object, got {type(value).__name__}")
+        return value
 
 
 @dataclasses.dataclass(frozen=True)

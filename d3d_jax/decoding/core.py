@@ -30,6 +30,7 @@ from flax import nnx
 
 from d3d_jax.decoding import verify as V
 from d3d_jax.decoding.drafting import DraftOutput, insert_cache_rows
+from d3d_jax.decoding.grammar import unpack
 from d3d_jax.decoding.verify import SamplingParams
 from d3d_jax.model import kv_cache as kvc
 from d3d_jax.model import paged_kv as pkv
@@ -253,12 +254,14 @@ class DecodeCore:
         return out, dataclasses.replace(state, drafter_state=dstate)
 
     def verify(self, target_params, state: DecodeState, fed: jax.Array, compared: jax.Array,
-               draft_probs=None, sampling: SamplingParams | None = None):
+               draft_probs=None, sampling: SamplingParams | None = None, token_mask=None):
         """Target forward over ``[anchor, fed]`` (cache span bucketed by the active rows), each
         row's logit processors (bias, min_tokens, penalties: :func:`verify.adjust_logits`), the
         rule on ``compared``; returns ``(accepted, next_token, cache, logprobs)``.  ``sampling``
         (default: the rows' own) may be :data:`verify.GREEDY`, static, when every row is greedy
-        with no processor: the program then holds no sampling code at all."""
+        with no processor: the program then holds no sampling code at all.  ``token_mask``
+        ``[b, W, words]``: a grammar's allowed tokens per slot as bits
+        (:mod:`~d3d_jax.decoding.grammar`); the rest get -inf before the rule."""
         sampling = state.sampling if sampling is None else sampling
         target = nnx.merge(self.target_graphdef, target_params)
         s = state.anchor_pos
@@ -278,6 +281,8 @@ class DecodeCore:
         cache = write.apply(cache_in)
         logits = V.adjust_logits(logits, sampling, state.seq, state.prompt_len, s,
                                  state.n_out, state.stop_ids, fed)
+        if token_mask is not None:
+            logits = jnp.where(unpack(token_mask, logits.shape[-1]), logits, -jnp.inf)
         accepted, next_token = self.rule(logits, compared, draft_probs, s, state.row_keys,
                                          sampling)
         if self.override is not None:

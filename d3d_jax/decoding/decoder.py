@@ -48,6 +48,7 @@ from d3d_jax.config.decoding import check_drafter
 from d3d_jax.decoding import metrics as M
 from d3d_jax.decoding import window as W
 from d3d_jax.decoding.async_loop import LiveRows
+from d3d_jax.decoding.constrained import masked_rounds
 from d3d_jax.decoding.core import FINISH_REASONS, MAX_STOP_IDS, RowInput
 from d3d_jax.decoding.decoder_config import (DecoderConfig, Request, RequestError, SlotError,
                                              StepOutput, prompt_bucket, request_problem)
@@ -309,10 +310,17 @@ class SpecDecoder:
         groups = self.placement.groups()
         infos = [self._slots[s] for s in self.placement.slot_at[: self.placement.size]]
         t0 = time.perf_counter()
-        self.carry, parts = self.strategy.dispatch(self.carry, self._params, groups, infos)
+        if self._grammar_live():  # the host steps the round: decoding/constrained.py
+            self.carry, parts = masked_rounds(self.strategy, self.vocab_size).dispatch(
+                self.carry, self._params, groups, infos)
+        else:
+            self.carry, parts = self.strategy.dispatch(self.carry, self._params, groups, infos)
         self._pending.append(_Round(parts, self._snapshot(), t0, t_start, not flushed,
                                     flushed or any(p.fresh for p in parts)))
         return True
+
+    def _grammar_live(self) -> bool:
+        return any(i.request.grammar is not None and i.finish_reason is None for i in self._slots.values())
 
     def _reclassify(self) -> None:
         """Placement classes the strategy asks for (auto: requests set aside for plain rounds)."""
@@ -331,7 +339,7 @@ class SpecDecoder:
         """One round for every active slot (the oldest dispatched round not yet read)."""
         if not self._pending and not self._dispatch():
             return {}
-        if len(self._pending) == 1 and self._can_run_ahead():
+        if len(self._pending) == 1 and self._can_run_ahead() and not self._grammar_live():
             # queued behind the one read below: the device keeps busy
             if self._dispatch() and self._pending[-1].host_work:
                 # that work ran on this thread before the read below: not the read round's time
@@ -375,6 +383,8 @@ class SpecDecoder:
         info.hits += bool(hit)
         info.misses += bool(row.get("miss", False))
         info.modes[label] += 1
+        if info.request.grammar is not None:
+            info.request.grammar.advance(row["tokens"][:n])
         return StepOutput([int(t) for t in row["tokens"][:n]], reason is not None, reason,
                           accepted, hit, M.row_logprobs(row, n, info.request.sampling.logprobs))
 
@@ -392,7 +402,7 @@ class SpecDecoder:
         self._flush()
         if not self._running():
             return {}
-        if not self.strategy.loops:
+        if not self.strategy.loops or self._grammar_live():  # a grammar needs the host every round
             while self._running():
                 self.step()
             return {}

@@ -189,6 +189,7 @@ class Request:
     index: int = 0
     eos_token_ids: Sequence[int] | None = None  # None: the decoder config's
     warmup: bool = False  # a server's start-up request: auto learns no acceptance from it
+    grammar: Any = None  # a grammar.Matcher: the output is constrained to it (structured output)
 
 
 def prompt_problem(prompt, vocab: int, name: str = "prompt") -> str | None:
@@ -214,6 +215,8 @@ def request_problem(req: Request, cfg: DecoderConfig, vocab: int) -> str | None:
         return msg
     if int(req.max_new_tokens) < 1:
         return f"max_new_tokens must be >= 1, got {req.max_new_tokens}"
+    if req.grammar is not None and cfg.mode == "async":  # decoding/constrained.py: no async path
+        return "structured output (a grammar) is not served in async mode"
     need = len(req.prompt) + int(req.max_new_tokens) + cfg.block_size
     if need > cfg.max_cache_len:
         return (f"prompt ({len(req.prompt)}) + max_new_tokens ({req.max_new_tokens}) + block_size "

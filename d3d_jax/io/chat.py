@@ -141,12 +141,16 @@ def read_prompts(path: str | os.PathLike) -> tuple[list[Prompt], list[tuple[int,
     return prompts, malformed
 
 
-def chat_prompt_ids(tokenizer, messages: list[dict], **template_kwargs) -> list[int]:
+NON_THINKING = {"enable_thinking": False}  # the default: the drafters learn non-thinking responses
+
+
+def chat_prompt_ids(tokenizer, messages: list[dict], tools: list[dict] | None = None,
+                    **template_kwargs) -> list[int]:
     """Token ids of ``messages`` + the assistant header, tokenized by the template itself (the
     server, evaluation and the demo's pretraining rows): non-thinking mode (Qwen3's template)
-    unless ``template_kwargs`` set ``enable_thinking``."""
-    ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True,
-                                        **{"enable_thinking": False, **template_kwargs})
+    unless ``template_kwargs`` set ``enable_thinking``; ``tools`` for a template that lists them."""
+    ids = tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=True,
+                                        add_generation_prompt=True, **{**NON_THINKING, **template_kwargs})
     if isinstance(ids, dict) or hasattr(ids, "keys"):
         ids = ids["input_ids"]
     return list(ids)

@@ -51,17 +51,44 @@ class Service:
     validate_request: Callable | None = None  # the decoder's RequestError check
     api_key: str | None = None
     mode: str = "plain"
-    chat_encode: Callable | None = None  # (tokenizer, messages) -> ids; default: non-thinking template
+    chat_encode: Callable | None = None  # (tokenizer, messages, tools=, **template kwargs) -> ids
     # (prompt ids, alternatives) -> per prompt token (log-prob or None, [(id, log-prob)] or None)
     score_prompt: Callable | None = None
+    default_template_kwargs: dict = dataclasses.field(default_factory=lambda: {"enable_thinking": False})
+    reasoning_parser: str = "qwen3"  # "none": the thought stays in content
+    tool_call_parser: str = "hermes"  # "none": tool calls stay in content
+    _template: Any = None
+    _vocabulary: Any = None  # the grammar engine's view of the tokenizer (structured output)
 
-    def encode_chat(self, messages) -> list[int]:
+    def matcher(self, params: P.GenParams):
+        """A fresh grammar matcher for one choice of a constrained request (a 400 names the field
+        whose grammar does not compile)."""
+        from d3d_jax.decoding.grammar import Vocabulary
+
+        if self._vocabulary is None:
+            self._vocabulary = Vocabulary(self.tokenizer, self.limits.vocab_size or len(self.tokenizer))
+        problem = self._vocabulary.check(params.grammar)
+        if problem:
+            raise P.ApiError(f"'{params.grammar_field}' gives a grammar that cannot be used: {problem}",
+                             param=params.grammar_field)
+        return self._vocabulary.matcher(params.grammar)
+
+    def template_kwargs(self, asked: dict | None) -> dict:
+        """The chat template's variables for a request (its own over the server's defaults)."""
+        if self._template is None:
+            from d3d_jax.serving.template import TemplateKwargs
+
+            self._template = TemplateKwargs(self.tokenizer, self.default_template_kwargs)
+        return self._template.resolve(asked)
+
+    def encode_chat(self, messages, tools=None, template_kwargs: dict | None = None) -> list[int]:
         if self.chat_encode is None:
             from d3d_jax.io.chat import chat_prompt_ids
 
             self.chat_encode = chat_prompt_ids
+        kwargs = self.template_kwargs(template_kwargs)
         try:
-            return list(self.chat_encode(self.tokenizer, messages))
+            return list(self.chat_encode(self.tokenizer, messages, tools=tools, **kwargs))
         except Exception as e:  # noqa: BLE001 - see below
             # raise_exception() in a template (roles out of order ...) raises TemplateError itself:
             # the request's problem.  Anything else (a syntax error, an undefined name) is a broken
@@ -81,7 +108,7 @@ class Service:
     def encode(self, req: P.ParsedRequest) -> list[list[int]]:
         """Token ids of every prompt of the request."""
         if req.messages is not None:
-            return [self.encode_chat(req.messages)]
+            return [self.encode_chat(req.messages, req.tools, req.template_kwargs)]
         return [self.encode_prompt(p) for p in req.prompts]
 
     def sampling(self, p: P.GenParams):
@@ -98,12 +125,15 @@ class Service:
         max_new = P.resolve_max_tokens(len(ids), params, self.limits) if max_new is None else max_new
         stop_ids = tuple(dict.fromkeys(params.stop_token_ids + (() if params.ignore_eos else self.eos_token_ids)))
         kw = dict(prompt=ids, max_new_tokens=max_new, stop_token_ids=stop_ids, seed=seed)
+        if params.grammar is not None:
+            kw["grammar"] = self.matcher(params)
         out = self.make_request(sampling=self.sampling(params), **kw)
         if self.validate_request is not None:
             try:
                 self.validate_request(out)
-            except ValueError as e:
-                raise P.ApiError(str(e), param="prompt") from None
+            except ValueError as e:  # a grammar the mode cannot serve is the constraint's field's problem
+                grammar = params.grammar is not None and "structured output" in str(e)
+                raise P.ApiError(str(e), param=params.grammar_field if grammar else "prompt") from None
         return out
 
 
@@ -198,8 +228,11 @@ async def _generate(svc: Service, http: Request, kind: str):
 def _tokenize_body(svc: Service, body: dict) -> list[int]:
     req = P.parse_tokenize(body, svc.model_name, svc.limits)
     if req.messages is not None:
-        return svc.encode_chat([{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                                for m in req.messages])
+        tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+        return svc.encode_chat([m.for_template() for m in req.messages], tools, req.chat_template_kwargs)
+    if req.tools is not None or req.chat_template_kwargs is not None:
+        raise P.ApiError("'tools' and 'chat_template_kwargs' need 'messages' (they shape the chat template)",
+                         param="tools" if req.tools is not None else "chat_template_kwargs")
     return list(svc.tokenizer.encode(req.prompt, add_special_tokens=bool(req.add_special_tokens)))
 
 

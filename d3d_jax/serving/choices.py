@@ -18,6 +18,8 @@ from typing import Any, AsyncIterator, Callable
 
 from d3d_jax.serving import protocol as P
 from d3d_jax.serving import responses as R
+from d3d_jax.serving.chat_output import ChatOutput
+from d3d_jax.serving.reasoning import Qwen3Reasoning, prompt_ends_reasoning, think_tags
 from d3d_jax.serving.scheduler import Event, Handle, _request_metrics
 from d3d_jax.serving.textstream import TextStream
 
@@ -38,6 +40,7 @@ class Choice:
     reason: str | None = None
     spec: dict | None = None
     t_last: float | None = None
+    chat: ChatOutput | None = None  # chat: the text split into reasoning, content and tool calls
 
     def take(self, ev: Event) -> str:
         if ev.logprobs is not None:
@@ -72,9 +75,11 @@ class Run:
             for j in range(p.n):
                 k = i * p.n + j
                 request = None if p.max_tokens == 0 else svc.build(p, ids, P.choice_seed(base, k))
-                ts = TextStream(svc.tokenizer, ids, p.stop, p.skip_special_tokens, p.min_tokens)
+                chat = chat_output(svc, parsed, ids)
+                keep = think_tags(svc.tokenizer) if chat is not None and chat.has_reasoning else None
+                ts = TextStream(svc.tokenizer, ids, p.stop, p.skip_special_tokens, p.min_tokens, keep)
                 choices.append(Choice(k, i, request, ts, done=request is None,
-                                      reason="length" if request is None else None))
+                                      reason="length" if request is None else None, chat=chat))
         return Run(svc, R.Formatter(parsed.kind, svc.model_name), p, prompts, texts, choices,
                    asyncio.Queue())
 
@@ -142,6 +147,10 @@ class Run:
         if c.handle is not None:
             c.handle.cancel()
 
+    def reason(self, c: Choice) -> str | None:
+        """The finish reason: "tool_calls" for a chat choice that called a tool."""
+        return c.chat.finish_reason(c.reason) if c.chat is not None else c.reason
+
     def record(self, c: Choice, n_new: int) -> None:
         """TTFT, inter-token latency (a round's tokens share its interval) and end to end."""
         if n_new <= 0:
@@ -156,6 +165,18 @@ class Run:
             for _ in range(n_new):
                 m.observe("inter_token_latency_seconds", gap)
         c.t_last = now
+
+
+def chat_output(svc, parsed: P.ParsedRequest, prompt_ids: list[int]) -> ChatOutput | None:
+    """The parsers a chat choice's text goes through: the thought (unless the prompt already
+    ended it) and, when the request offered tools, their calls."""
+    if parsed.kind != "chat":
+        return None
+    reasoning = None
+    if svc.reasoning_parser == "qwen3":
+        reasoning = Qwen3Reasoning(not prompt_ends_reasoning(svc.tokenizer.decode(prompt_ids)))
+    forced = parsed.tool_choice if parsed.tool_choice == "required" or isinstance(parsed.tool_choice, dict) else None
+    return ChatOutput(reasoning, svc.tool_call_parser == "hermes" and parsed.tool_choice == "auto", forced)
 
 
 def _sink(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue, index: int) -> Callable[[Event], None]:
@@ -232,11 +253,12 @@ async def stream(run: Run, http) -> AsyncIterator[bytes]:
                 text += c.text.flush()
                 run.finish(c, ev)
             entries, ids = run.new_entries(c)
-            if text or ids or c.done:
+            fields = c.chat.delta(c.chat.push(text, final=c.done)) if c.chat is not None else None
+            if (fields if c.chat is not None else text) or ids or c.done:
                 lp = run.logprobs((entries, c.offset))
                 c.offset += sum(len(t) for t in (lp or {}).get("tokens", []))
-                choice = fmt.choice(index, text, c.reason if c.done else None, chunk=True, logprobs=lp,
-                                    token_ids=ids if p.return_token_ids else None)
+                choice = fmt.choice(index, text, run.reason(c) if c.done else None, chunk=True, logprobs=lp,
+                                    token_ids=ids if p.return_token_ids else None, fields=fields)
                 yield R.sse(fmt.chunk([choice], run.usage() if p.continuous_usage else None))
         if not all(c.done for c in run.choices):
             return  # client gone: nothing more to send
@@ -271,6 +293,10 @@ async def collect(run: Run, http) -> dict | None:
         prefix, prompt_entries = run.echo_prefix(c)
         entries, ids = c.entries[:c.text.n_tokens], c.text.output_ids[:c.text.n_tokens]
         lp = run.logprobs((prompt_entries, 0), (entries, len(prefix)))
-        choices.append(run.fmt.choice(c.index, prefix + texts[c.index], c.reason, chunk=False, logprobs=lp,
-                                      token_ids=ids if run.params.return_token_ids else None))
+        fields = None
+        if c.chat is not None:
+            c.chat.push(texts[c.index], final=True)
+            fields = c.chat.message()
+        choices.append(run.fmt.choice(c.index, prefix + texts[c.index], run.reason(c), chunk=False, logprobs=lp,
+                                      token_ids=ids if run.params.return_token_ids else None, fields=fields))
     return run.fmt.full(choices, run.usage(), run.spec())

@@ -79,6 +79,8 @@ class GenParams:
     continuous_usage: bool = False
     return_token_ids: bool = False
     skip_special_tokens: bool = True
+    grammar: object = None  # a decoding.grammar.GrammarSpec: the output is constrained to it
+    grammar_field: str | None = None  # the request field it came from (errors name it)
 
 
 @dataclasses.dataclass
@@ -88,6 +90,9 @@ class ParsedRequest:
     params: GenParams
     prompts: list = dataclasses.field(default_factory=list)  # completion: str or list of ids each
     messages: list[dict] | None = None
+    tools: list[dict] | None = None  # chat: the functions offered, as the template reads them
+    tool_choice: str | dict | None = None  # chat: "none" | "auto" | "required" | {"name": ...}
+    template_kwargs: dict | None = None  # chat: the request's chat_template_kwargs
 
 
 # --------------------------------------------------------------------------------------------
@@ -337,9 +342,19 @@ def parse_completion(body: dict, served_model: str, limits: Limits) -> ParsedReq
 def parse_chat(body: dict, served_model: str, limits: Limits) -> ParsedRequest:
     req = validate("chat", body, limits)
     model = _model(req.model, served_model)
-    messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                for m in req.messages]
-    return ParsedRequest("chat", model, _params(req, "chat"), messages=messages)
+    from d3d_jax.serving.structured import spec_of
+
+    tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+    choice = req.tool_choice
+    choice = ({"name": choice.function.name} if isinstance(choice, S.NamedToolChoice) else
+              choice if choice == "required" else "none" if choice == "none" or not tools else "auto")
+    try:
+        spec, field = spec_of(req)
+    except S.FieldError as e:
+        raise ApiError(e.message, param=e.field) from None
+    params = dataclasses.replace(_params(req, "chat"), grammar=spec, grammar_field=field)
+    return ParsedRequest("chat", model, params, messages=[m.for_template() for m in req.messages],
+                         tools=tools, tool_choice=choice, template_kwargs=req.chat_template_kwargs)
 
 
 def parse_tokenize(body: dict, served_model: str, limits: Limits) -> S.TokenizeRequest:

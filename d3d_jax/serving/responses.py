@@ -27,10 +27,11 @@ def _lp(x) -> float:
 
 def finish_reason(reason: str | None) -> str | None:
     """The decoder's eos/stop/length (and a matched stop string) in OpenAI's vocabulary; a request
-    the server ended as it shut down says "abort" (vLLM's word), never a natural stop."""
+    the server ended as it shut down says "abort" (vLLM's word), never a natural stop; a chat
+    choice that called a tool, "tool_calls"."""
     if reason is None:
         return None
-    return reason if reason in ("length", "abort") else "stop"
+    return reason if reason in ("length", "abort", "tool_calls") else "stop"
 
 
 def completion_logprobs(entries: list[Entry], token_text: Callable[[int], str], offset: int) -> dict:
@@ -96,11 +97,15 @@ class Formatter:
         return {"id": prefix + self.id, "object": obj, "created": self.created, "model": self.model}
 
     def choice(self, index: int, text: str | None, reason: str | None = None, *, chunk: bool,
-               role: bool = False, logprobs: dict | None = None, token_ids=None) -> dict:
+               role: bool = False, logprobs: dict | None = None, token_ids=None,
+               fields: dict | None = None) -> dict:
+        """``fields``: a chat message's (or delta's) own fields, in place of ``content: text``."""
         c: dict[str, Any] = {"index": index}
         if self.kind == "chat":
             msg: dict[str, Any] = {"role": "assistant"} if role or not chunk else {}
-            if text is not None:
+            if fields is not None:
+                msg.update(fields)
+            elif text is not None:
                 msg["content"] = text
             c["delta" if chunk else "message"] = msg
         else:

@@ -101,20 +101,136 @@ class TextPart(_Strict):
     text: str
 
 
-class Message(_Strict):
-    """A chat message; ``developer`` is read as ``system``.  The chat template has no place for
-    a speaker's ``name``, tools or audio, so they are refused rather than dropped."""
+class ToolFunction(_Strict):
+    """A tool's function: its name, and the JSON schema of its arguments."""
 
-    role: Literal["system", "developer", "user", "assistant"]
-    content: Union[str, list[TextPart]] = Field(description="a string or a list of text parts")
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
+    description: Union[str, None] = None
+    parameters: Union[dict[str, Any], None] = None
+    strict: Flag = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: ToolFunction
+
+
+class CalledFunction(_Strict):
+    name: str
+    arguments: str = Field(description="the arguments as a JSON string")
+
+
+class ToolCall(_Strict):
+    """A tool call of an earlier assistant turn, as the client sends it back."""
+
+    id: str
+    type: Literal["function"]
+    function: CalledFunction
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class JsonSchemaFormat(_Strict):
+    name: Union[str, None] = None
+    description: Union[str, None] = None
+    schema_: Union[dict[str, Any], None] = Field(None, alias="schema")
+    strict: Flag = None
+
+
+class ResponseFormat(_Strict):
+    """OpenAI's ``response_format``: ``text``, ``json_object`` or ``json_schema``."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Union[JsonSchemaFormat, None] = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self):
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise FieldError("'json_schema' goes with \"type\": \"json_schema\", and only with it",
+                             "response_format")
+        return self
+
+
+class StructuredOutputs(_Strict):
+    """vLLM's ``structured_outputs``: exactly one of ``json`` (a schema), ``json_object``,
+    ``regex`` or ``choice``."""
+
+    json_: Union[dict[str, Any], str, None] = Field(None, alias="json")
+    json_object: Flag = None
+    regex: Union[Text, None] = None
+    choice: Union[Annotated[list[Text], Field(min_length=1)], None] = None
+
+    @model_validator(mode="after")
+    def _exactly_one(self):
+        given = [k for k in ("json_", "json_object", "regex", "choice") if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise FieldError("'structured_outputs' needs exactly one of 'json', 'json_object', 'regex', 'choice'",
+                             "structured_outputs")
+        return self
+
+
+class Message(_Strict):
+    """A chat message; ``developer`` is read as ``system``.  An assistant turn may carry the
+    ``tool_calls`` it made (then ``content`` may be null), a ``tool`` turn the result of one.
+    The chat template has no place for a speaker's ``name`` or audio: refused, not dropped."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Union[str, list[TextPart], None] = Field(
+        description="a string or a list of text parts (null only for an assistant's tool calls)")
     name: Refused(None) = None
     refusal: Refused(None) = None
-    tool_calls: Refused(None, []) = None
+    tool_calls: Union[list[ToolCall], None] = None
+    tool_call_id: Union[str, None] = None
+    reasoning_content: Union[str, None] = None  # vLLM's: an earlier turn's thought, for the template
     function_call: Refused(None) = None
     audio: Refused(None) = None
 
     def text(self) -> str:
+        if self.content is None:
+            return ""
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+    @model_validator(mode="after")
+    def _content_or_calls(self):
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise FieldError("'content' may be null only in an assistant message with 'tool_calls'", "messages")
+        if self.tool_calls and self.role != "assistant":
+            raise FieldError(f"'tool_calls' belong to an assistant message, not to a {self.role!r} one", "messages")
+        if (self.role == "tool") != (self.tool_call_id is not None):
+            raise FieldError("'tool_call_id' belongs to a 'tool' message, and a 'tool' message needs it", "messages")
+        return self
+
+    def for_template(self) -> dict:
+        """The message as chat templates read it (Qwen3's: tool-call arguments as objects)."""
+        out = {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
+        if self.tool_calls:
+            out["tool_calls"] = [{"id": c.id, "type": "function",
+                                  "function": {"name": c.function.name,
+                                               "arguments": _json_or_text(c.function.arguments)}}
+                                 for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.reasoning_content is not None:
+            out["reasoning_content"] = self.reasoning_content
+        return out
+
+
+def _json_or_text(text: str):
+    """vLLM hands templates a call's arguments as an object when they parse as one."""
+    import json
+
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return text
+    return value if isinstance(value, dict) else text
 
 
 # ---- the bodies ---------------------------------------------------------------------------
@@ -214,16 +330,20 @@ class ChatRequest(_Generation):
     audio: Refused(None) = None
     function_call: Refused(None, "none") = None
     functions: Refused(None, []) = None
-    tools: Refused(None, []) = None
-    tool_choice: Refused(None, "none") = None
-    parallel_tool_calls: Refused(None, True, False) = None
+    tools: Union[list[Tool], None] = None
+    tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = Field(
+        None, description='"none", "auto", "required" or {"type": "function", "function": {"name": ...}}')
+    parallel_tool_calls: Union[bool, None] = None
+    # vLLM's: variables of the chat template (enable_thinking ...), over the server's defaults
+    chat_template_kwargs: Union[dict[str, Any], None] = None
     modalities: Refused(None, ["text"]) = None
     moderation: Refused(None) = None
     prediction: Refused(None) = None
     reasoning_effort: Refused(None) = None
     verbosity: Refused(None) = None
     web_search_options: Refused(None) = None
-    response_format: Refused(None, {"type": "text"}) = None
+    response_format: Union[ResponseFormat, None] = None
+    structured_outputs: Union[StructuredOutputs, None] = None  # vLLM's
     store: Refused(None, False) = None
     metadata: Refused(None, {}) = None
     service_tier: Refused(None, "auto", "default") = None
@@ -237,6 +357,23 @@ class ChatRequest(_Generation):
     def _top_needs_logprobs(self):
         if self.top_logprobs is not None and not self.logprobs:
             raise FieldError("'top_logprobs' needs \"logprobs\": true", "top_logprobs")
+        names = [t.function.name for t in self.tools or ()]
+        if len(set(names)) < len(names):
+            raise FieldError("'tools' name a function twice", "tools")
+        choice = self.tool_choice
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise FieldError(f"'tool_choice' names the function {choice.function.name[:64]!r}, which is not "
+                             f"in 'tools'", "tool_choice")
+        if choice == "required" and not names:
+            raise FieldError("'tool_choice' \"required\" needs 'tools'", "tool_choice")
+        constraints = [k for k, on in (("response_format", self.response_format is not None
+                                        and self.response_format.type != "text"),
+                                       ("structured_outputs", self.structured_outputs is not None),
+                                       ("tool_choice", choice == "required" or isinstance(choice, NamedToolChoice)))
+                       if on]
+        if len(constraints) > 1:
+            raise FieldError(f"'{constraints[0]}' and '{constraints[1]}' each constrain the output: send one",
+                             constraints[1])
         return self
 
 
@@ -247,6 +384,8 @@ class TokenizeRequest(_Strict):
     prompt: Union[str, None] = None
     messages: Union[Annotated[list[Message], Field(min_length=1)], None] = None
     add_special_tokens: Flag = None
+    tools: Union[list[Tool], None] = None
+    chat_template_kwargs: Union[dict[str, Any], None] = None
 
     @model_validator(mode="after")
     def _one_input(self):

@@ -89,6 +89,13 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     flag("--vllm-metrics", key="server.vllm_metrics", action="store_true",
          help="/metrics also under vLLM's vllm: names (dashboards made for vLLM)")
     flag("--log-level", key="server.log_level")
+    flag("--default-chat-template-kwargs", key="server.default_chat_template_kwargs",
+         help="the chat template's variables when a request's chat_template_kwargs leave them out, "
+              "a JSON object (default '{\"enable_thinking\": false}')")
+    flag("--reasoning-parser", key="server.reasoning_parser", choices=("qwen3", "none"),
+         help="qwen3 (default): the thought between <think> and </think> goes in reasoning_content")
+    flag("--tool-call-parser", key="server.tool_call_parser", choices=("hermes", "none"),
+         help="hermes (default): <tool_call> output becomes tool_calls when a request offers tools")
     return p
 
 
@@ -161,7 +168,9 @@ def load(cfg: ServeConfig):
 def make_service(decoder: Decoder, tokenizer, eos_ids, *, model_name: str, mode: str, api_key: str | None = None,
                  max_body_bytes: int = 1 << 20, max_prompt_tokens: int | None = None,
                  default_max_tokens: int = 256, max_queue: int = 4096, request_cls=None,
-                 target=None, score_prompt=None, vllm_metrics: bool = False):
+                 target=None, score_prompt=None, vllm_metrics: bool = False,
+                 default_chat_template_kwargs: dict | None = None, reasoning_parser: str = "qwen3",
+                 tool_call_parser: str = "hermes"):
     """The scheduler (not yet started) and the :class:`~d3d_jax.serving.app.Service` around it.
     ``target`` (the target model) serves ``echo`` with ``logprobs`` (:class:`PromptScorer`)."""
     from d3d_jax.serving.app import Service
@@ -182,7 +191,10 @@ def make_service(decoder: Decoder, tokenizer, eos_ids, *, model_name: str, mode:
     return Service(scheduler=scheduler, tokenizer=tokenizer,
                    model_name=model_name, limits=limits, eos_token_ids=tuple(eos_ids),
                    make_request=request_cls, validate_request=decoder.validate_request,
-                   api_key=api_key, mode=mode, score_prompt=score_prompt)
+                   api_key=api_key, mode=mode, score_prompt=score_prompt,
+                   default_template_kwargs=({"enable_thinking": False} if default_chat_template_kwargs is None
+                                            else dict(default_chat_template_kwargs)),
+                   reasoning_parser=reasoning_parser, tool_call_parser=tool_call_parser)
 
 
 def warmup_lengths(max_prompt: int, cap: int) -> list[int]:
@@ -444,7 +456,9 @@ def main(args) -> None:
                        mode=decoder.config.mode, api_key=api_key, max_body_bytes=srv.max_body_bytes,
                        max_prompt_tokens=srv.max_prompt_tokens,
                        default_max_tokens=srv.default_max_tokens, max_queue=srv.max_queue,
-                       target=target, vllm_metrics=srv.vllm_metrics)
+                       target=target, vllm_metrics=srv.vllm_metrics,
+                       default_chat_template_kwargs=srv.template_kwargs(), reasoning_parser=srv.reasoning_parser,
+                       tool_call_parser=srv.tool_call_parser)
     lengths = warmup_lengths(srv.warmup_max_prompt, svc.limits.prompt_cap - 2 * decoder.config.block_size)
     now, later = (lengths, []) if srv.warmup_wait else (lengths[:1], lengths[1:])
     deferred = False

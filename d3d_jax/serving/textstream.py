@@ -18,8 +18,9 @@ _CONTEXT = 6  # prompt tokens decoded before the output, so the first token's te
 
 class TextStream:
     def __init__(self, tokenizer, prompt_ids: Sequence[int] = (), stop: Sequence[str] = (),
-                 skip_special_tokens: bool = True, min_tokens: int = 0):
+                 skip_special_tokens: bool = True, min_tokens: int = 0, keep: dict[int, str] | None = None):
         self.tok = tokenizer
+        self.keep = keep or {}  # special tokens written out all the same (id -> text): a reasoning parser's tags
         self.min_tokens = min_tokens  # stop strings count only once this many tokens are out (vLLM)
         self.skip = skip_special_tokens
         self.stop = tuple(stop)
@@ -34,7 +35,16 @@ class TextStream:
         self.n_tokens = 0  # output tokens consumed (up to the one that completed a stop string)
 
     def _decode(self, ids) -> str:
-        return self.tok.decode(ids, skip_special_tokens=self.skip)
+        if not (self.skip and self.keep and any(t in self.keep for t in ids)):
+            return self.tok.decode(ids, skip_special_tokens=self.skip)
+        parts, run = [], []
+        for t in ids:
+            if t in self.keep:
+                parts += [self.tok.decode(run, skip_special_tokens=True), self.keep[t]]
+                run = []
+            else:
+                run.append(t)
+        return "".join(parts + [self.tok.decode(run, skip_special_tokens=True)])
 
     def _advance(self, final: bool) -> str:
         """Text of the tokens after the read offset, if complete (or ``final``)."""

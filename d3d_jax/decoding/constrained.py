@@ -1,0 +1,112 @@
+"""Rounds for a batch that holds a grammar-constrained request: draft, masks on the host, verify.
+
+A grammar lives on the host (:mod:`~d3d_jax.decoding.grammar`), and a slot's mask depends on
+the drafts before it, so such a round is two programs with the host between them: the drafter's
+forward (its drafts copied back), then each constrained row's matcher walked along its drafts
+for a ``[rows, W, words]`` bitmask, then the target's verify and commit with that mask.  Rows
+without a grammar ride along unmasked (all bits set) and decode exactly as in any other round.
+No round is dispatched ahead while a grammar is live: the next round's masks need this one's
+committed tokens.  Plain rounds (W = 1) skip the drafter.  Auto runs its widest sync geometry
+(or plain); async rounds have no grammar path (their next block is drafted before the host
+sees the verdict), so the decoder refuses constrained requests in async mode.
+
+The host's share is reported per round in ``seconds_host`` (mask building, the drafts' copy).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from d3d_jax.decoding.grammar import words
+from d3d_jax.decoding.strategies import Part, result_out, windowed
+
+
+def masked_rounds(strategy, vocab_size: int) -> "MaskedRounds":
+    """The strategy's constrained rounds, made once (their programs compile when first run)."""
+    if getattr(strategy, "_masked_rounds", None) is None:
+        strategy._masked_rounds = MaskedRounds(strategy, vocab_size)
+    return strategy._masked_rounds
+
+
+def geometry(strategy) -> tuple[str, object, bool]:
+    """(label, core, catch_up) a constrained round runs with."""
+    cores = getattr(strategy, "cores", None)
+    if cores is None:  # plain or sync
+        return strategy.label, strategy.core, False
+    syncs = sorted((c.width, label) for label, c in cores.items() if label.startswith("sync/"))
+    label = syncs[-1][1] if syncs else "plain"
+    return label, cores[label], label != "plain"
+
+
+class MaskedRounds:
+    """The two programs of a constrained round for one strategy, and its host step."""
+
+    def __init__(self, strategy, vocab_size: int):
+        self.strategy = strategy
+        self.label, self.core, self.catch_up = geometry(strategy)
+        self.words = words(vocab_size)
+        self._draft = strategy.jit(self._draft_fn, name="grammar_draft", static_argnames="rows",
+                                   donate_argnums=1)
+        self._verify = strategy.jit(self._verify_fn, name="grammar_verify", static_argnames="rows",
+                                    donate_argnums=1)
+        self.host_seconds: list[float] = []
+
+    def _draft_fn(self, d_leaves, state, start, lo, hi, *, rows):
+        dp, core = self.strategy.ctx.dp(d_leaves), self.core
+
+        def draft(v):
+            if self.catch_up:
+                d = core.drafter.catch_up(dp, v.drafter_state, v.seq, v.anchor_pos, ~v.done, core.width)
+                v = dataclasses.replace(v, drafter_state=d)
+            out, v = core.draft(dp, v)
+            return v, (out.drafts, out.probs)
+
+        return windowed(draft, rows, state, start, lo, hi)
+
+    def _verify_fn(self, t_leaves, state, drafts, probs, mask, start, lo, hi, *, rows):
+        tp, core = self.strategy.ctx.tp(t_leaves), self.core
+
+        def verify(v):
+            accepted, nxt, cache, logprobs = core.verify(tp, v, drafts, drafts, probs, token_mask=mask)
+            return core.commit(v, drafts, accepted, nxt, cache, logprobs)
+
+        return windowed(verify, rows, state, start, lo, hi)
+
+    def dispatch(self, carry, params, groups, rows_info) -> tuple[object, list[Part]]:
+        """One round over the live rows (``rows_info``: each placement row's SlotInfo)."""
+        matchers = {row: i.request.grammar for row, i in enumerate(rows_info)
+                    if i.request.grammar is not None and i.finish_reason is None}
+        lo, hi = groups[0][0], groups[-1][1]
+        start, rows = self.strategy.ctx.window(lo, hi)
+        width = self.core.width
+        self.strategy.note((self.label + "/grammar", rows))
+        state = carry.state
+        plain = self.core.drafter is None
+        if plain and state.drafter_state is not None:  # auto keeps the drafter's state aside
+            kept, state = state.drafter_state, dataclasses.replace(state, drafter_state=None)
+        if plain:
+            drafts, probs, host = jnp.zeros((rows, width - 1), jnp.int32), None, np.zeros((rows, 0), np.int32)
+        else:
+            state, (drafts, probs) = self._draft(params[1], state, start, lo, hi, rows=rows)
+        t0 = time.perf_counter()
+        if not plain:
+            host = np.asarray(jax.device_get(drafts))
+        mask = np.full((rows, width, self.words), -1, np.int32)
+        for row, matcher in matchers.items():
+            mask[row - start] = matcher.block_bitmask(host[row - start], width)
+        self.host_seconds.append(time.perf_counter() - t0)
+        state, res = self._verify(params[0], state, drafts, probs, jnp.asarray(mask), start, lo, hi, rows=rows)
+        if plain and carry.state.drafter_state is not None:
+            state = dataclasses.replace(state, drafter_state=kept)
+        out = result_out(res)
+        if carry.prompt_score is not None:  # auto reads each row's prompt score from its rounds
+            from d3d_jax.decoding import window as W
+
+            out["prompt_score"] = W.view(carry.prompt_score, start, rows)
+        return (dataclasses.replace(carry, state=state),
+                [Part(self.label, start, rows, lo, hi, out, fresh=True)])

@@ -1,0 +1,133 @@
+"""Grammar masks under speculation (decoding/grammar.py): the masked verify rules emit tokens
+distributed exactly as plain decoding under the same grammar.
+
+The reference is computed in closed form: plain decoding's probability of each first two tokens,
+``p(t1) p(t2 | t1)``, each the target's softmax renormalised over the tokens the grammar allows
+there (the engine's own mask after ``t1``).  Against it, speculative rounds of a 3-slot block with
+the masks :meth:`Matcher.block_bitmask` builds along the drafts, verified by the real rules
+(point-mass and sampled drafts), over thousands of rows; a χ² test compares the two."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from d3d_jax.decoding import verify as V
+from d3d_jax.decoding.grammar import GrammarSpec, Vocabulary, unpack
+from serve_fake import TOKENIZER
+
+WIDTH, ROWS = 3, 2000
+CHOICES = ["yes", "no", "maybe", "yellow", "noon"]
+
+
+@pytest.fixture(scope="module")
+def vocab():
+    from d3d_jax.io.hf import load_tokenizer
+
+    return Vocabulary(load_tokenizer(TOKENIZER)[0], 2048)
+
+
+class Toy:
+    """A target and a drafter whose logits depend on the prefix (seeded by it)."""
+
+    def __init__(self, size: int):
+        self.size, self.cache = size, {}
+
+    def logits(self, prefix: tuple, who: int) -> np.ndarray:
+        key = (prefix, who)
+        if key not in self.cache:
+            rng = np.random.default_rng(abs(hash(key)) % 2 ** 32)
+            self.cache[key] = (rng.standard_normal(self.size) * (3.0 if who == 0 else 1.0)).astype(np.float32)
+        return self.cache[key]
+
+
+_ALLOWED: dict = {}
+
+
+def allowed(vocab, spec, prefix) -> np.ndarray:
+    """The engine's allowed tokens after ``prefix`` (every token once the grammar refused one)."""
+    key = (spec, tuple(prefix))
+    if key not in _ALLOWED:
+        m = vocab.matcher(spec)
+        ok = m.advance(prefix)
+        _ALLOWED[key] = np.asarray(unpack(m.block_bitmask([], 1)[0], vocab.size)) if ok else np.ones(vocab.size, bool)
+    return _ALLOWED[key]
+
+
+def draft_probs(vocab, spec, toy, prefix) -> np.ndarray:
+    """A drafter that knows the grammar most of the time: its drafts are often valid, so the
+    masks of later slots are reached."""
+    good = softmax_on(toy.logits(prefix, 1), allowed(vocab, spec, prefix))
+    return (0.8 * good + 0.2 * softmax_on(toy.logits(prefix, 1), np.ones(toy.size, bool))).astype(np.float32)
+
+
+def softmax_on(x, keep):
+    x = np.where(keep, x.astype(np.float64), -np.inf)
+    e = np.exp(x - x.max())
+    return e / e.sum()
+
+
+def reference(vocab, spec, toy) -> dict:
+    p1 = softmax_on(toy.logits((), 0), allowed(vocab, spec, ()))
+    out = {}
+    for t1 in np.flatnonzero(p1):
+        p2 = softmax_on(toy.logits((int(t1),), 0), allowed(vocab, spec, (int(t1),)))
+        for t2 in np.flatnonzero(p2):
+            out[(int(t1), int(t2))] = p1[t1] * p2[t2]
+    return out
+
+
+def spec_round(vocab, spec, toy, prefixes, rng, sampled: bool, keys, rule):
+    """One verified block per row from ``prefixes``: the emitted tokens of each."""
+    n = len(prefixes)
+    drafts = np.zeros((n, WIDTH - 1), np.int32)
+    q = np.zeros((n, WIDTH - 1, toy.size), np.float32)
+    for i, pre in enumerate(prefixes):
+        for k in range(WIDTH - 1):
+            qk = draft_probs(vocab, spec, toy, pre + tuple(int(d) for d in drafts[i, :k]))
+            q[i, k] = qk
+            drafts[i, k] = rng.choice(toy.size, p=qk / qk.sum()) if sampled else int(np.argmax(qk))
+    masks = np.stack([_block(vocab, spec, pre, drafts[i]) for i, pre in enumerate(prefixes)])
+    logits = np.stack([[toy.logits(pre + tuple(drafts[i, :k]), 0) for k in range(WIDTH)]
+                       for i, pre in enumerate(prefixes)])
+    masked = jnp.where(unpack(jnp.asarray(masks), toy.size), jnp.asarray(logits), -jnp.inf)
+    anchor = jnp.asarray([len(p) for p in prefixes], jnp.int32)
+    sampling = V.SamplingParams.stack([V.SamplingParams(temperature=1.0)] * n)
+    accepted, nxt = rule(masked, jnp.asarray(drafts), jnp.asarray(q) if sampled else None, anchor, keys, sampling)
+    accepted, nxt = np.asarray(accepted), np.asarray(nxt)
+    return [tuple(int(t) for t in drafts[i, :accepted[i]]) + (int(nxt[i]),) for i in range(n)]
+
+
+def _block(vocab, spec, prefix, drafts):
+    m = vocab.matcher(spec)
+    assert m.advance(prefix)
+    return m.block_bitmask(drafts, WIDTH)
+
+
+@pytest.mark.parametrize("sampled", [False, True])
+def test_masked_speculation_samples_plain_decodings_distribution(vocab, sampled):
+    from scipy.stats import chisquare
+
+    spec = GrammarSpec("choice", tuple(CHOICES))
+    toy = Toy(vocab.size)
+    want = reference(vocab, spec, toy)
+    rng = np.random.default_rng(1)
+    keys = jax.random.wrap_key_data(jax.vmap(lambda s: jax.random.key_data(jax.random.key(s)))(
+        jnp.arange(ROWS, dtype=jnp.int32) + 1000 * sampled))
+    rule = V.verify_sampled if sampled else V.verify_point_mass
+    out = spec_round(vocab, spec, toy, [()] * ROWS, rng, sampled, keys, rule)
+    short = [i for i, o in enumerate(out) if len(o) < 2]
+    if short:  # a round that kept one token: the next round, from it
+        more = spec_round(vocab, spec, toy, [out[i] for i in short], rng, sampled, keys[np.asarray(short)], rule)
+        for i, o in zip(short, more):
+            out[i] = out[i] + o
+    pairs = [o[:2] for o in out]
+    assert all(p in want for p in pairs), "a pair the grammar forbids"
+    bins = sorted(want, key=want.get, reverse=True)
+    big = [b for b in bins if want[b] * ROWS >= 5]
+    observed = [sum(p == b for p in pairs) for b in big] + [sum(p not in big for p in pairs)]
+    expected = [want[b] * ROWS for b in big] + [ROWS * (1 - sum(want[b] for b in big))]
+    assert len(big) >= 3 and sum(o > 0 for o in observed) >= 3
+    assert chisquare(observed, expected).pvalue > 1e-3, (observed, expected)
