@@ -3,9 +3,9 @@ finite values, each failure one line naming the file and the tensor.
 
 One finiteness check serves loading (HF safetensors and Orbax parameter checkpoints, target and
 drafter alike: :func:`check_loaded_finite`) and export (:func:`check_finite_params`).  It runs
-on the placed parameters, one vectorised reduction per leaf (per layer of a stacked leaf),
-dispatched together and read back in one transfer: a single pass over memory the device reads
-at full bandwidth, small beside reading the file.  A NaN in one element of a norm weight used to
+on the placed parameters, one vectorised reduction per leaf (per layer of a stacked leaf), all
+in one program read back in one transfer: a single pass over memory the device reads at full
+bandwidth, small beside reading the file.  A NaN in one element of a norm weight used to
 load and decode to token 0 forever; a header that relabelled bf16 bytes as ``I16`` loaded as
 integers cast to float (mean |w| 16,384 instead of 0.03).  Dtype and shape are checked from the
 header or the checkpoint's metadata, before anything is read.
@@ -13,6 +13,7 @@ header or the checkpoint's metadata, before anything is read.
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Any, Callable, Sequence
 
@@ -45,13 +46,20 @@ def _is_stacked(path: Path_) -> bool:
     return path[0] == "layers" and len(path) > 1 and not isinstance(path[1], int)
 
 
+@functools.partial(jax.jit, static_argnums=0)
+def _finite_flags(stacked: tuple[bool, ...], xs: list) -> list:
+    # One program for every leaf: a reduction per leaf dispatched eagerly is a program per leaf,
+    # and on a sharded model many of them in flight deadlocked XLA:CPU's in-process all-reduce.
+    return [jnp.all(jnp.isfinite(x), axis=tuple(range(1, x.ndim))) if s else jnp.all(jnp.isfinite(x))
+            for s, x in zip(stacked, xs)]
+
+
 def first_nonfinite(pure: Any) -> tuple[Path_, int | None, int, int] | None:
     """``(path, layer, count, size)`` of the first parameter holding NaN/inf (``layer``: the row
     of a stacked leaf, else None), or None when every value is finite."""
     leaves = [(tuple(getattr(k, "key", getattr(k, "idx", k)) for k in p), x)
               for p, x in jax.tree_util.tree_flatten_with_path(pure)[0]]
-    flags = jax.device_get([jnp.all(jnp.isfinite(x), axis=tuple(range(1, x.ndim))) if _is_stacked(p)
-                            else jnp.all(jnp.isfinite(x)) for p, x in leaves])
+    flags = jax.device_get(_finite_flags(tuple(_is_stacked(p) for p, _ in leaves), [x for _, x in leaves]))
     for (path, x), ok in zip(leaves, flags):
         for layer, fine in enumerate(np.atleast_1d(ok)):
             if not fine:
