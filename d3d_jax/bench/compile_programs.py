@@ -107,8 +107,9 @@ def _target(shape: DecodeShape, backend: str):
 
 def _drafter(spec: ModelSpec, backend: str, shape: DecodeShape):
     from d3d_jax.decoding.drafting import ModelDrafter
+    from d3d_jax.model.qwen3 import unstacked
 
-    model = abstract(spec, backend)  # ModelDrafter unstacks it, as a decoder's does
+    model = unstacked(abstract(spec, backend))  # one module per layer, as every command loads a drafter
     facts = model_facts(model, "drafter")
     facts["drafter_cache_bytes"] = cache_bytes(model.config, shape.cache_len)
     return ModelDrafter(model), facts
