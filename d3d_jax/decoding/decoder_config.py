@@ -65,8 +65,9 @@ class DecoderConfig(DecoderSettings):
     # rule; None costs nothing.  See d3d_jax.bench.simulate.
     acceptance_override: Any = None
     acceptance_rule: Callable | None = None  # experiments: replaces verify.default_rule
-    # > 0: the target's KV cache is paged, pages of this many tokens (plain mode so far); a
-    # request holds the pages its prompt and max_new_tokens need, not a whole max_cache_len row
+    # > 0: the KV caches are paged, pages of this many tokens (plain, sync and auto; the drafter's
+    # pool has the same pages as the target's); a request holds the pages its prompt and
+    # max_new_tokens need, not a whole max_cache_len row
     kv_page_size: int = 0
     kv_pages: int = 0  # the paged pool's pages; 0: as many as num_slots whole rows would take
 
@@ -134,9 +135,9 @@ class DecoderConfig(DecoderSettings):
         if int(self.kv_page_size) < 0 or int(self.kv_pages) < 0:
             raise ConfigError(f"decoder.kv_page_size and decoder.kv_pages: must be >= 0, got "
                               f"{self.kv_page_size} and {self.kv_pages}")
-        if self.kv_page_size and self.mode != "plain":
-            raise ConfigError(f"decoder.kv_page_size: a paged cache serves mode plain only so far, "
-                              f"not {self.mode}")
+        if self.kv_page_size and self.mode == "async":  # its drafter side cannot tell a done row
+            raise ConfigError("decoder.kv_page_size: a paged cache serves modes plain, sync and "
+                              "auto, not async")
         if self.kv_page_size and self.kv_num_pages < self.kv_max_pages:
             raise ConfigError(f"decoder.kv_pages: {self.kv_pages} pages cannot hold one request of "
                               f"max_cache_len {self.max_cache_len} ({self.kv_max_pages} pages)")
