@@ -9,7 +9,8 @@ with the drafter's ``params`` (a pytree: weights, or a few scalars) and its per-
   (causal, kept; 0..B of them, padded with ``valid=False``) followed by ``[anchor, MASK×(B-1)]``
   anchored at the last committed position ``s`` (bidirectional, sees committed context < s; never
   kept).  Drafts are the argmax of slots 1..B-1 (point mass) or samples from ``q``.  Its branch
-  pack is :func:`~d3d_jax.decoding.branches.packed_forward`.
+  pack is :func:`~d3d_jax.decoding.branches.packed_forward`.  Its cache is dense, or paged over
+  the target's page ids and tables (:mod:`~d3d_jax.model.paged_kv`): the model reads either.
 * :class:`ReplayDrafter` – proposes a given continuation, each token wrong with probability
   ``error_rate``: sets τ at will without a trained drafter.  Its branch alternatives catch the
   reference token with probability ``params["hit_rate"]`` (0 here; see
