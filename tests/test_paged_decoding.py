@@ -1,9 +1,10 @@
-"""Plain decoding over a paged target cache against the solo greedy references of test_decoder
-(each prompt decoded alone by the dense engine, itself checked against transformers).
+"""Decoding over paged caches against the solo greedy references of test_decoder (each prompt
+decoded alone by the dense engine, itself checked against transformers), and the drafter's paged
+cache against a fresh prefill of the committed tokens (greedy outputs cannot show a wrong draft).
 
 The pool is smaller than the dense cache the slots would reserve, so pages freed by one request
 are handed to the next (in a different order): a read or write through a stale or wrong table
-would change tokens.
+would change tokens, or the drafter's cached K/V.
 """
 
 import jax
@@ -14,11 +15,13 @@ from flax import nnx
 
 from d3d_jax.config import ConfigError
 from d3d_jax.decoding.core import MAX_STOP_IDS, DecodeCore, RowInput
+from d3d_jax.decoding.drafting import ModelDrafter
 from d3d_jax.decoding.verify import SamplingParams
-from d3d_jax.model.paged_kv import UNMAPPED
+from d3d_jax.model.paged_kv import UNMAPPED, row_positions
 from d3d_jax.model.qwen3 import unstacked
 from d3d_jax.decoding.decoder import DecoderConfig, Request, RequestError, SpecDecoder, slots_in_use
 from d3d_jax.decoding.engine import generate as decode
+from test_auto import Cycle, ungate
 from test_decoder import BLOCK, CACHE, MAX_NEW, SLOTS, setup  # noqa: F401  (the module fixture)
 from tiny_models import serve
 
@@ -41,6 +44,69 @@ def test_continuous_batching_over_pages_equals_solo_greedy(setup, paged):  # noq
     for i in (0, 2, 3, 4, 5):
         assert (reasons[i], tokens[i]) == ("length", s["solo"][i][:MAX_NEW[i]]), i
     assert slots_in_use(dec) == [] and dec.pages.pool.usage == 0
+
+
+def _speculative(s, mode: str) -> SpecDecoder:
+    """A sync or auto decoder over pages (one per mode for the module)."""
+    key = ("paged", mode)
+    if key not in s["decoders"]:
+        cfg = DecoderConfig(mode=mode, num_slots=SLOTS, max_cache_len=CACHE, block_size=BLOCK,
+                            kv_page_size=PAGE, kv_pages=PAGES)
+        s["decoders"][key] = SpecDecoder(s["target"], s["drafter"], cfg)
+    return s["decoders"][key]
+
+
+def assert_drafter_pages_hold_a_fresh_prefill(state, drafter_model) -> int:
+    """Every running row's drafter cache, read through its page table, holds the K/V a fresh
+    dense prefill of its committed tokens writes; the table is the target's.  Returns the
+    number of cached generated tokens checked."""
+    st = jax.device_get(state)
+    cache = st.drafter_state
+    np.testing.assert_array_equal(cache.page_table, st.target_cache.page_table)
+    k, v = row_positions(cache, CACHE)
+    md = ModelDrafter(drafter_model)
+    generated = 0
+    for row in np.flatnonzero(~st.done):
+        n = int(cache.lengths[row])
+        ref = _prefill(md, st.seq[row: row + 1], n)
+        for got, want in ((k, ref.k_lbskh), (v, ref.v_lbskh)):
+            np.testing.assert_allclose(np.asarray(got[:, row, :n]), np.asarray(want[:, 0, :n]), atol=2e-5)
+        generated += max(n - int(st.prompt_len[row]), 0)
+    return generated
+
+
+def _prefill(md, seq, n):
+    if "fn" not in _prefill.__dict__:  # one shape (the whole row): compiled once
+        _prefill.fn = jax.jit(lambda p, seq, n: md.prefill(p, None, seq, n))
+    return _prefill.fn(md.params, jnp.asarray(seq), jnp.asarray([n], jnp.int32))
+
+
+@pytest.mark.parametrize("mode", ["sync", "auto"])
+def test_speculative_decoding_over_pages_equals_solo_greedy(setup, mode, monkeypatch):  # noqa: F811
+    """Sync, and auto cycling plain, sync, async and split rounds, over paged target and drafter
+    caches: requests join, finish, are cancelled (rows swap), pages are reused; every output is
+    the solo greedy one and the drafter's pages hold exactly its committed tokens' K/V."""
+    s = setup
+    dec = _speculative(s, mode)
+    if mode == "auto":
+        monkeypatch.setattr(dec.strategy.policy, "choose", Cycle(dec.strategy.policy))
+        ungate(dec, monkeypatch)
+    step, checked = dec.step, []
+
+    def checking_step():
+        out = step()
+        if dec.carry is not None and len(checked) < 12:
+            checked.append(assert_drafter_pages_hold_a_fresh_prefill(dec.carry.state, s["drafter"]))
+        return out
+
+    monkeypatch.setattr(dec, "step", checking_step)
+    reqs = [Request(p, max_new_tokens=n, index=i) for i, (p, n) in enumerate(zip(s["prompts"], MAX_NEW))]
+    tokens, reasons = serve(dec, reqs, schedule=[0, 0, 1, 2, 2, 5], cancel={1: 3})
+    assert reasons[1] == "cancelled" and tokens[1] == s["solo"][1][:len(tokens[1])]
+    for i in (0, 2, 3, 4, 5):
+        assert (reasons[i], tokens[i]) == ("length", s["solo"][i][:MAX_NEW[i]]), (mode, i)
+    assert slots_in_use(dec) == [] and dec.pages.pool.usage == 0
+    assert sum(checked) > 20, checked  # generated tokens were cached and checked
 
 
 def test_the_on_device_loop_over_pages_equals_solo_greedy(setup, paged):  # noqa: F811
@@ -94,7 +160,7 @@ def test_a_done_row_writes_nothing_into_pages_it_no_longer_holds(setup):  # noqa
 
 
 @pytest.mark.parametrize("kw,key", [
-    (dict(mode="sync", kv_page_size=PAGE), "decoder.kv_page_size"),
+    (dict(mode="async", kv_page_size=PAGE), "decoder.kv_page_size"),
     (dict(kv_page_size=-1), "decoder.kv_page_size"),
     (dict(kv_page_size=PAGE, kv_pages=CACHE // PAGE - 1), "decoder.kv_pages"),
 ])

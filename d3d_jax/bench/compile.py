@@ -80,6 +80,9 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "report extrapolates its memory and flops to the config's depth along a line")
     p.add_argument("--small", action="store_true", help="2-layer models, cache 256 (the suite's shapes)")
     p.add_argument("--cache-len", type=int, default=2048)
+    p.add_argument("--kv-page-size", type=int, default=0,
+                   help="> 0: also the plain step, verify and sync round over paged KV caches of "
+                        "pages this long (named '..., paged N')")
     p.add_argument("--keep-dumps", action="store_true", help="keep the XLA dumps under OUT/dumps")
     p.add_argument("--out", default=DEFAULT_OUT, help="folder for bench_compile.json and .md")
     return p
@@ -102,7 +105,7 @@ def _spec(spec: cp.ModelSpec, small: bool) -> cp.ModelSpec:
     return dataclasses.replace(spec, overrides=spec.overrides + (_SMALL if small else ()))
 
 
-def decode_programs(backends: list[str], small: bool, cache_len: int) -> list[Program]:
+def decode_programs(backends: list[str], small: bool, cache_len: int, page_size: int = 0) -> list[Program]:
     shape = cp.DecodeShape(_spec(TARGET, small), _spec(DRAFTERS[0], small), cache_len=cache_len)
     last = backends[-1]
     out = []
@@ -116,6 +119,17 @@ def decode_programs(backends: list[str], small: bool, cache_len: int) -> list[Pr
     for d in DRAFTERS:
         out.append(Program(f"branch pack, {d.label} drafter", "h200", last,
                            lambda m, d=d: cp.branch_pack(shape, last, m, _spec(d, small)), "pack"))
+    return out + (paged_programs(backends, dataclasses.replace(shape, page_size=page_size))
+                  if page_size else [])
+
+
+def paged_programs(backends: list[str], shape: cp.DecodeShape) -> list[Program]:
+    """The plain step, the verify round and the sync round over paged target and drafter caches."""
+    tail, out = f", paged {shape.page_size}", []
+    for b in backends:
+        out += [Program("plain step" + tail, "h200", b, lambda m, b=b: cp.plain_step(shape, b, m), "decode"),
+                Program("verify round" + tail, "h200", b, lambda m, b=b: cp.verify_round(shape, b, m), "decode"),
+                Program("sync round" + tail, "h200", b, lambda m, b=b: cp.sync_round(shape, b, m), "decode")]
     return out
 
 
@@ -159,7 +173,8 @@ def programs(args) -> list[Program]:
            + [train_program("D3D-8B train step, flops", c8, "tpu-v5p-128", tb, small, NO_WINDOWED_EINSUM,
                             layers=d)]]
     plat = {
-        "h200": [kernel_program(small)] + decode_programs(backends, small, 256 if small else args.cache_len)
+        "h200": [kernel_program(small)] + decode_programs(backends, small, 256 if small else args.cache_len,
+                                                         args.kv_page_size)
         + [train_program("D3D-1.7B train step", c17, "8xh200", tb, small, layers=d) for d in depths],
         "tpu-v5p-128": pod,
         "tpu-v5e-8": [train_program("D3D-1.7B train step", c17, "tpu-v5e-8", tb, small, layers=d)

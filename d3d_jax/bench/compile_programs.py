@@ -88,6 +88,11 @@ class DecodeShape:
     block_size: int = 16
     positions: int = 12  # C
     fanout: int = 2  # F
+    page_size: int = 0  # > 0: paged caches (target and drafter), pages for cache_len tokens
+
+    def paging(self) -> dict:
+        """A :class:`~d3d_jax.decoding.core.DecodeCore`'s paging arguments."""
+        return dict(page_size=self.page_size, num_pages=-(-self.cache_len // self.page_size)) if self.page_size else {}
 
     @property
     def layout(self):
@@ -129,7 +134,7 @@ def plain_step(shape: DecodeShape, backend: str, mesh) -> Built:
 
     model, facts = _target(shape, backend)
     gd, params = nnx.split(model)
-    core = DecodeCore(gd, model.config, None, width=1, cache_len=shape.cache_len)
+    core = DecodeCore(gd, model.config, None, width=1, cache_len=shape.cache_len, **shape.paging())
     state = jax.eval_shape(lambda: core.init_state(1))
     fn = jax.jit(lambda p, s: core.round(p, None, s), donate_argnums=1)
     return Built(fn, (on_mesh(params, mesh), on_mesh(state, mesh)), {**facts, "rows": 1})
@@ -143,7 +148,8 @@ def verify_round(shape: DecodeShape, backend: str, mesh) -> Built:
     model, facts = _target(shape, backend)
     drafter, _ = _drafter(shape.drafter, backend, shape)
     gd, params = nnx.split(model)
-    core = DecodeCore(gd, model.config, None, width=shape.block_size, cache_len=shape.cache_len)
+    core = DecodeCore(gd, model.config, None, width=shape.block_size, cache_len=shape.cache_len,
+                      **shape.paging())
     acore = AsyncCore(core, drafter, shape.layout)
     state = jax.eval_shape(lambda: core.init_state(1))
     hand = jax.ShapeDtypeStruct((1, shape.block_size + 1), jnp.int32)
@@ -159,7 +165,8 @@ def sync_round(shape: DecodeShape, backend: str, mesh) -> Built:
     model, tfacts = _target(shape, backend)
     drafter, dfacts = _drafter(shape.drafter, backend, shape)
     gd, params = nnx.split(model)
-    core = DecodeCore(gd, model.config, drafter, width=shape.block_size, cache_len=shape.cache_len)
+    core = DecodeCore(gd, model.config, drafter, width=shape.block_size, cache_len=shape.cache_len,
+                      **shape.paging())
     state = jax.eval_shape(lambda: core.init_state(1))
     fn = jax.jit(core.round, donate_argnums=2)
     args = (on_mesh(params, mesh), on_mesh(drafter.params, mesh), on_mesh(state, mesh))

@@ -194,8 +194,9 @@ class DecoderConfig:
     # auto: the drafter's offline τ, the prior of every request's acceptance; None: read from
     # the drafter's result.json
     prior_tau: float | None = None
-    # > 0: the target's KV cache is paged, pages of this many tokens (plain mode so far); a
-    # request holds the pages its prompt and max_new_tokens need, not a whole max_cache_len row
+    # > 0: the KV caches are paged, pages of this many tokens (plain, sync and auto; the drafter's
+    # pool has the same pages as the target's); a request holds the pages its prompt and
+    # max_new_tokens need, not a whole max_cache_len row
     kv_page_size: int = 0
     kv_pages: int = 0  # the paged pool's pages; 0: as many as num_slots whole rows would take
     # The program's own (PROGRAM_ONLY: refused in a command's section).  Finish reason "eos" (a
@@ -280,8 +281,8 @@ class DecoderConfig:
     def _validate_pages(self, prefix: str) -> None:
         _require(int(self.kv_page_size) >= 0 and int(self.kv_pages) >= 0, f"{prefix}.kv_page_size and {prefix}.kv_pages",
                  f"must be >= 0, got {self.kv_page_size} and {self.kv_pages}")
-        _require(not self.kv_page_size or self.mode == "plain", f"{prefix}.kv_page_size",
-                 f"a paged cache serves mode plain only so far, not {self.mode}")
+        _require(not self.kv_page_size or self.mode != "async", f"{prefix}.kv_page_size",  # its drafter side
+                 "a paged cache serves modes plain, sync and auto, not async")  # cannot tell a done row
         _require(not self.kv_page_size or self.kv_num_pages >= self.kv_max_pages, f"{prefix}.kv_pages",
                  f"{self.kv_pages} pages cannot hold one request of max_cache_len {self.max_cache_len} "
                  f"({self.kv_max_pages} pages)")

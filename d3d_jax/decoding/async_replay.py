@@ -63,17 +63,17 @@ class CostedReplayDrafter(AsyncReplayDrafter):
     def signature(self):
         return super().signature + (self.model.signature,)
 
-    def init_state(self, num_rows: int, cache_len: int) -> dict:
+    def init_state(self, num_rows: int, cache_len: int, paging=None) -> dict:
         return dict(super().init_state(num_rows, cache_len),
-                    cache=self.model.init_state(num_rows, cache_len))
+                    cache=self.model.init_state(num_rows, cache_len, paging))
 
     def prefill(self, params, data, prompt_bt, prefill_len) -> dict:
         return dict(super().prefill(params, data, prompt_bt, prefill_len),
                     cache=self.model.prefill(params["model"], None, prompt_bt, prefill_len))
 
-    def insert(self, state: dict, rows: dict, slots) -> dict:
+    def insert(self, state: dict, rows: dict, slots, pages=None) -> dict:
         return dict(super().insert(state, rows, slots),
-                    cache=self.model.insert(state["cache"], rows["cache"], slots))
+                    cache=self.model.insert(state["cache"], rows["cache"], slots, pages))
 
     def commit(self, state: dict, lengths) -> dict:
         return dict(state, cache=self.model.commit(state["cache"], lengths))

@@ -39,6 +39,7 @@ from d3d_jax.decoding.auto_policy import (MIN_ROUNDS_TO_SET_ASIDE, REJUDGE_AFTER
                                           Policy, Pool, geometric_rate)
 from d3d_jax.decoding.strategies import (OPS_PER_DISPATCH, Carry, Context, Part, Strategy, mark_done,
                                          result_out, windowed)
+from d3d_jax.model import paged_kv as pkv
 
 DEFAULT_PRIOR_TAU = 2.0  # a drafter of unknown quality: barely better than nothing
 CALIBRATION_ROUNDS = 5  # timing passes over the programs at start-up, interleaved (after the compiles)
@@ -154,12 +155,18 @@ class AutoStrategy(Strategy):
         keep = W.window_mask(start, rows, lo, hi)
 
         def round_(v, side):
-            side = self._fresh_blocks(acore, dp, v, side)
+            # a paged drafter cache: the rows not in the round write nothing (a done row's
+            # table may map another request's pages by now); the tables come back after
+            dstate = v.drafter_state
+            side = self._fresh_blocks(acore, dp, dataclasses.replace(
+                v, drafter_state=pkv.only_rows(dstate, ~v.done)), side)
             v, decision, res = acore.target_step(tp, dataclasses.replace(v, drafter_state=None),
                                                  handoff(side.block, side.draft_len))
             drafts, side = acore.packed(dp, side)
             side, _, view = acore.select(dp, side, drafts, decision)
-            v = dataclasses.replace(v, drafter_state=side.dstate)
+            table = getattr(dstate, "page_table", None)
+            v = dataclasses.replace(v, drafter_state=side.dstate if table is None
+                                    else side.dstate.with_page_table(table))
             return v, (dataclasses.replace(side, dstate=None), res, view)
 
         side_view = W.view(side_full, start, rows)

@@ -132,13 +132,7 @@ def insert_target_rows(cache, rows: TargetRows, slots: jax.Array):
     cache, the rows' page tables set and their valid positions scattered to those pages."""
     if not isinstance(cache, pkv.PagedKVCache):
         return insert_cache_rows(cache, rows.cache, slots)
-    dense = rows.cache
-    n, p = dense.batch, dense.max_len
-    pos = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (n, p))
-    write = kvc.PendingWrite(dense.k_lbskh, dense.v_lbskh, pos, pos < dense.lengths[:, None])
-    own = pkv.PagedKVCache(cache.k_lpskh, cache.v_lpskh, rows.pages, dense.lengths).written(write)
-    return pkv.PagedKVCache(own.k_lpskh, own.v_lpskh, _insert(cache.page_table, rows.pages, slots),
-                            _insert(cache.lengths, dense.lengths, slots))
+    return cache.inserted(rows.cache, rows.pages, slots)
 
 
 def emitted_tokens(fed: jax.Array, accepted: jax.Array, next_token: jax.Array) -> jax.Array:
@@ -162,8 +156,10 @@ class DecodeCore:
     plain decoding and for the target side of async decoding.  ``acceptance_rule(logits, drafts,
     draft_probs, anchor_pos, row_keys, sampling)``; ``override`` is the benchmark-only
     ``acceptance_override`` (applied after the rule; None costs nothing).  ``page_size > 0``
-    keeps the target's cache paged (:mod:`~d3d_jax.model.paged_kv`), ``num_pages`` of them; the
-    host hands each admitted row its pages (:attr:`RowInput.pages`).
+    keeps the target's cache paged (:mod:`~d3d_jax.model.paged_kv`), ``num_pages`` of them, and a
+    model drafter's too: a second pool of the same pages, read through the same page table (page
+    ``p`` of either pool holds the same positions), so a row's pages and a prefix hit cover both
+    caches.  The host hands each admitted row its pages (:attr:`RowInput.pages`).
     """
 
     def __init__(self, target_graphdef, target_config, drafter, *, width: int, cache_len: int,
@@ -179,6 +175,11 @@ class DecodeCore:
         self.override = override
         self.page_size, self.num_pages = int(page_size), int(num_pages)
 
+    @property
+    def paging(self) -> tuple[int, int] | None:
+        """``(num_pages, page_size)`` of a paged cache, None for a dense one."""
+        return (self.num_pages, self.page_size) if self.page_size else None
+
     # ---------------------------------------------------------------- slots
     def init_state(self, num_slots: int) -> DecodeState:
         b, s = num_slots, self.cache_len
@@ -190,7 +191,7 @@ class DecodeCore:
             cache = kvc.init_cache(self.target_config, b, s)
         return DecodeState(
             target_cache=cache,
-            drafter_state=None if self.drafter is None else self.drafter.init_state(b, s),
+            drafter_state=None if self.drafter is None else self.drafter.init_state(b, s, self.paging),
             seq=jnp.zeros((b, s), jnp.int32), anchor_pos=zeros, prompt_len=zeros, n_out=zeros,
             done=jnp.ones((b,), bool), finish=zeros, key_data=key_data(zeros, zeros),
             accept_hist=jnp.zeros((b, self.width), jnp.int32), max_new=zeros,
@@ -226,7 +227,7 @@ class DecodeCore:
         put = lambda full, new: _insert(full, new, slots)  # noqa: E731
         dstate = state.drafter_state
         if self.drafter is not None:
-            dstate = self.drafter.insert(dstate, drafter_rows, slots)
+            dstate = self.drafter.insert(dstate, drafter_rows, slots, rows.pages)
         return DecodeState(
             target_cache=insert_target_rows(state.target_cache, rows, slots),
             drafter_state=dstate, seq=put(state.seq, rows.seq),

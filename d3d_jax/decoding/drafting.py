@@ -9,7 +9,8 @@ with the drafter's ``params`` (a pytree: weights, or a few scalars) and its per-
   (causal, kept; 0..B of them, padded with ``valid=False``) followed by ``[anchor, MASK×(B-1)]``
   anchored at the last committed position ``s`` (bidirectional, sees committed context < s; never
   kept).  Drafts are the argmax of slots 1..B-1 (point mass) or samples from ``q``.  Its branch
-  pack is :func:`~d3d_jax.decoding.branches.packed_forward`.
+  pack is :func:`~d3d_jax.decoding.branches.packed_forward`.  Its cache is dense, or paged over
+  the target's page ids and tables (:mod:`~d3d_jax.model.paged_kv`): the model reads either.
 * :class:`ReplayDrafter` – proposes a given continuation, each token wrong with probability
   ``error_rate``: sets τ at will without a trained drafter.  Its branch alternatives catch the
   reference token with probability ``params["hit_rate"]`` (0 here; see
@@ -29,6 +30,7 @@ from flax import nnx
 from d3d_jax.decoding import branches as br
 from d3d_jax.decoding import verify as V
 from d3d_jax.model import kv_cache as kvc
+from d3d_jax.model import paged_kv as pkv
 from d3d_jax.model.masks import block_meta, causal_meta, concat_meta
 
 
@@ -52,8 +54,9 @@ class Drafter(Protocol):
     # structural identity: drafters with equal signatures trace to the same computation
     signature: Hashable
 
-    def init_state(self, num_rows: int, cache_len: int) -> Any:
-        """Empty per-slot state (device arrays)."""
+    def init_state(self, num_rows: int, cache_len: int, paging: tuple[int, int] | None = None) -> Any:
+        """Empty per-slot state (device arrays); ``paging = (num_pages, page_size)``: a cache, if
+        the drafter keeps one, paged as the target's (:mod:`~d3d_jax.model.paged_kv`)."""
 
     def request_data(self, requests: Sequence[Any], cache_len: int) -> Any:
         """Host data per request (numpy pytree with a leading row axis, or None)."""
@@ -61,8 +64,9 @@ class Drafter(Protocol):
     def prefill(self, params, data, prompt_bt: jax.Array, prefill_len: jax.Array) -> Any:
         """Rows' state after caching the first ``prefill_len[b]`` prompt tokens."""
 
-    def insert(self, state, rows, slots: jax.Array) -> Any:
-        """``state`` with prefilled ``rows`` written into ``slots`` (out-of-range slots dropped)."""
+    def insert(self, state, rows, slots: jax.Array, pages: jax.Array | None = None) -> Any:
+        """``state`` with prefilled ``rows`` written into ``slots`` (out-of-range slots dropped);
+        ``pages [n, max_pages]``: the rows' page tables, for a paged cache."""
 
     def propose(self, params, state, seq, anchor_pos, row_keys, sampling: V.SamplingParams,
                 block_size: int, sample_drafts: bool, fanout: int = 0
@@ -148,8 +152,11 @@ class ModelDrafter:
         self.mask_token_id = int(mask)
         self.signature = ("model", self.graphdef, self.mask_token_id)
 
-    def init_state(self, num_rows: int, cache_len: int) -> kvc.KVCache:
-        return kvc.init_cache(self.config, num_rows, cache_len)
+    def init_state(self, num_rows: int, cache_len: int, paging: tuple[int, int] | None = None):
+        if paging is None:
+            return kvc.init_cache(self.config, num_rows, cache_len)
+        num_pages, page_size = paging
+        return pkv.init_paged_cache(self.config, num_pages, page_size, num_rows, -(-cache_len // page_size))
 
     def request_data(self, requests, cache_len: int):
         return None
@@ -173,7 +180,9 @@ class ModelDrafter:
         logits, cache = model(prompt_bt, meta, cache=kvc.init_cache(self.config, b, p), cache_span=1)
         return cache.with_lengths(prefill_len), prompt_score(logits, prompt_bt, prefill_len)
 
-    def insert(self, state, rows, slots):
+    def insert(self, state, rows, slots, pages=None):
+        if isinstance(state, pkv.PagedKVCache):  # the target's pages: the same table
+            return state.inserted(rows, pages, slots)
         return insert_cache_rows(state, rows, slots)
 
     def commit(self, state: kvc.KVCache, lengths: jax.Array) -> kvc.KVCache:
@@ -283,7 +292,7 @@ class ReplayDrafter:
     def signature(self):
         return (type(self).__name__, self.vocab_size, self.error_rate, self.seed)
 
-    def init_state(self, num_rows: int, cache_len: int) -> dict:
+    def init_state(self, num_rows: int, cache_len: int, paging=None) -> dict:
         return {"ref": jnp.full((num_rows, cache_len), -1, jnp.int32),
                 "row": jnp.zeros((num_rows,), jnp.int32)}
 
@@ -300,7 +309,7 @@ class ReplayDrafter:
     def prefill(self, params, data, prompt_bt, prefill_len) -> dict:
         return {"ref": jnp.asarray(data["ref"]), "row": jnp.asarray(data["row"])}
 
-    def insert(self, state: dict, rows: dict, slots) -> dict:
+    def insert(self, state: dict, rows: dict, slots, pages=None) -> dict:
         return dict(state, ref=insert_leading(state["ref"], rows["ref"], slots),
                     row=insert_leading(state["row"], rows["row"], slots))
 

@@ -84,6 +84,22 @@ class PagedKVCache:
         mapped = inside & (page >= 0) & (page < self.num_pages)
         return jnp.where(mapped, page, self.num_pages), positions_bt % ps
 
+    def inserted(self, rows: kvc.KVCache, pages: jax.Array, slots: jax.Array) -> "PagedKVCache":
+        """Prefilled dense rows (``[L, n, P, ...]``) joining ``slots``: their page tables
+        ``pages [n, max_pages]`` set and their valid positions scattered to those pages."""
+        n, p = rows.batch, rows.max_len
+        pos = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (n, p))
+        write = kvc.PendingWrite(rows.k_lbskh, rows.v_lbskh, pos, pos < rows.lengths[:, None])
+        own = PagedKVCache(self.k_lpskh, self.v_lpskh, pages, rows.lengths).written(write)
+        put = lambda full, new: full.at[slots].set(new, mode="drop")  # noqa: E731
+        return PagedKVCache(own.k_lpskh, own.v_lpskh, put(self.page_table, pages),
+                            put(self.lengths, rows.lengths))
+
+    def only_rows(self, active: jax.Array) -> "PagedKVCache":
+        """The cache with the tables of rows not ``active`` unmapped: they write nothing (their
+        stale tables may map pages another request holds by now) and read masked garbage."""
+        return self.with_page_table(jnp.where(active[:, None], self.page_table, UNMAPPED))
+
     def window(self, start: jax.Array, rows: int) -> "PagedKVCache":
         """Rows ``start … start+rows-1``: their tables and lengths over the same pool (no copy)."""
         table = jax.lax.dynamic_slice_in_dim(self.page_table, start, rows, axis=0)
@@ -111,6 +127,18 @@ def init_paged_cache(cfg: ModelConfig, num_pages: int, page_size: int, batch: in
     shape = (cfg.num_layers, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim)
     return PagedKVCache(jnp.zeros(shape, dt), jnp.zeros(shape, dt),
                         jnp.full((batch, max_pages), UNMAPPED, jnp.int32), jnp.zeros((batch,), jnp.int32))
+
+
+def page_bytes(cfg: ModelConfig, page_size: int, dtype: str | None = None) -> int:
+    """Bytes one page of ``cfg``'s pool takes (K and V, every layer).  Target and drafter pools
+    share page ids, so a page of the pair costs the sum of both models' figures."""
+    dt = jnp.dtype(dtype or cfg.dtype)
+    return 2 * cfg.num_layers * int(page_size) * cfg.num_kv_heads * cfg.head_dim * dt.itemsize
+
+
+def only_rows(cache, active: jax.Array):
+    """:meth:`PagedKVCache.only_rows` for a paged cache; any other state as it is."""
+    return cache.only_rows(active) if isinstance(cache, PagedKVCache) else cache
 
 
 def row_positions(cache: PagedKVCache, span: int) -> tuple[jax.Array, jax.Array]:
