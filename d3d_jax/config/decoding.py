@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import numbers
 
-from d3d_jax.config.base import DTYPES, TEXT, _require, between, one_of
+from d3d_jax.config.base import DTYPES, TEXT, _require, above, between, one_of
 from d3d_jax.config.model import ATTENTION_CHOICES
 from d3d_jax.config.limits import MAX_BLOCK_SIZE, MAX_CACHE_LEN, MAX_SLOTS, require_int
 
@@ -30,6 +30,11 @@ AUTO_SYNC_BLOCKS = (4, 8, 16)  # auto: sync block sizes b (<= block_size; the dr
 AUTO_ASYNC_GEOMETRIES = ((4, 2), (12, 2))  # auto: async (C, F) menu
 ASYNC_ONLY = ("branch_positions", "branch_fanout", "target_devices", "drafter_devices")
 AUTO_ONLY = ("auto_sync_blocks", "auto_async", "prior_tau")
+# Modes whose decoder keeps its KV cache in pages: the one place a command's paging default
+# (the server's) is gated, so a mode that learns paging is added here and nowhere else.
+PAGED_MODES = ("plain",)
+DEFAULT_KV_PAGE_SIZE = 16  # tokens per page where a command pages by default (vLLM's block size)
+MAX_KV_CACHE_TOKENS = 1 << 40
 
 
 def check_drafter(mode: str, has_drafter: bool, key: str = "decoder.mode") -> None:
@@ -100,6 +105,14 @@ class DecoderSettings:
     # auto: the drafter's offline τ, the prior of every request's acceptance; None: read from
     # the drafter's result.json
     prior_tau: float | None = None
+    # tokens per KV page; 0: a dense cache (a whole max_cache_len row per slot); None: the
+    # command's (the server pages in PAGED_MODES, other commands keep a dense cache)
+    kv_page_size: int | None = None
+    # the paged pool's size in tokens; None: from free device memory x memory_utilization on an
+    # accelerator, num_slots x max_cache_len on a CPU (decoding.settings.kv_pool_pages)
+    kv_cache_tokens: int | None = None
+    memory_utilization: float = 0.9  # share of an accelerator's memory the weights and pool may take
+    enable_prefix_caching: bool = True  # full pages are shared by content (prefix reuse)
 
     # each field's valid values, checked by config.base.check_fields for every loader
     BOUNDS = dict(mode=one_of(*MODES), block_size=between(2, MAX_BLOCK_SIZE), num_slots=between(1, MAX_SLOTS),
@@ -107,10 +120,12 @@ class DecoderSettings:
                   branch_fanout=between(1, MAX_BRANCH_FANOUT), target_devices=between(1, MAX_DEVICES),
                   drafter_devices=between(1, MAX_DEVICES), row_buckets=between(1, MAX_SLOTS),
                   auto_sync_blocks=between(1, MAX_BLOCK_SIZE), auto_async=between(1, MAX_BLOCK_SIZE),
-                  prior_tau=between(1, MAX_BLOCK_SIZE))
+                  prior_tau=between(1, MAX_BLOCK_SIZE), kv_page_size=between(0, MAX_CACHE_LEN),
+                  kv_cache_tokens=between(1, MAX_KV_CACHE_TOKENS), memory_utilization=above(0, 1))
     _RANGES = (("block_size", 2, MAX_BLOCK_SIZE), ("num_slots", 1, MAX_SLOTS), ("max_cache_len", 2, MAX_CACHE_LEN),
                ("branch_positions", 1, MAX_BLOCK_SIZE), ("branch_fanout", 1, MAX_BRANCH_FANOUT),
-               ("target_devices", 1, MAX_DEVICES), ("drafter_devices", 1, MAX_DEVICES))
+               ("target_devices", 1, MAX_DEVICES), ("drafter_devices", 1, MAX_DEVICES),
+               ("kv_page_size", 0, MAX_CACHE_LEN), ("kv_cache_tokens", 1, MAX_KV_CACHE_TOKENS))
 
     def validate(self, prefix: str = "decoder") -> None:
         _require(self.mode is None or self.mode in MODES, f"{prefix}.mode",
@@ -131,18 +146,23 @@ class DecoderSettings:
                  f"is for mode sync only: async and auto draft the drafter's argmax (mode is {self.mode})")
         _require(all(b >= 1 for b in self.row_buckets), f"{prefix}.row_buckets",
                  f"widths must be >= 1, got {self.row_buckets}")
+        _require(isinstance(self.memory_utilization, numbers.Real) and 0 < self.memory_utilization <= 1,
+                 f"{prefix}.memory_utilization", f"must be in (0, 1], got {self.memory_utilization!r}")
 
     def derived(self, *, has_drafter: bool, drafter_block_size: int | None = None,
-                num_slots: int | None = None, max_cache_len: int | None = None) -> dict:
+                num_slots: int | None = None, max_cache_len: int | None = None,
+                kv_page_size: int = 0) -> dict:
         """The fields these settings leave to be derived, filled in: the one place the derived
         defaults are written (``prior_tau`` excepted: it is read from the drafter's files,
         :func:`~d3d_jax.decoding.settings.decoder_config_for`).  Fields another mode reads stay None.
 
-        ``num_slots`` / ``max_cache_len``: the command's own value where the settings give none."""
+        ``num_slots`` / ``max_cache_len``: the command's own value where the settings give none;
+        ``kv_page_size``: the command's page size in :data:`PAGED_MODES` (0: dense)."""
         mode = _given(self.mode, "auto" if has_drafter else "plain")
         b = _given(self.block_size, _given(drafter_block_size, DEFAULT_BLOCK_SIZE))
         out = dict(mode=mode, block_size=b, num_slots=_given(self.num_slots, num_slots),
-                   max_cache_len=_given(self.max_cache_len, max_cache_len))
+                   max_cache_len=_given(self.max_cache_len, max_cache_len),
+                   kv_page_size=_given(self.kv_page_size, kv_page_size if mode in PAGED_MODES else 0))
         if mode == "async":
             out.update(branch_positions=_given(self.branch_positions, min(DEFAULT_BRANCH_POSITIONS, _int(b))),
                        branch_fanout=_given(self.branch_fanout, DEFAULT_BRANCH_FANOUT))
@@ -158,11 +178,12 @@ class DecoderSettings:
         return out
 
     def resolved(self, *, has_drafter: bool, drafter_block_size: int | None = None,
-                 num_slots: int | None = None, max_cache_len: int | None = None) -> "DecoderSettings":
+                 num_slots: int | None = None, max_cache_len: int | None = None,
+                 kv_page_size: int = 0) -> "DecoderSettings":
         """These settings with every derived default filled in (:meth:`derived`), checked, the
         mode against the drafter too."""
         fields = self.derived(has_drafter=has_drafter, drafter_block_size=drafter_block_size,
-                              num_slots=num_slots, max_cache_len=max_cache_len)
+                              num_slots=num_slots, max_cache_len=max_cache_len, kv_page_size=kv_page_size)
         check_drafter(fields["mode"], has_drafter)
         out = dataclasses.replace(self, **fields)
         out.validate()

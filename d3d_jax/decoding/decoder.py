@@ -203,6 +203,18 @@ class SpecDecoder:
             self._queue.append(("admit", s, row))
             self._queue_swaps(self.placement.place(s, self.strategy.initial_class(req)))
 
+    def can_admit(self, request: Request) -> bool:
+        """Whether :meth:`insert` finds pages for ``request`` now (always, with a dense cache):
+        the scheduler keeps a request queued until it does, rather than have it refused."""
+        return self.pages is None or self.pages.fits([request], self.config.max_cache_len)
+
+    def page_stats(self) -> dict | None:
+        """The paged pool's usage and prefix-cache counts (:meth:`PagePool.stats`, plus
+        ``num_pages``); None with a dense cache."""
+        if self.pages is None:
+            return None
+        return dict(self.pages.pool.stats(), num_pages=self.pages.pool.num_pages)
+
     def free(self, slot) -> None:
         """The slot's request leaves (finished or cancelled); freeing a free slot does nothing.
         ``slot`` may be a sequence of slots."""

@@ -68,7 +68,7 @@ class DecoderConfig(DecoderSettings):
     # > 0: the target's KV cache is paged, pages of this many tokens (plain mode so far); a
     # request holds the pages its prompt and max_new_tokens need, not a whole max_cache_len row
     kv_page_size: int = 0
-    kv_pages: int = 0  # the paged pool's pages; 0: as many as num_slots whole rows would take
+    kv_pages: int = 0  # the paged pool's pages; 0: kv_cache_tokens', else num_slots whole rows
 
     def __post_init__(self):
         fields = self.derived(has_drafter=self.mode != "plain", num_slots=DEFAULT_NUM_SLOTS,
@@ -97,7 +97,12 @@ class DecoderConfig(DecoderSettings):
 
     @property
     def kv_num_pages(self) -> int:
-        return int(self.kv_pages) or int(self.num_slots) * self.kv_max_pages
+        """``kv_pages``, else ``kv_cache_tokens`` in whole pages, else ``num_slots`` whole rows."""
+        if self.kv_pages or not self.kv_page_size:
+            return int(self.kv_pages)
+        if self.kv_cache_tokens is not None:
+            return int(self.kv_cache_tokens) // self.kv_page_size
+        return int(self.num_slots) * self.kv_max_pages
 
     @property
     def buckets(self) -> tuple[int, ...]:
@@ -138,8 +143,11 @@ class DecoderConfig(DecoderSettings):
             raise ConfigError(f"decoder.kv_page_size: a paged cache serves mode plain only so far, "
                               f"not {self.mode}")
         if self.kv_page_size and self.kv_num_pages < self.kv_max_pages:
-            raise ConfigError(f"decoder.kv_pages: {self.kv_pages} pages cannot hold one request of "
-                              f"max_cache_len {self.max_cache_len} ({self.kv_max_pages} pages)")
+            key = "kv_cache_tokens" if not self.kv_pages and self.kv_cache_tokens else "kv_pages"
+            raise ConfigError(f"decoder.{key}: a pool of {self.kv_num_pages} pages of {self.kv_page_size} "
+                              f"tokens cannot hold one request of max_cache_len (--max-model-len) "
+                              f"{self.max_cache_len} ({self.kv_max_pages} pages); give --kv-cache-tokens "
+                              f">= {self.kv_max_pages * self.kv_page_size} or a lower --max-model-len")
 
     def _validate_auto(self) -> None:
         b = int(self.block_size)

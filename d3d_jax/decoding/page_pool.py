@@ -168,11 +168,21 @@ class SlotPages:
 
     @staticmethod
     def of(config) -> "SlotPages | None":
-        """A decoder config's pages (no prefix sharing yet), or None for a dense cache."""
+        """A decoder config's pages, or None for a dense cache."""
         if not config.kv_page_size:
             return None
-        return SlotPages(PagePool(config.kv_num_pages, config.kv_page_size, prefix_caching=False),
-                         config.kv_max_pages)
+        return SlotPages(PagePool(config.kv_num_pages, config.kv_page_size,
+                                  prefix_caching=config.enable_prefix_caching), config.kv_max_pages)
+
+    @staticmethod
+    def need(request, cap: int) -> int:
+        """Tokens a request's pages are held for: what its prompt and ``max_new_tokens`` can
+        fill, ``cap`` at most."""
+        return min(len(request.prompt) + int(request.max_new_tokens), int(cap))
+
+    def fits(self, requests, cap: int) -> bool:
+        """Whether the free pages (evictable cached ones included) hold ``requests`` now."""
+        return sum(self.pool.pages_for(self.need(r, cap)) for r in requests) <= self.pool.num_free
 
     def hold(self, need: dict[int, int]) -> None:
         """Pages for ``need[slot]`` tokens per slot, all or none (:class:`PoolExhausted`)."""
@@ -189,7 +199,7 @@ class SlotPages:
         from d3d_jax.decoding.decoder_config import RequestError  # the pool stays free of JAX
 
         try:
-            self.hold({s: min(len(r.prompt) + r.max_new_tokens, cap) for s, r in zip(slots, requests)})
+            self.hold({s: self.need(r, cap) for s, r in zip(slots, requests)})
         except PoolExhausted as e:
             raise RequestError(f"{e} (decoder.kv_pages)") from None
 

@@ -10,7 +10,9 @@ Each round it
 3. runs ``step()`` once for all active slots and hands each request its new tokens;
 4. frees the slots whose request finished.
 
-Requests beyond the free slots wait in the queue (oversubscription queues, it does not fail).
+Requests beyond the free slots wait in the queue (oversubscription queues, it does not fail), and
+so does the first queued request while the decoder's free KV pages cannot hold it (a paged cache:
+``can_admit``); first come, first served, so a long request is not passed over for ever.
 Results go to a per-request ``sink(event)`` called on the scheduler thread; the HTTP layer's sink
 forwards to its event loop.  :meth:`run_until_idle` drives the same rounds without a thread (the
 evaluation harness's ``--concurrency``).
@@ -231,7 +233,7 @@ class Scheduler:
         free = [s for s in range(self.num_slots) if s not in self._active]  # the caller owns its slots
         while free:
             with self._cv:
-                if not self._queue:
+                if not self._queue or not self._pages_hold(self._queue[0]):
                     return
                 h = self._queue.popleft()
                 self._held += 1
@@ -251,6 +253,23 @@ class Scheduler:
             self._active[slot] = h
             if not h.warmup:
                 self.metrics.record_admitted(len(h.request.prompt))
+
+    def _pages_hold(self, h: Handle) -> bool:
+        """Whether the decoder's free pages hold ``h``'s request now.  With nothing running every
+        page is free: a request still not held then is one no pool holds, and its prefill is
+        left to refuse it (an error event, not a wait for ever)."""
+        can_admit = getattr(self.decoder, "can_admit", None)
+        if can_admit is None or not self._active or h.cancelled:
+            return True
+        try:
+            return bool(can_admit(h.request))
+        except Exception:  # noqa: BLE001 - a malformed request: its prefill names the problem
+            return True
+
+    def kv_stats(self) -> dict | None:
+        """The decoder's KV pool figures (/metrics), None for a dense cache."""
+        page_stats = getattr(self.decoder, "page_stats", None)
+        return page_stats() if page_stats is not None else None
 
     def _deliver(self, outs: dict, seconds: float) -> None:
         tokens = accepted = hits = misses = 0
