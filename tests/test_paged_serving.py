@@ -16,6 +16,7 @@ from d3d_jax.config.model import ModelConfig
 from d3d_jax.config.serve import ServeConfig
 from d3d_jax.decoding.decoder import Request
 from d3d_jax.decoding.settings import kv_pool_pages
+from d3d_jax.decoding.verify import SamplingParams
 from d3d_jax.serving import server as S
 from d3d_jax.serving.scheduler import Scheduler
 from test_decoder import setup  # noqa: F401  (the module fixture)
@@ -24,27 +25,60 @@ from test_paged_decoding import PAGES, paged  # noqa: F401
 MAX_NEW = 20  # prompts of 1-9 tokens: 6 to 8 pages of 4 each, so 2 or 3 of them fill the 18
 
 
+def _served(sched, requests) -> list[list[int]]:
+    """Each request's tokens through ``sched`` (all submitted at once), none failing."""
+    events = {i: [] for i in range(len(requests))}
+    for i, r in enumerate(requests):
+        sched.submit(r, events[i].append)
+    sched.run_until_idle(timeout_s=600)
+    assert all(ev[-1].finish_reason == "length" for ev in events.values()), events
+    return [[t for ev in events[i] for t in ev.token_ids] for i in range(len(requests))]
+
+
+def test_rows_grow_page_by_page_and_a_preempted_request_resumes_with_the_same_tokens(setup, paged):  # noqa: F811
+    """Three slots, pages for two whole requests: the rows grow until a page is short, the newest
+    is preempted and queued again as prompt + its tokens, and every request gets the tokens it
+    gets alone: greedy ones their solo references, seeded sampling ones their own run alone.
+    /metrics shows the pool's usage and the preemptions."""
+    s, dec = setup, paged
+    sched = Scheduler(dec)
+    hot = SamplingParams(temperature=1.0)
+    reqs = [Request(s["prompts"][i], MAX_NEW, sampling=hot if i % 2 else SamplingParams(), seed=7 + i, index=i)
+            for i in range(5)]
+    sched.submit(reqs[0], lambda ev: None)
+    sched.run_round()
+    text = sched.metrics.render(sched.num_active, sched.num_queued, 3, "plain", kv=sched.kv_stats())
+    assert f"d3d_kv_cache_usage_perc {1 / PAGES:.6g}" in text and f"d3d_kv_pages_total {PAGES}" in text
+    sched.run_until_idle(timeout_s=600)  # a prompt of 1 token holds 1 page of 4, not 6 for its 20 more
+    together = _served(sched, reqs)
+    assert sched.metrics.counters["preemptions"] >= 1
+    assert f"d3d_num_preemptions_total {sched.metrics.counters['preemptions']}" in sched.metrics.render(
+        0, 0, 3, "plain", kv=sched.kv_stats())
+    alone = [_served(sched, [r])[0] for r in reqs]
+    assert together == alone
+    assert [alone[i] for i in (0, 2, 4)] == [s["solo"][i][:MAX_NEW] for i in (0, 2, 4)]
+    assert dec.pages.pool.usage == 0
+
+
 def test_requests_the_free_pages_cannot_hold_wait_and_all_equal_solo(setup, paged):  # noqa: F811
-    """Three slots, pages for two requests: the third waits in the queue with a slot free (the
-    old scheduler inserted it and its RequestError ended it), and every request gets its solo
-    greedy tokens.  /metrics shows the pool's usage meanwhile."""
+    """Requests that hold every page they can fill from admission (a presence penalty counts
+    generated tokens, so such a request is never preempted; 1e-30 leaves every logit as it is):
+    with pages for two, the third waits in the queue with a slot free (the old scheduler inserted
+    it and its RequestError ended it), and every request gets its solo greedy tokens."""
     s, dec = setup, paged
     sched = Scheduler(dec)
     events = {i: [] for i in range(6)}
-    for i, p in enumerate(s["prompts"]):
-        sched.submit(Request(p, max_new_tokens=MAX_NEW, index=i), events[i].append)
+    for i, p in enumerate(s["prompts"]):  # the penalty counts generated tokens: not resumable
+        req = Request(p, max_new_tokens=MAX_NEW, index=i, sampling=SamplingParams(presence_penalty=1e-30))
+        sched.submit(req, events[i].append)
     sched.run_round()
     held = [h.request.index for h in sched._active.values()]
     assert held == [0, 1] and sched.num_queued == 4  # 6 + 8 pages held, 6 more needed, 4 free
-    text = sched.metrics.render(sched.num_active, sched.num_queued, 3, "plain", kv=sched.kv_stats())
-    assert f"d3d_kv_cache_usage_perc {14 / PAGES:.6g}" in text and f"d3d_kv_pages_total {PAGES}" in text
-    for name in ("prefix_cache_queries_total", "prefix_cache_hits_total", "num_preemptions_total"):
-        assert f"d3d_{name} 0" in text
     sched.run_until_idle(timeout_s=600)
     for i in range(6):
         tokens = [t for ev in events[i] for t in ev.token_ids]
         assert (events[i][-1].finish_reason, tokens) == ("length", s["solo"][i][:MAX_NEW]), i
-    assert dec.pages.pool.usage == 0
+    assert dec.pages.pool.usage == 0 and sched.metrics.counters["preemptions"] == 0
 
 
 def test_vllm_names_of_the_pool_series():

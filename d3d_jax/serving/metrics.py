@@ -95,6 +95,10 @@ class ServerMetrics:
             self.counters["admitted"] += 1
             self.counters["prompt_tokens"] += prompt_tokens
 
+    def record_preemption(self) -> None:
+        with self._lock:
+            self.counters["preemptions"] += 1
+
     def record_request(self, outcome: str) -> None:
         with self._lock:
             self.requests[outcome] += 1
