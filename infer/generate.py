@@ -38,7 +38,8 @@ BENCHMARK_ONLY_OPTIONS = ("acceptance_rule", "acceptance_override")
 
 def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Every flag but the prompts sets a :class:`~d3d_jax.config.generate.GenerateConfig` field."""
-    from d3d_jax.config import add_auto_flags, add_config_arguments, add_model_flags, config_flag
+    from d3d_jax.config import GenerateConfig, add_auto_flags, add_config_arguments, add_model_flags, config_flag
+    from d3d_jax.config.flags import add_kv_flags
 
     add_config_arguments(p, "generate.yaml")
     flag = functools.partial(config_flag, p)
@@ -75,6 +76,7 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     asy.add_argument("--drafter-devices", dest="decoder.drafter_devices", type=int, default=argparse.SUPPRESS,
                      help="devices for the drafter")
     add_auto_flags(p)
+    add_kv_flags(p, GenerateConfig)
     p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                    help="extra DecoderConfig field (repeatable), e.g. --option row_buckets=[1,4]")
     flag("--json", key="generate.json", action="store_true", help="one JSON object per prompt")

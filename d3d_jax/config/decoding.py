@@ -16,7 +16,7 @@ import dataclasses
 import numbers
 from typing import Any, Callable
 
-from d3d_jax.config.base import DTYPES, TEXT, ConfigError, _require, between, checked, one_of
+from d3d_jax.config.base import DTYPES, TEXT, ConfigError, _require, above, between, checked, one_of
 from d3d_jax.config.model import ATTENTION_CHOICES
 from d3d_jax.config.limits import MAX_BLOCK_SIZE, MAX_CACHE_LEN, MAX_SLOTS, MAX_STOP_IDS, require_int
 
@@ -32,6 +32,11 @@ AUTO_SYNC_BLOCKS = (4, 8, 16)  # auto: sync block sizes b (<= block_size; the dr
 AUTO_ASYNC_GEOMETRIES = ((4, 2), (12, 2))  # auto: async (C, F) menu
 ASYNC_ONLY = ("branch_positions", "branch_fanout", "target_devices", "drafter_devices")
 AUTO_ONLY = ("auto_sync_blocks", "auto_async", "prior_tau")
+# Modes whose decoder keeps its KV caches in pages: the one place a command's paging default
+# (the server's) is gated, so a mode that learns paging is added here and nowhere else.
+PAGED_MODES = ("plain", "sync", "auto")
+DEFAULT_KV_PAGE_SIZE = 16  # tokens per page where a command pages by default (vLLM's block size)
+MAX_KV_CACHE_TOKENS = 1 << 40
 # set by programs only (EOS ids from the tokenizer, benchmark objects): refused in YAML and flags
 PROGRAM_ONLY = ("eos_token_ids", "acceptance_override", "acceptance_rule")
 MIN_PROMPT_BUCKET = 16
@@ -194,11 +199,16 @@ class DecoderConfig:
     # auto: the drafter's offline τ, the prior of every request's acceptance; None: read from
     # the drafter's result.json
     prior_tau: float | None = None
-    # > 0: the KV caches are paged, pages of this many tokens (plain, sync and auto; the drafter's
-    # pool has the same pages as the target's); a request holds the pages its prompt and
-    # max_new_tokens need, not a whole max_cache_len row
-    kv_page_size: int = 0
-    kv_pages: int = 0  # the paged pool's pages; 0: as many as num_slots whole rows would take
+    # tokens per KV page; 0: dense caches (a whole max_cache_len row per slot); None: the
+    # command's (the server pages in PAGED_MODES, other commands keep dense caches).  Paged, the
+    # drafter's pool has the same pages as the target's and a request holds the pages it fills
+    kv_page_size: int | None = None
+    # the paged pool's size in tokens; None: from free device memory x memory_utilization on an
+    # accelerator, num_slots x max_cache_len on a CPU (decoding.settings.kv_pool_pages)
+    kv_cache_tokens: int | None = None
+    memory_utilization: float = 0.9  # share of an accelerator's memory the weights and pool may take
+    enable_prefix_caching: bool = True  # full pages are shared by content (prefix reuse)
+    kv_pages: int = 0  # the pool's pages; 0: kv_cache_tokens', else num_slots whole rows
     # The program's own (PROGRAM_ONLY: refused in a command's section).  Finish reason "eos" (a
     # request may override them; the server and generate take them from the tokenizer)
     eos_token_ids: tuple[int, ...] = ()
@@ -214,12 +224,14 @@ class DecoderConfig:
                   drafter_devices=between(1, MAX_DEVICES), row_buckets=between(1, MAX_SLOTS),
                   auto_sync_blocks=between(1, MAX_BLOCK_SIZE), auto_async=between(1, MAX_BLOCK_SIZE),
                   prior_tau=between(1, MAX_BLOCK_SIZE), kv_page_size=between(0, MAX_CACHE_LEN),
+                  kv_cache_tokens=between(1, MAX_KV_CACHE_TOKENS), memory_utilization=above(0, 1),
                   kv_pages=between(0, MAX_CACHE_LEN), eos_token_ids=between(0, 2 ** 31 - 1),
                   acceptance_override=checked("DecoderConfig.validate (programs only)"),
                   acceptance_rule=checked("DecoderConfig.validate (programs only)"))
     _RANGES = (("block_size", 2, MAX_BLOCK_SIZE), ("num_slots", 1, MAX_SLOTS), ("max_cache_len", 2, MAX_CACHE_LEN),
                ("branch_positions", 1, MAX_BLOCK_SIZE), ("branch_fanout", 1, MAX_BRANCH_FANOUT),
-               ("target_devices", 1, MAX_DEVICES), ("drafter_devices", 1, MAX_DEVICES))
+               ("target_devices", 1, MAX_DEVICES), ("drafter_devices", 1, MAX_DEVICES),
+               ("kv_page_size", 0, MAX_CACHE_LEN), ("kv_cache_tokens", 1, MAX_KV_CACHE_TOKENS))
 
     def __post_init__(self):
         # device lists and the other sequences become tuples so the config stays hashable
@@ -235,7 +247,9 @@ class DecoderConfig:
     @property
     def is_resolved(self) -> bool:
         """Every field a decoder reads is derived (:meth:`resolved`)."""
-        return None not in (self.mode, self.block_size, self.num_slots, self.max_cache_len)
+        mode_fields = {"async": ("branch_positions", "branch_fanout"), "auto": ("auto_sync_blocks", "auto_async")}
+        needed = ("mode", "block_size", "num_slots", "max_cache_len", "kv_page_size") + mode_fields.get(self.mode, ())
+        return all(getattr(self, key) is not None for key in needed)
 
     def validate(self, prefix: str = "decoder") -> None:
         """The fields as given, and once resolved, everything a decoder relies on."""
@@ -257,6 +271,8 @@ class DecoderConfig:
                  f"is for mode sync only: async and auto draft the drafter's argmax (mode is {self.mode})")
         _require(all(b >= 1 for b in self.row_buckets), f"{prefix}.row_buckets",
                  f"widths must be >= 1, got {self.row_buckets}")
+        _require(isinstance(self.memory_utilization, numbers.Real) and 0 < self.memory_utilization <= 1,
+                 f"{prefix}.memory_utilization", f"must be in (0, 1], got {self.memory_utilization!r}")
         _require(len(self.eos_token_ids) <= MAX_STOP_IDS and all(int(t) >= 0 for t in self.eos_token_ids),
                  f"{prefix}.eos_token_ids", f"at most {MAX_STOP_IDS} ids >= 0, got {self.eos_token_ids}")
         self._validate_override(prefix)
@@ -279,13 +295,15 @@ class DecoderConfig:
             raise ConfigError(f"{prefix}: every field must be hashable ({e})") from None
 
     def _validate_pages(self, prefix: str) -> None:
-        _require(int(self.kv_page_size) >= 0 and int(self.kv_pages) >= 0, f"{prefix}.kv_page_size and {prefix}.kv_pages",
-                 f"must be >= 0, got {self.kv_page_size} and {self.kv_pages}")
+        _require(int(self.kv_page_size or 0) >= 0 and int(self.kv_pages) >= 0,
+                 f"{prefix}.kv_page_size and {prefix}.kv_pages", f"must be >= 0, got {self.kv_page_size} and {self.kv_pages}")
         _require(not self.kv_page_size or self.mode != "async", f"{prefix}.kv_page_size",  # its drafter side
                  "a paged cache serves modes plain, sync and auto, not async")  # cannot tell a done row
-        _require(not self.kv_page_size or self.kv_num_pages >= self.kv_max_pages, f"{prefix}.kv_pages",
-                 f"{self.kv_pages} pages cannot hold one request of max_cache_len {self.max_cache_len} "
-                 f"({self.kv_max_pages} pages)")
+        key = "kv_cache_tokens" if not self.kv_pages and self.kv_cache_tokens else "kv_pages"
+        _require(not self.kv_page_size or self.kv_num_pages >= self.kv_max_pages, f"{prefix}.{key}",
+                 f"a pool of {self.kv_num_pages} pages of {self.kv_page_size} tokens cannot hold one request of "
+                 f"max_cache_len (--max-model-len) {self.max_cache_len} ({self.kv_max_pages} pages); give "
+                 f"--kv-cache-tokens >= {self.kv_max_pages * (self.kv_page_size or 0)} or a lower --max-model-len")
 
     def _validate_auto(self, prefix: str) -> None:
         b = int(self.block_size)
@@ -313,16 +331,18 @@ class DecoderConfig:
         _require(self.mode != "plain", f"{prefix}.acceptance_override", "plain decoding has no drafts to accept")
 
     def derived(self, *, has_drafter: bool, drafter_block_size: int | None = None,
-                num_slots: int | None = None, max_cache_len: int | None = None) -> dict:
+                num_slots: int | None = None, max_cache_len: int | None = None, kv_page_size: int = 0) -> dict:
         """The fields this config leaves to be derived, filled in: the one place the derived
         defaults are written (``prior_tau`` excepted: it is read from the drafter's files,
         :func:`~d3d_jax.decoding.settings.decoder_config_for`).  Fields another mode reads stay None.
 
-        ``num_slots`` / ``max_cache_len``: the command's own value where the config gives none."""
+        ``num_slots`` / ``max_cache_len``: the command's own value where the config gives none;
+        ``kv_page_size``: the command's page size in :data:`PAGED_MODES` (0: dense)."""
         mode = _given(self.mode, "auto" if has_drafter else "plain")
         b = _given(self.block_size, _given(drafter_block_size, DEFAULT_BLOCK_SIZE))
         out = dict(mode=mode, block_size=b, num_slots=_given(self.num_slots, num_slots),
-                   max_cache_len=_given(self.max_cache_len, max_cache_len))
+                   max_cache_len=_given(self.max_cache_len, max_cache_len),
+                   kv_page_size=_given(self.kv_page_size, kv_page_size if mode in PAGED_MODES else 0))
         if mode == "async":
             out.update(branch_positions=_given(self.branch_positions, min(DEFAULT_BRANCH_POSITIONS, _int(b))),
                        branch_fanout=_given(self.branch_fanout, DEFAULT_BRANCH_FANOUT))
@@ -338,15 +358,17 @@ class DecoderConfig:
         return out
 
     def resolved(self, *, has_drafter: bool | None = None, drafter_block_size: int | None = None,
-                 num_slots: int | None = None, max_cache_len: int | None = None) -> "DecoderConfig":
+                 num_slots: int | None = None, max_cache_len: int | None = None,
+                 kv_page_size: int = 0) -> "DecoderConfig":
         """This config with every derived default filled in (:meth:`derived`) and checked, the
         mode against the drafter too.  ``has_drafter`` None: as the mode says (None: auto);
-        ``num_slots`` / ``max_cache_len``: the command's (None: left for it to set).  Resolving a
+        ``num_slots`` / ``max_cache_len`` / ``kv_page_size``: the command's (None: left for it to
+        set; a page size applies in :data:`PAGED_MODES`).  Resolving a
         resolved config returns an equal one."""
         if has_drafter is None:
             has_drafter = self.mode != "plain"
         fields = self.derived(has_drafter=has_drafter, drafter_block_size=drafter_block_size,
-                              num_slots=num_slots, max_cache_len=max_cache_len)
+                              num_slots=num_slots, max_cache_len=max_cache_len, kv_page_size=kv_page_size)
         check_drafter(fields["mode"], has_drafter)
         out = dataclasses.replace(self, **fields)
         out.validate()
@@ -369,7 +391,12 @@ class DecoderConfig:
 
     @property
     def kv_num_pages(self) -> int:
-        return int(self.kv_pages) or int(self.num_slots) * self.kv_max_pages
+        """``kv_pages``, else ``kv_cache_tokens`` in whole pages, else ``num_slots`` whole rows."""
+        if self.kv_pages or not self.kv_page_size:
+            return int(self.kv_pages)
+        if self.kv_cache_tokens is not None:
+            return int(self.kv_cache_tokens) // self.kv_page_size
+        return int(self.num_slots) * self.kv_max_pages
 
     @property
     def buckets(self) -> tuple[int, ...]:

@@ -12,8 +12,8 @@ import dataclasses
 
 from d3d_jax.config.base import TEXT, _require, between, checked, one_of
 from d3d_jax.config.limits import INT32_MAX, MAX_BLOCK_SIZE, MAX_CACHE_LEN, MAX_SLOTS
-from d3d_jax.config.decoding import (ASYNC_ONLY, AUTO_ONLY, DEFAULT_BLOCK_SIZE, MODES, DecoderConfig, ModelPaths,
-                                     check_section)
+from d3d_jax.config.decoding import (ASYNC_ONLY, AUTO_ONLY, DEFAULT_BLOCK_SIZE, MODES, PAGED_MODES, DecoderConfig,
+                                     ModelPaths, check_section)
 
 TEMPLATES = ("standard", "plain")
 ASYNC_OPTIONS, AUTO_OPTIONS = ASYNC_ONLY, AUTO_ONLY  # the fields only that mode reads
@@ -107,5 +107,7 @@ class EvalConfig:
         only = {k: None for k in ASYNC_ONLY + AUTO_ONLY if k not in keep}
         if mode != "sync":
             only["sample_drafts"] = False
+        if mode not in PAGED_MODES:  # --kv-page-size pages the modes that page; the others stay dense
+            only["kv_page_size"] = 0
         return dataclasses.replace(self.decoder, mode=mode, **only).resolved(
             has_drafter=mode != "plain", drafter_block_size=drafter_block_size)

@@ -59,6 +59,23 @@ def add_auto_flags(p) -> None:
                 help="auto: the drafter's offline τ (default: its result.json's)")
 
 
+def add_kv_flags(p, cls: type, *, pages_by_default: bool = False) -> None:
+    """The KV cache's flags (vLLM's names) for every decoding command; ``cls``: the command's
+    config (each value is refused at the flag by the field's bound)."""
+    default = "16 in plain mode" if pages_by_default else "0"
+    config_flag(p, "--kv-page-size", key="decoder.kv_page_size", type=declared(cls, "decoder.kv_page_size"),
+                help=f"tokens per KV cache page; 0: a dense cache, a whole --max-model-len row per "
+                     f"slot (default {default}; paging serves mode plain so far)")
+    config_flag(p, "--kv-cache-tokens", key="decoder.kv_cache_tokens", type=declared(cls, "decoder.kv_cache_tokens"),
+                help="tokens of the paged KV pool (default: from free memory x --memory-utilization on "
+                     "an accelerator, --max-num-seqs x --max-model-len on a CPU)")
+    config_flag(p, "--memory-utilization", "--gpu-memory-utilization", key="decoder.memory_utilization",
+                type=declared(cls, "decoder.memory_utilization", float),
+                help="share of an accelerator's memory the weights and the KV pool may take (default 0.9)")
+    config_flag(p, "--no-enable-prefix-caching", key="decoder.enable_prefix_caching", action="store_false",
+                help="never share KV pages between requests by content (prefix caching is on by default)")
+
+
 def flag_values(args: argparse.Namespace) -> dict[str, Any]:
     """``{dotted key: value}`` of the config flags that were given."""
     return {k: v for k, v in vars(args).items() if "." in k}

@@ -53,6 +53,7 @@ from d3d_jax.decoding.core import FINISH_REASONS, MAX_STOP_IDS, RowInput
 from d3d_jax.decoding.decoder_config import (DecoderConfig, Request, RequestError, SlotError,
                                              StepOutput, prompt_bucket, request_problem)
 from d3d_jax.decoding.drafting import as_drafter
+from d3d_jax.decoding.page_growth import PageGrowth
 from d3d_jax.decoding.page_pool import SlotPages
 from d3d_jax.parallel.sharding import place_slices
 from d3d_jax.decoding.programs import ProgramStore, decoder_salt
@@ -120,6 +121,9 @@ class SpecDecoder:
         self._bind(nnx.state(target), drafter)
         self.placement = W.RowPlacement(cfg.num_slots)
         self.pages = SlotPages.of(cfg)  # a paged target cache's pages per slot (None: dense)
+        self.growth: PageGrowth | None = None  # growth page by page: allow_preemption()
+        self._preempted: list[int] = []  # slots preempted since take_preempted()
+        self._tables_stale = False  # pages were mapped on the host since the device's tables were set
         self._slots: dict[int, SlotInfo] = {}
         self.carry = None
         self._queue: list[tuple] = []  # ("admit", slot, row) | ("op", a, b, kind), in order
@@ -196,12 +200,41 @@ class SpecDecoder:
             raise SlotError(f"slot {busy[0]} is busy with an active request: free it first "
                             f"(in use: {slots_in_use(self)})")
         if self.pages is not None:
-            self.pages.hold_requests(slots, prefix.requests, self.config.max_cache_len)
+            self.pages.hold_requests(slots, prefix.requests, self.config.max_cache_len,
+                                     need=self.growth.first if self.growth else None)
+            for s in slots if self.growth else ():
+                self.growth.admitted(s)
         for s, req in zip(slots, prefix.requests):
             self._slots[s] = SlotInfo(req, np.zeros(self.config.width, np.int64))
             row = self.placement.size
             self._queue.append(("admit", s, row))
             self._queue_swaps(self.placement.place(s, self.strategy.initial_class(req)))
+
+    def can_admit(self, request: Request) -> bool:
+        """Whether :meth:`insert` finds pages for ``request`` now (always, with a dense cache):
+        the scheduler keeps a request queued until it does, rather than have it refused."""
+        if self.growth is not None:
+            return self.growth.fits(request, len(self._running()))
+        return self.pages is None or self.pages.fits([request], self.config.max_cache_len)
+
+    def allow_preemption(self) -> None:
+        """A paged cache grows page by page from here on, and a running request may be preempted
+        when a page is short: the caller takes those slots (:meth:`take_preempted`) and queues
+        their requests again (:func:`~d3d_jax.decoding.page_growth.resumed`).  The scheduler does."""
+        if self.pages is not None and self.growth is None:
+            self.growth = PageGrowth(self.pages, self.config.width, self.config.max_cache_len)
+
+    def take_preempted(self) -> list[int]:
+        """The slots preempted since the last call (freed already; their outputs stop there)."""
+        out, self._preempted = self._preempted, []
+        return out
+
+    def page_stats(self) -> dict | None:
+        """The paged pool's usage and prefix-cache counts (:meth:`PagePool.stats`, plus
+        ``num_pages``); None with a dense cache."""
+        if self.pages is None:
+            return None
+        return dict(self.pages.pool.stats(), num_pages=self.pages.pool.num_pages)
 
     def free(self, slot) -> None:
         """The slot's request leaves (finished or cancelled); freeing a free slot does nothing.
@@ -303,8 +336,10 @@ class SpecDecoder:
         self._reclassify()
         # admissions or row ops (a first one compiles) run before it: their device time would
         # count as the round's (a swap moves two rows of every cache), so it is not timed
-        flushed = bool(self._queue)
+        self._grow_pages()
+        flushed = bool(self._queue) or self._tables_stale
         self._flush()
+        self._set_tables()
         if not self._running():
             return False
         groups = self.placement.groups()
@@ -318,6 +353,29 @@ class SpecDecoder:
         self._pending.append(_Round(parts, self._snapshot(), t0, t_start, not flushed,
                                     flushed or any(p.fresh for p in parts)))
         return True
+
+    def _grow_pages(self, full: bool = False) -> bool:
+        """Pages for the running rows' next rounds (``full``: for all they can fill, preempting
+        none; False if some could not grow)."""
+        if self.growth is None:
+            return True
+        running = {s: self._slots[s] for s in self._running()}
+        if full:
+            ok = all([self.pages.grow(s, self.growth.full(i.request)) for s, i in running.items()])
+            self._tables_stale = True
+            return ok
+        preempted, changed = self.growth.grow(running, len(self._pending))
+        for s in preempted:
+            self.free(s)
+        self._preempted += preempted
+        self._tables_stale |= changed
+        return True
+
+    def _set_tables(self) -> None:
+        if self._tables_stale:
+            self._ensure_state()
+            self.carry = self.strategy.page_tables(self.carry, self.pages.rows_table(self.placement.slot_at))
+            self._tables_stale = False
 
     def _grammar_live(self) -> bool:
         return any(i.request.grammar is not None and i.finish_reason is None for i in self._slots.values())
@@ -402,6 +460,12 @@ class SpecDecoder:
         self._flush()
         if not self._running():
             return {}
+        if not self._grow_pages(full=True):  # the loop maps no page: rounds by step() instead
+            self._set_tables()
+            while self._running():
+                self.step()
+            return {}
+        self._set_tables()
         if not self.strategy.loops or self._grammar_live():  # a grammar needs the host every round
             while self._running():
                 self.step()

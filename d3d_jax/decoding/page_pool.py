@@ -159,8 +159,8 @@ class PagePool:
 
 
 class SlotPages:
-    """Each decoder slot's pages of a :class:`PagePool`: held from insert to free, and the page
-    tables (``UNMAPPED``-padded rows) the device gets for admitted rows."""
+    """Each decoder slot's pages of a :class:`PagePool`: held from insert to free (grown page by
+    page where the decoder asks), and the page tables (``UNMAPPED``-padded rows) the device gets."""
 
     def __init__(self, pool: PagePool, max_pages: int, unmapped: int = -1):
         self.pool, self.max_pages, self.unmapped = pool, int(max_pages), int(unmapped)
@@ -168,11 +168,21 @@ class SlotPages:
 
     @staticmethod
     def of(config) -> "SlotPages | None":
-        """A decoder config's pages (no prefix sharing yet), or None for a dense cache."""
+        """A decoder config's pages, or None for a dense cache."""
         if not config.kv_page_size:
             return None
-        return SlotPages(PagePool(config.kv_num_pages, config.kv_page_size, prefix_caching=False),
-                         config.kv_max_pages)
+        return SlotPages(PagePool(config.kv_num_pages, config.kv_page_size,
+                                  prefix_caching=config.enable_prefix_caching), config.kv_max_pages)
+
+    @staticmethod
+    def need(request, cap: int) -> int:
+        """Tokens a request's pages are held for: what its prompt and ``max_new_tokens`` can
+        fill, ``cap`` at most."""
+        return min(len(request.prompt) + int(request.max_new_tokens), int(cap))
+
+    def fits(self, requests, cap: int) -> bool:
+        """Whether the free pages (evictable cached ones included) hold ``requests`` now."""
+        return sum(self.pool.pages_for(self.need(r, cap)) for r in requests) <= self.pool.num_free
 
     def hold(self, need: dict[int, int]) -> None:
         """Pages for ``need[slot]`` tokens per slot, all or none (:class:`PoolExhausted`)."""
@@ -183,18 +193,43 @@ class SlotPages:
         for s, n in pages.items():
             self._held[s] = self.pool.allocate(n)
 
-    def hold_requests(self, slots: Sequence[int], requests, cap: int) -> None:
-        """Each request's pages for what its prompt and ``max_new_tokens`` can fill (``cap`` at
-        most); a pool too short for them all refuses them all, by a request error."""
+    def hold_requests(self, slots: Sequence[int], requests, cap: int, need=None) -> None:
+        """Each request's pages for ``need(request)`` tokens (default: what its prompt and
+        ``max_new_tokens`` can fill, ``cap`` at most); a pool too short for them all refuses them
+        all, by a request error."""
         from d3d_jax.decoding.decoder_config import RequestError  # the pool stays free of JAX
 
+        need = need or (lambda r: self.need(r, cap))
         try:
-            self.hold({s: min(len(r.prompt) + r.max_new_tokens, cap) for s, r in zip(slots, requests)})
+            self.hold({s: need(r) for s, r in zip(slots, requests)})
         except PoolExhausted as e:
             raise RequestError(f"{e} (decoder.kv_pages)") from None
 
     def release(self, slot: int) -> None:
         self.pool.release(self._held.pop(slot, []))
+
+    def held_tokens(self, slot: int) -> int:
+        return len(self._held.get(slot, ())) * self.pool.page_size
+
+    def grow(self, slot: int, tokens: int) -> bool:
+        """Pages for ``slot``'s first ``tokens`` positions; False (nothing taken) when the free
+        pages fall short."""
+        more = min(self.pool.pages_for(tokens), self.max_pages) - len(self._held[slot])
+        if more <= 0:
+            return True
+        if more > self.pool.num_free:
+            return False
+        self._held[slot] += self.pool.allocate(more)
+        return True
+
+    def rows_table(self, slot_at: Sequence[int | None]) -> np.ndarray:
+        """``[len(slot_at), max_pages]``: the table of the slot at each device row (a free row maps
+        nothing)."""
+        out = np.full((len(slot_at), self.max_pages), self.unmapped, np.int32)
+        for r, s in enumerate(slot_at):
+            held = self._held.get(s, ()) if s is not None else ()
+            out[r, :len(held)] = held
+        return out
 
     def table(self, slots: Sequence[int], rows: int) -> np.ndarray:
         """``[rows, max_pages]``: ``slots``' tables, the rows past them repeating the first."""

@@ -134,6 +134,9 @@ class Strategy:
                              name="row_ops", donate_argnums=0)
         self._read_rows = self.jit(lambda fields, rows: {k: v[rows] for k, v in fields.items()},
                                    name="read_rows")
+        self._tables = self.jit(lambda st, t: dataclasses.replace(
+            st, target_cache=dataclasses.replace(st.target_cache, page_table=t)), name="page_tables",
+            donate_argnums=0)
 
     def jit(self, fn, name: str | None = None, **kw):
         """``jax.jit`` through the decoder's program store (kept on disk when it has a directory)."""
@@ -167,6 +170,10 @@ class Strategy:
 
     def row_ops(self, carry: Carry, ops, count) -> Carry:
         return dataclasses.replace(carry, state=self._ops(carry.state, self.ctx.t_put(ops), count))
+
+    def page_tables(self, carry: Carry, table) -> Carry:
+        """Every row's page table replaced (a paged target cache grown on the host)."""
+        return dataclasses.replace(carry, state=self._tables(carry.state, self.ctx.t_put(table)))
 
     def row_results(self, carry: Carry, rows: np.ndarray) -> dict:
         """Host arrays of rows ``rows``: tokens, lengths, finish, histogram (and async counts),

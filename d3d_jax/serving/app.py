@@ -328,7 +328,7 @@ def _add_info_routes(app: FastAPI, svc: Service) -> None:
     async def prometheus():
         s = svc.scheduler
         return PlainTextResponse(metrics.render(s.num_active, s.num_queued, s.num_slots, svc.mode,
-                                                model=svc.model_name),
+                                                model=svc.model_name, kv=s.kv_stats()),
                                  media_type="text/plain; version=0.0.4")
 
 

@@ -6,8 +6,9 @@ tokens committed per slot per round (shown in sync and async mode only: plain de
 nothing), the hit rate counts async rounds whose branch pack held the outcome (async only).
 Start-up warm-up requests are never recorded (the scheduler leaves them out).  Histograms: time
 to first token, inter-token latency and end to end (seconds, as the HTTP layer sees them) and
-tokens committed per request per round.  ``vllm_names`` adds the same series under vLLM's
-``vllm:`` names so existing dashboards read them.
+tokens committed per request per round.  With a paged KV cache: the pool's usage and pages,
+prefix-cache queried and hit prompt tokens, and preemptions.  ``vllm_names`` adds the same series
+under vLLM's ``vllm:`` names so existing dashboards read them.
 """
 
 from __future__ import annotations
@@ -94,6 +95,10 @@ class ServerMetrics:
             self.counters["admitted"] += 1
             self.counters["prompt_tokens"] += prompt_tokens
 
+    def record_preemption(self) -> None:
+        with self._lock:
+            self.counters["preemptions"] += 1
+
     def record_request(self, outcome: str) -> None:
         with self._lock:
             self.requests[outcome] += 1
@@ -124,8 +129,10 @@ class ServerMetrics:
                     "hit_rate": c.get("hits", 0) / judged if judged else None,
                     "histograms": {k: (list(h.counts), h.sum, h.count) for k, h in self.histograms.items()}}
 
-    def render(self, active: int, queued: int, slots: int, mode: str, model: str = "") -> str:
-        """Prometheus text format 0.0.4."""
+    def render(self, active: int, queued: int, slots: int, mode: str, model: str = "",
+               kv: dict | None = None) -> str:
+        """Prometheus text format 0.0.4.  ``kv``: the paged pool's figures
+        (``SpecDecoder.page_stats``), None for a dense cache."""
         s = self.snapshot()
         c = s["counters"]
         lines: list[str] = []
@@ -165,6 +172,8 @@ class ServerMetrics:
                [(f'{{outcome="{k}"}}', v) for k, v in sorted(s["requests"].items())])
         metric("http_errors_total", "counter", "error responses by status",
                [(f'{{status="{k}"}}', v) for k, v in sorted(s["http_errors"].items())])
+        if kv is not None:
+            _kv_metrics(metric, kv, c.get("preemptions", 0))
         for name, (_, help_, vllm) in HISTOGRAMS.items():
             for full, extra in ((f"d3d_{name}", ""), (vllm, vllm_label)):
                 if extra and not self.vllm_names:
@@ -178,6 +187,21 @@ class ServerMetrics:
 
         lines += mode_metrics.render(self.decisions)
         return "\n".join(lines) + "\n"
+
+
+def _kv_metrics(metric, kv: dict, preemptions: int) -> None:
+    """The paged pool's series (the counters read 0 where the pool counts nothing yet)."""
+    metric("kv_cache_usage_perc", "gauge", "share of KV cache pages held by requests (a fraction, as vLLM's)",
+           [("", kv.get("kv_cache_usage_perc", 0.0))], "vllm:kv_cache_usage_perc")
+    metric("kv_pages_total", "gauge", "pages of the KV cache pool", [("", kv.get("num_pages", 0))])
+    metric("kv_pages_free", "gauge", "pages free or held only by the prefix cache",
+           [("", kv.get("num_free_pages", 0))])
+    metric("prefix_cache_queries_total", "counter", "prompt tokens looked up in the prefix cache",
+           [("", kv.get("prefix_cache_queries", 0))], "vllm:prefix_cache_queries")
+    metric("prefix_cache_hits_total", "counter", "prompt tokens found in the prefix cache",
+           [("", kv.get("prefix_cache_hits", 0))], "vllm:prefix_cache_hits")
+    metric("num_preemptions_total", "counter", "running requests preempted for lack of KV pages",
+           [("", preemptions)], "vllm:num_preemptions")
 
 
 def _escape(v: str) -> str:

@@ -8,9 +8,13 @@ Each round it
 2. admits queued requests into the slots it holds no request in (``prefill`` + ``insert``; first
    come, first served);
 3. runs ``step()`` once for all active slots and hands each request its new tokens;
-4. frees the slots whose request finished.
+4. frees the slots whose request finished, and queues again (first in line) the requests the
+   decoder preempted for lack of KV pages, as prompt + the tokens they got
+   (:mod:`~d3d_jax.decoding.page_growth`): their clients see nothing but a pause.
 
-Requests beyond the free slots wait in the queue (oversubscription queues, it does not fail).
+Requests beyond the free slots wait in the queue (oversubscription queues, it does not fail), and
+so does the first queued request while the decoder's free KV pages cannot hold it (a paged cache:
+``can_admit``); first come, first served, so a long request is not passed over for ever.
 Results go to a per-request ``sink(event)`` called on the scheduler thread; the HTTP layer's sink
 forwards to its event loop.  :meth:`run_until_idle` drives the same rounds without a thread (the
 evaluation harness's ``--concurrency``).
@@ -62,6 +66,8 @@ class Handle:
         self.t_submit = time.perf_counter()
         self.t_first: float | None = None
         self.n_out = self.rounds = self.accepted = self.hits = self.misses = 0
+        self.token_ids: list[int] = []  # delivered so far (what a preempted request resumes from)
+        self.original = request  # the request as submitted (``request`` changes when preempted)
 
     def cancel(self) -> None:
         if not self.done and not self.cancelled:
@@ -105,6 +111,9 @@ class Scheduler:
         self._draining = False  # shutting down: every request ends now, new ones are refused
         self.step_error: str | None = None  # the last round's failure; None once a round succeeds
         self.error: BaseException | None = None  # what killed the thread, if anything
+        allow_preemption = getattr(decoder, "allow_preemption", None)
+        if allow_preemption is not None:  # a paged decoder grows page by page; preempted requests come back here
+            allow_preemption()
 
     # ---- any thread --------------------------------------------------------------------------
     def submit(self, request: Any, sink: Callable[[Event], None], warmup: bool = False) -> Handle:
@@ -212,6 +221,7 @@ class Scheduler:
             return True
         self.step_error = None
         self._deliver(outs, time.perf_counter() - t0)
+        self._requeue_preempted()
         self.metrics.decisions = self.decoder.decisions()  # a fresh copy each round: /metrics reads it
         return True
 
@@ -231,7 +241,7 @@ class Scheduler:
         free = [s for s in range(self.num_slots) if s not in self._active]  # the caller owns its slots
         while free:
             with self._cv:
-                if not self._queue:
+                if not self._queue or not self._pages_hold(self._queue[0]):
                     return
                 h = self._queue.popleft()
                 self._held += 1
@@ -249,8 +259,25 @@ class Scheduler:
                 continue
             h.slot = slot
             self._active[slot] = h
-            if not h.warmup:
+            if not h.warmup and h.request is h.original:  # a resumed request was counted once
                 self.metrics.record_admitted(len(h.request.prompt))
+
+    def _pages_hold(self, h: Handle) -> bool:
+        """Whether the decoder's free pages hold ``h``'s request now.  With nothing running every
+        page is free: a request still not held then is one no pool holds, and its prefill is
+        left to refuse it (an error event, not a wait for ever)."""
+        can_admit = getattr(self.decoder, "can_admit", None)
+        if can_admit is None or not self._active or h.cancelled:
+            return True
+        try:
+            return bool(can_admit(h.request))
+        except Exception:  # noqa: BLE001 - a malformed request: its prefill names the problem
+            return True
+
+    def kv_stats(self) -> dict | None:
+        """The decoder's KV pool figures (/metrics), None for a dense cache."""
+        page_stats = getattr(self.decoder, "page_stats", None)
+        return page_stats() if page_stats is not None else None
 
     def _deliver(self, outs: dict, seconds: float) -> None:
         tokens = accepted = hits = misses = 0
@@ -272,6 +299,7 @@ class Scheduler:
             if out.token_ids:
                 h.t_first = h.t_first or time.perf_counter()
                 h.n_out += len(out.token_ids)
+                h.token_ids += out.token_ids
             if out.finished:
                 self._finish(slot, out.finish_reason or "length", token_ids=list(out.token_ids),
                              logprobs=out.logprobs)
@@ -280,6 +308,18 @@ class Scheduler:
         if per_row:
             self.metrics.record_round(len(per_row), tokens, accepted, hits, misses, seconds,
                                       per_row=per_row)
+
+    def _requeue_preempted(self) -> None:
+        take = getattr(self.decoder, "take_preempted", None)
+        for slot in take() if take is not None else ():
+            from d3d_jax.decoding.page_growth import resumed
+
+            h = self._active.pop(slot)
+            h.slot, h.request = None, resumed(h.original, h.token_ids)
+            self.metrics.record_preemption()
+            with self._cv:
+                self._held -= 1
+                self._queue.appendleft(h)
 
     def _finish(self, slot: int, reason: str, token_ids=(), error: str | None = None,
                 logprobs: list | None = None) -> None:

@@ -29,8 +29,9 @@ from typing import Any
 
 from d3d_jax import compile_cache
 from d3d_jax.config import ConfigError
-from d3d_jax.config.flags import (add_auto_flags, add_config_arguments, add_model_flags, config_flag, declared,
-                                  load_command_config)
+from d3d_jax.config.flags import (add_auto_flags, add_config_arguments, add_kv_flags, add_model_flags, config_flag,
+                                  declared, load_command_config)
+from d3d_jax.config.decoding import DEFAULT_KV_PAGE_SIZE
 from d3d_jax.config.serve import MAX_CACHE_LEN, NUM_SLOTS, ServeConfig
 from d3d_jax.decoding.contract import Decoder
 from d3d_jax.serving import protocol as P
@@ -58,10 +59,12 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     flag("--api-key", key="server.api_key",
          help="require 'Authorization: Bearer KEY' (default: $D3D_API_KEY; unset = open)")
     flag("--served-model-name", key="server.served_model_name", help="model id in the API (default: target dir name)")
-    flag("--num-slots", key="decoder.num_slots", type=_declared("decoder.num_slots"),
+    flag("--max-num-seqs", "--num-slots", key="decoder.num_slots", type=_declared("decoder.num_slots"),
          help=f"concurrent requests decoded together (default {NUM_SLOTS})")
     flag("--max-model-len", key="decoder.max_cache_len", type=_declared("decoder.max_cache_len"),
-         help=f"KV cache length per slot (default: min({MAX_CACHE_LEN}, max_position_embeddings))")
+         help=f"tokens of one sequence, prompt + completion + a block (default: min({MAX_CACHE_LEN}, "
+              f"max_position_embeddings))")
+    add_kv_flags(p, ServeConfig, pages_by_default=True)
     flag("--block-size", key="decoder.block_size", type=_declared("decoder.block_size"),
          help="default: the drafter's config, else 16")
     flag("--branch-positions", key="decoder.branch_positions", type=_declared("decoder.branch_positions"),
@@ -132,11 +135,13 @@ def decoder_config(cfg: ServeConfig, target_cfg, drafter_cfg):
         raise ConfigError(f"--block-size {asked} is more than the drafter was trained for ({trained}); "
                           f"use --block-size {trained} or less")
     s = cfg.decoder.resolved(has_drafter=drafter_cfg is not None, drafter_block_size=trained,
-                             num_slots=NUM_SLOTS, max_cache_len=min(MAX_CACHE_LEN, target_cfg.max_position_embeddings))
+                             num_slots=NUM_SLOTS, max_cache_len=min(MAX_CACHE_LEN, target_cfg.max_position_embeddings),
+                             kv_page_size=DEFAULT_KV_PAGE_SIZE)
     if s.max_cache_len < s.block_size + 2:
         raise ConfigError(f"--max-model-len {s.max_cache_len}: leaves no room for a prompt and a completion "
                           f"(must be >= block size {s.block_size} + 2)")
-    return decoder_config_for(s, drafter_path=cfg.models.drafter, eos_token_ids=())
+    return decoder_config_for(s, drafter_path=cfg.models.drafter, target_config=target_cfg, drafter_config=drafter_cfg,
+                              eos_token_ids=())
 
 
 def load(cfg: ServeConfig):

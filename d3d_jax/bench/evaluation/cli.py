@@ -22,7 +22,7 @@ import os
 from pathlib import Path
 
 from d3d_jax.config.evaluation import TEMPLATES, EvalConfig, EvalSettings
-from d3d_jax.config.flags import (add_auto_flags, add_config_arguments, add_model_flags, config_flag,
+from d3d_jax.config.flags import (add_auto_flags, add_config_arguments, add_kv_flags, add_model_flags, config_flag,
                                   load_command_config, parse_geometries)
 from d3d_jax.errors import UsageError
 
@@ -47,6 +47,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
     flag("--branch-fanout", key="decoder.branch_fanout", type=int, help="async F (default 2)")
     flag("--async-sweep", key="eval.async_sweep", type=parse_geometries, help="C×F points, e.g. 4x2,8x2,12x2")
     add_auto_flags(ap)
+    add_kv_flags(ap, EvalConfig)
     flag("--hf-peer", key="eval.hf_peer", action="store_true", help="also transformers assisted generation")
     flag("--concurrency", key="eval.concurrency", type=int,
          help="requests in flight in one long-lived decoder per mode (default 1: batch 1)")
