@@ -787,3 +787,8 @@ def test_constrained_requests_run_plain_beside_requests_that_speculate(setup, mo
     grammar_rows = sum(c.get("rows:grammar", 0) - before.get(g, {}).get("rows:grammar", 0)
                        for g, c in dec.decisions().items())
     assert grammar_rows == sum(metrics[i]["modes"]["plain"] for i in constrained)
+    from d3d_jax.serving.mode_metrics import render
+
+    line = next(x for x in render(dec.decisions()) if x.startswith(
+        'd3d_mode_row_rounds_total{mode="plain",geometry="-",reason="grammar"}'))
+    assert float(line.split()[-1]) == dec.decisions()["plain"]["rows:grammar"]

@@ -142,6 +142,8 @@ def test_gated_rounds_are_plain_lossless_and_counted(setup, monkeypatch):  # noq
     tokens, _ = serve(dec, reqs, schedule=[0, 0, 1, 2, 2, 5], metrics=metrics, pick=0)
     assert all(tokens[i] == s["solo"][i][: MAX_NEW[i]] for i in range(6))
     assert all(set(metrics[i]["modes"]) == {"plain"} for i in range(6))
+    # each row of each round counted with its reason: the gate's
+    assert all(metrics[i]["reasons"] == {"gate": metrics[i]["modes"]["plain"]} for i in range(6))
     gated = dec.decisions()["plain"]["gated_rounds"] - before
     assert gated > 0
     assert any(line.startswith('d3d_mode_gated_rounds_total{mode="plain"') for line in render(dec.decisions()))
