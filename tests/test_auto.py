@@ -258,7 +258,9 @@ def test_a_request_set_aside_is_judged_again_after_8_then_16_plain_rounds():
     stub = types.SimpleNamespace(policy=judge, pool=0.8, gate=Gate(),
                                  ctx=types.SimpleNamespace(config=types.SimpleNamespace(block_size=16), drafter=None))
     stub._acceptance = lambda info: AutoStrategy._acceptance(stub, info)
-    info = types.SimpleNamespace(stats={}, modes=collections.Counter())
+    stub._new_acceptance = lambda request: AutoStrategy._new_acceptance(stub, request)
+    stub._prefers_plain = lambda acc, n, constrained: judge.prefers_plain(acc, n)
+    info = types.SimpleNamespace(stats={}, modes=collections.Counter(), request=Request([1], 1))
     reclassify = lambda: AutoStrategy.reclassify(stub, {5: info})  # noqa: E731
     acc = stub._acceptance(info)
     for _ in range(3):
@@ -293,6 +295,7 @@ def test_a_server_warm_up_request_never_joins_the_pool():
 
     stub = types.SimpleNamespace(pool=0.8, ctx=types.SimpleNamespace(config=types.SimpleNamespace(block_size=16), drafter=None))
     stub._acceptance = lambda info: AutoStrategy._acceptance(stub, info)
+    stub._new_acceptance = lambda request: AutoStrategy._new_acceptance(stub, request)
     judged = {}
     for warmup in (False, True):
         info = types.SimpleNamespace(stats={}, modes=collections.Counter(),
@@ -709,7 +712,10 @@ def test_a_request_judged_by_its_prompt_stays_aside_when_judged_again():
     stub = types.SimpleNamespace(policy=judge, pool=pool, gate=Gate(), ctx=types.SimpleNamespace(
         config=types.SimpleNamespace(block_size=16), drafter=None))
     stub._acceptance = lambda info: AutoStrategy._acceptance(stub, info)
-    infos = {s: types.SimpleNamespace(stats={}, modes=collections.Counter()) for s in (3, 5)}
+    stub._new_acceptance = lambda request: AutoStrategy._new_acceptance(stub, request)
+    stub._prefers_plain = lambda acc, n, constrained: judge.prefers_plain(acc, n)
+    infos = {s: types.SimpleNamespace(stats={}, modes=collections.Counter(), request=Request([1], 1))
+             for s in (3, 5)}
     stub._acceptance(infos[3]).set_prompt(0.0)
     stub._acceptance(infos[5]).set_prompt(0.05)  # scale 0.25, then 0.5 once faded
     assert AutoStrategy.reclassify(stub, infos) == {3: 1, 5: 1}
@@ -724,3 +730,65 @@ def test_a_request_judged_by_its_prompt_stays_aside_when_judged_again():
     assert AutoStrategy.reclassify(stub, {3: infos[3]}) == {}  # still 0: aside, no swap
     assert infos[3].stats["asides"] == 3 and infos[3].stats["aside_at"] == 24
 
+
+class AllowedSet:
+    """A grammar stand-in with a matcher's interface: the same allowed tokens at every position."""
+
+    def __init__(self, allowed):
+        from d3d_jax.decoding.grammar import WORD, words
+
+        bits = np.zeros(words(VOCAB), np.uint32)
+        for t in allowed:
+            bits[t // WORD] |= np.uint32(1 << (t % WORD))
+        self.bits = bits.view(np.int32)
+
+    def block_bitmask(self, drafts, width):
+        return np.tile(self.bits, (width, 1))
+
+    def advance(self, tokens):
+        return True
+
+
+def masked_greedy(target, prompt, n, allowed) -> list[int]:
+    """Brute force: a full forward over the whole sequence per token, argmax over ``allowed``."""
+    import jax.numpy as jnp
+
+    ids = list(prompt)
+    for _ in range(n):
+        logits = np.asarray(target(jnp.asarray([ids], jnp.int32))[0, -1])
+        ids.append(max(allowed, key=lambda t: logits[t]))
+    return ids[len(prompt):]
+
+
+def test_constrained_requests_run_plain_beside_requests_that_speculate(setup, monkeypatch):
+    """A batch where two requests are constrained (their drafts, replays of unconstrained
+    outputs, are mostly rejected) and four are not: the constrained ones run plain rounds in
+    every round, counted with the reason "grammar", while the others speculate in the same
+    rounds; every output is greedy decoding's (brute force under the mask for the constrained)."""
+    s, dec = setup, setup["auto"]
+    ungate(dec, monkeypatch)
+    allowed = [t for t in range(VOCAB) if t % 3 and t != MASK]
+    constrained = (1, 4)
+    reqs = [Request(p, n, index=i, grammar=AllowedSet(allowed) if i in constrained else None)
+            for i, (p, n) in enumerate(zip(s["prompts"], MAX_NEW))]
+    metrics, before = {}, dec.decisions()
+    tokens, _ = serve(dec, reqs, schedule=[0] * 6, metrics=metrics, pick=0)
+    spoke = set()
+    for i in range(6):
+        modes, reasons = metrics[i]["modes"], metrics[i]["reasons"]
+        if i in constrained:
+            assert tokens[i] == masked_greedy(s["target"], s["prompts"][i], MAX_NEW[i], allowed), i
+            assert set(modes) == {"plain"} and reasons == {"grammar": modes["plain"]}, (i, modes, reasons)
+        else:
+            assert tokens[i] == s["solo"][i][: MAX_NEW[i]], i
+            assert reasons.get("gain", 0) > 0 and sum(reasons.values()) == sum(modes.values()), (i, reasons)
+            spoke |= {g for g in modes if g != "plain"}
+    assert spoke  # the unconstrained requests speculated
+    grammar_rows = sum(c.get("rows:grammar", 0) - before.get(g, {}).get("rows:grammar", 0)
+                       for g, c in dec.decisions().items())
+    assert grammar_rows == sum(metrics[i]["modes"]["plain"] for i in constrained)
+    from d3d_jax.serving.mode_metrics import render
+
+    line = next(x for x in render(dec.decisions()) if x.startswith(
+        'd3d_mode_row_rounds_total{mode="plain",geometry="-",reason="grammar"}'))
+    assert float(line.split()[-1]) == dec.decisions()["plain"]["rows:grammar"]

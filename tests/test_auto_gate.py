@@ -108,6 +108,22 @@ def test_a_lead_within_the_margin_keeps_what_runs():
     assert not gate.buckets[16].speculate
 
 
+def test_one_stalled_round_does_not_flip_the_verdict():
+    """Plain leads (16 against 12 tokens a 10 ms round), then one plain round stalls 20x (another
+    process on a shared host): the verdict stays plain; a fall that lasts half the window flips
+    it."""
+    gate = Gate()
+    dev = Device(gate, spec=12.0, plain=16.0)
+    dev.run(100)
+    assert not gate.buckets[16].speculate
+    gate.observe(16, False, 16.0, 0.01)  # a plain round after plain ones: a sample
+    gate.observe(16, False, 16.0, 0.2)
+    assert not gate.buckets[16].speculate
+    for _ in range(G.WINDOW // 2):
+        gate.observe(16, False, 16.0, 0.2)
+    assert gate.buckets[16].speculate
+
+
 def test_each_bucket_has_its_own_verdict():
     gate = Gate()
     Device(gate, spec=12.0, plain=16.0, bucket=16).run(100)
@@ -126,6 +142,8 @@ def test_gated_rounds_are_plain_lossless_and_counted(setup, monkeypatch):  # noq
     tokens, _ = serve(dec, reqs, schedule=[0, 0, 1, 2, 2, 5], metrics=metrics, pick=0)
     assert all(tokens[i] == s["solo"][i][: MAX_NEW[i]] for i in range(6))
     assert all(set(metrics[i]["modes"]) == {"plain"} for i in range(6))
+    # each row of each round counted with its reason: the gate's
+    assert all(metrics[i]["reasons"] == {"gate": metrics[i]["modes"]["plain"]} for i in range(6))
     gated = dec.decisions()["plain"]["gated_rounds"] - before
     assert gated > 0
     assert any(line.startswith('d3d_mode_gated_rounds_total{mode="plain"') for line in render(dec.decisions()))

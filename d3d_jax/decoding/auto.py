@@ -33,6 +33,8 @@ from d3d_jax.decoding import window as W
 from d3d_jax.decoding.async_core import V_HIT, V_MISS, AsyncCore, handoff
 from d3d_jax.decoding.async_strategy import windowed_side
 from d3d_jax.decoding.auto_gate import Gate
+from d3d_jax.decoding.auto_reasons import count as count_reasons
+from d3d_jax.decoding.auto_reasons import part_reasons
 from d3d_jax.decoding.branches import BranchLayout
 from d3d_jax.decoding.drafting import prefill_scored
 from d3d_jax.decoding.auto_policy import (MIN_ROUNDS_TO_SET_ASIDE, REJUDGE_AFTER, Acceptance, Geometry,
@@ -42,6 +44,9 @@ from d3d_jax.decoding.strategies import (OPS_PER_DISPATCH, Carry, Context, Part,
 from d3d_jax.model import paged_kv as pkv
 
 DEFAULT_PRIOR_TAU = 2.0  # a drafter of unknown quality: barely better than nothing
+# a grammar-constrained request's prior: drafts of prose under a JSON schema were accepted at
+# τ ≈ 1.1 (docs/results/serving.md, structured output), so such a request starts in plain rounds
+GRAMMAR_PRIOR_TAU = 1.1
 CALIBRATION_ROUNDS = 5  # timing passes over the programs at start-up, interleaved (after the compiles)
 # rounds per program per pass, back to back after one untimed lead-in (why: docs/design/auto.md, start-up timing)
 CALIBRATION_RUN = 2
@@ -84,6 +89,8 @@ class AutoStrategy(Strategy):
         # every request's prior: the drafter's acceptance pooled over finished requests, starting
         # from the offline τ (as trained: of a 16-token block)
         self.pool = Pool(cfg.block_size, geometric_rate(tau, max(16, cfg.block_size)))
+        # constrained requests pool apart: their acceptance is the grammar's, not the drafter's
+        self.grammar_pool = Pool(cfg.block_size, geometric_rate(GRAMMAR_PRIOR_TAU, max(16, cfg.block_size)))
         # plain and sync rounds take the state they read, not the carry: async's sides (and, for
         # plain, the drafter's state and parameters) stay out of their programs
         self._sync = self.jit(self._sync_fn, static_argnames=("label", "rows"), donate_argnums=2)
@@ -213,9 +220,38 @@ class AutoStrategy(Strategy):
     # ------------------------------------------------------------ the choice
     def _acceptance(self, info) -> Acceptance:
         if "acceptance" not in info.stats:
-            info.stats["acceptance"] = Acceptance(self.ctx.config.block_size, self.pool,
-                                                  scored=hasattr(self.ctx.drafter, "prefill_scored"))
+            info.stats["acceptance"] = self._new_acceptance(info.request)
         return info.stats["acceptance"]
+
+    def _new_acceptance(self, request) -> Acceptance:
+        """A constrained request is judged by the grammar pool from the start (its prompt score
+        says nothing about drafts the grammar rejects); any other starts from the drafter's."""
+        block = self.ctx.config.block_size
+        if getattr(request, "grammar", None) is not None:
+            return Acceptance(block, self.grammar_pool, prior_judges=True)
+        return Acceptance(block, self.pool, scored=hasattr(self.ctx.drafter, "prefill_scored"))
+
+    def initial_class(self, request) -> int:
+        """Plain rounds (1) for a constrained request whose pooled acceptance says speculation
+        does not pay (the grammar prior, until constrained requests that speculated say more),
+        or before any round was priced; 0 for the rest."""
+        if getattr(request, "grammar", None) is None:
+            return 0
+        return int(self._prefers_plain(self._new_acceptance(request), 1, True))
+
+    def _prefers_plain(self, acc: Acceptance, n: int, constrained: bool) -> bool:
+        """The policy's judgement; a constrained request also runs plain while no round was priced."""
+        if constrained and not math.isfinite(self.policy.costs.get(self.policy.plain.label, self.policy.bucket(n))):
+            return True
+        return self.policy.prefers_plain(acc, n)
+
+    def masked_label(self, cls: int, rows: int) -> str | None:
+        """The geometry of a constrained round's part over placement class ``cls`` (``rows`` live
+        rows): plain for the rows set aside, and for every row where the gate runs plain; else
+        None (the widest sync geometry)."""
+        if cls == 1 or not self.gate.speculates(self.policy.bucket(rows)):
+            return "plain"
+        return None
 
     def _pools(self, info) -> bool:
         """A finished request joins the pool once it passed its own judging (enough speculative
@@ -224,6 +260,9 @@ class AutoStrategy(Strategy):
         acc = self._acceptance(info)
         return (info.stats.get("class", 0) == 0 and acc.rounds >= MIN_ROUNDS_TO_SET_ASIDE
                 and not info.request.warmup)
+
+    def _pool_of(self, info) -> Pool:
+        return self.pool if getattr(info.request, "grammar", None) is None else self.grammar_pool
 
     def reclassify(self, infos: dict) -> dict:
         """slot -> class (0 speculate, 1 plain rounds) for requests whose class changes: set aside
@@ -234,16 +273,17 @@ class AutoStrategy(Strategy):
             return out  # every round runs plain here: moving rows between classes only costs
         for slot, info in infos.items():
             acc, stats = self._acceptance(info), info.stats
+            constrained = getattr(info.request, "grammar", None) is not None
             if stats.get("class", 0) == 0:
-                if self.policy.prefers_plain(acc, n):
+                if self._prefers_plain(acc, n, constrained):
                     out[slot] = 1
                     stats["aside_at"] = info.modes["plain"]
                     stats["asides"] = stats.get("asides", 0) + 1
-            elif info.modes["plain"] - stats["aside_at"] >= REJUDGE_AFTER << (stats["asides"] - 1):
+            elif info.modes["plain"] - stats.get("aside_at", 0) >= REJUDGE_AFTER << (stats.get("asides", 1) - 1):
                 acc.fade()
-                if self.policy.prefers_plain(acc, n):  # judged still (by its prompt): no swap
+                if self._prefers_plain(acc, n, constrained):  # judged still (prompt, grammar): no swap
                     stats["aside_at"] = info.modes["plain"]
-                    stats["asides"] += 1
+                    stats["asides"] = stats.get("asides", 1) + 1
                 else:
                     out[slot] = 0
         return out
@@ -262,14 +302,19 @@ class AutoStrategy(Strategy):
             parts.append(Part(geom.label, start, width, lo, hi, out, fresh=fresh,
                               predicted=self.policy.tokens(rows[lo:hi], geom),
                               predicted_s=self.policy.seconds([(geom.label, self.policy.bucket(hi - lo))]),
-                              gated=gated))
+                              gated=gated, row_reasons=self.row_reasons(rows_info, lo, hi, geom.label, gated)))
         return carry, parts
+
+    def row_reasons(self, infos: list, lo: int, hi: int, label: str, gated: bool = False) -> tuple:
+        """Why each row ``lo … hi-1`` runs in ``label`` (:mod:`~d3d_jax.decoding.auto_reasons`)."""
+        return part_reasons(infos, lo, hi, self.geometry[label].width > 1, gated, MIN_ROUNDS_TO_SET_ASIDE)
 
     def most_tokens(self, parts) -> int:
         return max(self.geometry[p.label].width for p in parts)
 
     def observe(self, parts, host_outs, seconds, snapshot, wall=None) -> None:
         for part, out in zip(parts, host_outs):
+            count_reasons(part, snapshot)
             width = self.geometry[part.label].width
             for i, row in enumerate(range(part.start, part.start + part.rows)):
                 slot, info = snapshot[row]
@@ -280,7 +325,7 @@ class AutoStrategy(Strategy):
                     acc = self._acceptance(info)
                     acc.record(width, int(out["accepted"][i]))
                     if int(out["finish"][i]) and self._pools(info):
-                        self.pool.add(acc)  # the next requests' prior
+                        self._pool_of(info).add(acc)  # the next requests' prior
         fresh = any(p.fresh for p in parts)
         if seconds is not None and not fresh:  # a split: its own key
             self.policy.measured([(p.label, p.rows) for p in parts], seconds)

@@ -30,10 +30,11 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import statistics
 
 PROBE = 6  # rounds of the other kind per probe (the first is not a sample)
 MIN_SAMPLES = 4  # of each kind at a bucket before it judges
-EMA = 0.2  # weight of one round (after the first few: 1/n)
+WINDOW = 8  # a kind's latest rounds at a bucket whose median rate is its rate
 RECHECK = (32, 256)  # rounds between probes: first, at most
 CLEAR_LEAD = 1.15  # a lead this large rechecks at the longest interval
 MARGIN = 0.03  # the other kind must lead by this much to change the verdict
@@ -42,21 +43,21 @@ FIRST_PLAIN_PROBE = 8  # speculative rounds at a new bucket before plain is firs
 
 @dataclasses.dataclass
 class Rate:
-    """A running mean of one kind's rounds at one bucket: tokens and wall seconds per round."""
+    """One kind's tokens per wall second at one bucket: the median over its latest ``WINDOW``
+    rounds.  On a shared host one round in a few stalls (another process's burst, a GC, a
+    stream write); a running mean took a 20x stall as a 4x fall and flipped the verdict on it,
+    where the median moves only once half the window has changed (a probe's rounds)."""
 
-    tokens: float = 0.0
-    seconds: float = 0.0
+    rates: collections.deque = dataclasses.field(default_factory=lambda: collections.deque(maxlen=WINDOW))
     samples: int = 0
 
     def add(self, tokens: float, seconds: float) -> None:
-        w = max(EMA, 1.0 / (self.samples + 1))
-        self.tokens = (1 - w) * self.tokens + w * tokens
-        self.seconds = (1 - w) * self.seconds + w * seconds
+        self.rates.append(tokens / seconds)
         self.samples += 1
 
     @property
     def per_second(self) -> float:
-        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+        return statistics.median(self.rates) if self.rates else 0.0
 
 
 @dataclasses.dataclass

@@ -105,7 +105,9 @@ class Acceptance:
     """One request's acceptance by draft slot (censored by the width of each round).  ``prior``:
     a per-slot rate (a float) or a :class:`Pool` whose rates it follows."""
 
-    def __init__(self, width: int, prior: "float | Pool", scored: bool = False):
+    def __init__(self, width: int, prior: "float | Pool", scored: bool = False,
+                 prior_judges: bool = False):
+        self.prior_judges = prior_judges  # the prior alone judges it (a constrained request)
         self.tested = [0] * width  # index k: rounds in which draft slot k was judged
         self.accepted = [0] * width
         self.prior = prior
@@ -147,7 +149,8 @@ class Acceptance:
     @property
     def judged(self) -> bool:
         """Enough speculative rounds of its own, or a prompt score that already says enough."""
-        return self.rounds >= MIN_ROUNDS_TO_SET_ASIDE or self.prompt_scale() < PROMPT_JUDGED
+        return (self.prior_judges or self.rounds >= MIN_ROUNDS_TO_SET_ASIDE
+                or self.prompt_scale() < PROMPT_JUDGED)
 
     @property
     def explores(self) -> bool:

@@ -6,9 +6,12 @@ forward (its drafts copied back), then each constrained row's matcher walked alo
 for a ``[rows, W, words]`` bitmask, then the target's verify and commit with that mask.  Rows
 without a grammar ride along unmasked (all bits set) and decode exactly as in any other round.
 No round is dispatched ahead while a grammar is live: the next round's masks need this one's
-committed tokens.  Plain rounds (W = 1) skip the drafter.  Auto runs its widest sync geometry
-(or plain); async rounds have no grammar path (their next block is drafted before the host
-sees the verdict), so the decoder refuses constrained requests in async mode.
+committed tokens.  Plain rounds (W = 1) skip the drafter.  Auto runs each placement class in
+its own part: the rows it speculates on in its widest sync geometry, the rows it set aside
+(constrained requests by default: their drafts are mostly rejected) in plain rounds
+(:meth:`~d3d_jax.decoding.auto.AutoStrategy.masked_label`).  Async rounds have no grammar path
+(their next block is drafted before the host sees the verdict), so the decoder refuses
+constrained requests in async mode.
 
 The host's share is reported per round in ``seconds_host`` (mask building, the drafts' copy).
 """
@@ -33,28 +36,57 @@ def masked_rounds(strategy, vocab_size: int) -> "MaskedRounds":
     return strategy._masked_rounds
 
 
-def geometry(strategy) -> tuple[str, object, bool]:
-    """(label, core, catch_up) a constrained round runs with."""
+def geometry(strategy, label: str | None = None) -> tuple[str, object, bool]:
+    """(label, core, catch_up) a constrained round runs with: a fixed mode's own; auto's
+    ``label`` (default its widest sync geometry)."""
     cores = getattr(strategy, "cores", None)
     if cores is None:  # plain or sync
         return strategy.label, strategy.core, False
-    syncs = sorted((c.width, label) for label, c in cores.items() if label.startswith("sync/"))
-    label = syncs[-1][1] if syncs else "plain"
+    if label is None:
+        syncs = sorted((c.width, lab) for lab, c in cores.items() if lab.startswith("sync/"))
+        label = syncs[-1][1] if syncs else "plain"
     return label, cores[label], label != "plain"
 
 
 class MaskedRounds:
-    """The two programs of a constrained round for one strategy, and its host step."""
+    """A strategy's constrained rounds: one part per placement class where the strategy gives
+    the classes different geometries (auto), else one part over every live row."""
 
     def __init__(self, strategy, vocab_size: int):
-        self.strategy = strategy
-        self.label, self.core, self.catch_up = geometry(strategy)
-        self.words = words(vocab_size)
-        self._draft = strategy.jit(self._draft_fn, name="grammar_draft", static_argnames="rows",
-                                   donate_argnums=1)
-        self._verify = strategy.jit(self._verify_fn, name="grammar_verify", static_argnames="rows",
-                                    donate_argnums=1)
+        self.strategy, self.vocab_size = strategy, vocab_size
+        self.geometries: dict = {}
         self.host_seconds: list[float] = []
+
+    def _geometry(self, label: str | None) -> "MaskedGeometry":
+        if label not in self.geometries:
+            self.geometries[label] = MaskedGeometry(self.strategy, self.vocab_size, label, self.host_seconds)
+        return self.geometries[label]
+
+    def dispatch(self, carry, params, groups, rows_info) -> tuple[object, list[Part]]:
+        """One round over the live rows (``rows_info``: each placement row's SlotInfo)."""
+        label_of = getattr(self.strategy, "masked_label", None)
+        if label_of is None:
+            return self._geometry(None).dispatch(carry, params, groups, rows_info)
+        parts = []
+        for lo, hi, cls in groups:
+            carry, part = self._geometry(label_of(cls, hi - lo)).dispatch(carry, params, [(lo, hi, cls)], rows_info)
+            parts += part
+        return carry, parts
+
+
+class MaskedGeometry:
+    """The two programs of a constrained round in one geometry, and its host step."""
+
+    def __init__(self, strategy, vocab_size: int, label: str | None, host_seconds: list):
+        self.strategy = strategy
+        self.label, self.core, self.catch_up = geometry(strategy, label)
+        self.words = words(vocab_size)
+        suffix = "" if label is None else "_" + label  # auto: a program per geometry
+        self._draft = strategy.jit(self._draft_fn, name="grammar_draft" + suffix, static_argnames="rows",
+                                   donate_argnums=1)
+        self._verify = strategy.jit(self._verify_fn, name="grammar_verify" + suffix, static_argnames="rows",
+                                    donate_argnums=1)
+        self.host_seconds = host_seconds  # shared by a strategy's geometries
 
     def _draft_fn(self, d_leaves, state, start, lo, hi, *, rows):
         dp, core = self.strategy.ctx.dp(d_leaves), self.core
@@ -78,10 +110,10 @@ class MaskedRounds:
         return windowed(verify, rows, state, start, lo, hi)
 
     def dispatch(self, carry, params, groups, rows_info) -> tuple[object, list[Part]]:
-        """One round over the live rows (``rows_info``: each placement row's SlotInfo)."""
-        matchers = {row: i.request.grammar for row, i in enumerate(rows_info)
-                    if i.request.grammar is not None and i.finish_reason is None}
+        """One round over the rows of ``groups`` (``rows_info``: each placement row's SlotInfo)."""
         lo, hi = groups[0][0], groups[-1][1]
+        matchers = {row: i.request.grammar for row, i in enumerate(rows_info)
+                    if lo <= row < hi and i.request.grammar is not None and i.finish_reason is None}
         start, rows = self.strategy.ctx.window(lo, hi)
         width = self.core.width
         self.strategy.note((self.label + "/grammar", rows))
@@ -108,5 +140,7 @@ class MaskedRounds:
             from d3d_jax.decoding import window as W
 
             out["prompt_score"] = W.view(carry.prompt_score, start, rows)
+        reasons = getattr(self.strategy, "row_reasons", None)  # auto: why each row runs so
         return (dataclasses.replace(carry, state=state),
-                [Part(self.label, start, rows, lo, hi, out, fresh=True)])
+                [Part(self.label, start, rows, lo, hi, out, fresh=True,
+                      row_reasons=reasons(rows_info, lo, hi, self.label) if reasons else ())])

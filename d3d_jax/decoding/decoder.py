@@ -208,7 +208,9 @@ class SpecDecoder:
             self._slots[s] = SlotInfo(req, np.zeros(self.config.width, np.int64))
             row = self.placement.size
             self._queue.append(("admit", s, row))
-            self._queue_swaps(self.placement.place(s, self.strategy.initial_class(req)))
+            cls = self.strategy.initial_class(req)
+            self._slots[s].stats["class"] = cls
+            self._queue_swaps(self.placement.place(s, cls))
 
     def can_admit(self, request: Request) -> bool:
         """Whether :meth:`insert` finds pages for ``request`` now (always, with a dense cache):
@@ -548,7 +550,8 @@ class SpecDecoder:
             plen, n = int(res["prompt_len"][i]), int(res["n_out"][i])
             r = dict(token_ids=[int(t) for t in res["seq"][i, plen: plen + n]],
                      finish_reason=FINISH_REASONS.get(int(res["finish"][i]), "length"),
-                     accept_hist=res["accept_hist"][i], modes=dict(self._slots[s].modes))
+                     accept_hist=res["accept_hist"][i], modes=dict(self._slots[s].modes),
+                     reasons=dict(self._slots[s].stats.get("reasons", {})))
             if "hits" in res:
                 r.update(hits=int(res["hits"][i]), misses=int(res["misses"][i]),
                          sync_drafts=int(res["sync_drafts"]))
@@ -566,6 +569,7 @@ class SpecDecoder:
         async_counts = self.config.mode in ("async", "auto")
         return dict(tau=M.tau_from_hist(info.hist), accept_hist=[int(x) for x in info.hist],
                     rounds=info.rounds, n_out=info.n_out, modes=dict(info.modes),
+                    reasons=dict(info.stats.get("reasons", {})),
                     hits=info.hits if async_counts else None,
                     misses=info.misses if async_counts else None)
 

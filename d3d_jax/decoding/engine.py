@@ -194,6 +194,8 @@ def _output(r: dict, mode: str, batch_index: int, wall: float, cpu: float | None
     met.update(batch)
     if r.get("modes"):
         met["modes"] = dict(r["modes"])
+    if r.get("reasons"):  # auto: each row-round's reason (decoding/auto_reasons.py)
+        met["reasons"] = dict(r["reasons"])
     if "hits" in r:
         judged = r["hits"] + r["misses"]
         met.update(hits=r["hits"], misses=r["misses"],

@@ -15,11 +15,12 @@ import numpy as np
 
 def tally_round(tally, part, tokens: int, seconds: float | None) -> None:
     """Count one round's part into its geometry's counters (``decoder.decisions()``): rounds,
-    tokens and the tokens auto predicted; with ``seconds`` (the round was timed and had this one
+    tokens and the tokens auto predicted, and its rows by auto's reason (``rows:<reason>``); with ``seconds`` (the round was timed and had this one
     part) also timed rounds, their seconds and the seconds auto predicted.  A prediction of inf (a
     program auto never timed: no warm-up) leaves the round untimed."""
     tally.update(rounds=1, tokens=tokens, predicted_tokens=part.predicted or 0.0,
                  gated_rounds=int(part.gated))
+    tally.update(f"rows:{reason}" for reason in part.row_reasons)  # auto's row decisions
     predicted_s = part.predicted_s or 0.0
     if seconds is not None and math.isfinite(predicted_s):
         tally.update(timed_rounds=1, seconds=seconds, predicted_seconds=predicted_s)

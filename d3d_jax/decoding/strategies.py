@@ -61,6 +61,7 @@ class Part:
     predicted_s: float | None = None  # auto: the seconds its choice expected of this part
     fresh: bool = False  # its program ran for the first time (its time includes the compile)
     gated: bool = False  # auto: an all-plain round the gate ran without asking the policy
+    row_reasons: tuple = ()  # auto: why each row lo … hi-1 ran as it did (decoding/auto_reasons.py)
 
 
 @dataclasses.dataclass

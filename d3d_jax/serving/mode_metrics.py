@@ -1,6 +1,6 @@
 """``/metrics`` lines for the decoder's round choices: rounds per mode and geometry,
-tokens committed against tokens predicted by auto's choice, and round seconds against the
-seconds it predicted (its tokens per second is the one ratio over the other).  Self-contained: the metrics
+tokens committed against tokens predicted by auto's choice, the rows of those rounds by auto's
+reason for each, and round seconds against the seconds it predicted (its tokens per second is the one ratio over the other).  Self-contained: the metrics
 exposition appends :func:`render`'s lines when the decoder reports decisions."""
 
 from __future__ import annotations
@@ -31,4 +31,11 @@ def render(decisions: dict[str, dict]) -> list[str]:
              "delivered fewer tokens per wall second than plain ones at that load, or a plain probe)")):
         out += [f"# HELP d3d_{name} {help_}", f"# TYPE d3d_{name} counter"]
         out += [f"d3d_{name}{_labels(g)} {float(c.get(key, 0)):.6g}" for g, c in decisions.items()]
+    reasons = [(g, k.partition(":")[2], v) for g, c in decisions.items() for k, v in sorted(c.items())
+               if k.startswith("rows:")]
+    if reasons:
+        out += ["# HELP d3d_mode_row_rounds_total rows run in rounds of a geometry, by auto's reason "
+                "(gain, batch, gate, acceptance, prompt, grammar: decoding/auto_reasons.py)",
+                "# TYPE d3d_mode_row_rounds_total counter"]
+        out += [f'd3d_mode_row_rounds_total{_labels(g)[:-1]},reason="{r}"}} {float(v):.6g}' for g, r, v in reasons]
     return out
