@@ -166,4 +166,4 @@ def test_a_done_row_writes_nothing_into_pages_it_no_longer_holds(setup):  # noqa
 ])
 def test_paged_config_errors_name_the_key(kw, key):
     with pytest.raises(ConfigError, match=key):
-        DecoderConfig(**{"mode": "plain", "num_slots": SLOTS, "max_cache_len": CACHE, "block_size": BLOCK, **kw})
+        DecoderConfig(**{"mode": "plain", "num_slots": SLOTS, "max_cache_len": CACHE, "block_size": BLOCK, **kw}).resolved()

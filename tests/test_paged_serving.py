@@ -117,7 +117,7 @@ def test_server_flags_size_the_pool_and_page_plain_mode_by_default():
     (("--max-model-len", "1024", "--kv-cache-tokens", "1000"),
      "decoder.kv_cache_tokens: a pool of 62 pages of 16 tokens cannot hold one request of max_cache_len "
      r"\(--max-model-len\) 1024 \(64 pages\); give --kv-cache-tokens >= 1024"),
-    (("--drafter", "d", "--mode", "sync", "--kv-page-size", "16"), "decoder.kv_page_size: a paged cache serves mode plain only"),
+    (("--drafter", "d", "--mode", "async", "--kv-page-size", "16"), "decoder.kv_page_size: a paged cache serves modes plain, sync and auto, not async"),
 ])
 def test_pool_flag_errors_name_the_field(argv, message):
     with pytest.raises(ConfigError, match=message):
