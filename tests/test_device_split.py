@@ -129,3 +129,27 @@ def test_server_on_a_split_serves_greedy_tokens_and_scores_prompts(dirs, mode):
             np.testing.assert_allclose(scored[1:], want, rtol=1e-4, atol=1e-4)
     finally:
         server.stop()
+
+
+def test_decoder_and_prompt_scorer_read_the_loaded_split_in_place(dirs):
+    """Loaded onto the split's meshes, the target is the decoder's and the scorer's very arrays:
+    no device holds a second copy (no compile: nothing runs)."""
+    import jax
+    from flax import nnx
+
+    from d3d_jax.decoding import engine
+    from d3d_jax.io.checkpoint import load_decoding_model
+    from d3d_jax.parallel.sharding import bytes_per_device, model_meshes
+    from d3d_jax.serving.scoring import PromptScorer, decoder_params
+
+    t_mesh, _ = model_meshes("plain", 2, 1)
+    target = load_decoding_model(dirs["target"], mesh=t_mesh)
+    loaded = jax.tree.leaves(nnx.state(target))
+    dec = engine.make_decoder(target, mode="plain", num_slots=1, max_cache_len=32, target_devices=2,
+                              drafter_devices=1)
+    placed = dec.param_leaves()[0]
+    assert len(placed) == len(loaded) and all(a is b for a, b in zip(placed, loaded))
+    scorer = PromptScorer(target, 16, params=decoder_params(dec, target))
+    assert all(a is b for a, b in zip(jax.tree.leaves(scorer.params), loaded))
+    assert {d.id for x in loaded for d in x.sharding.device_set} == {0, 1}
+    assert bytes_per_device(loaded) <= 0.6 * sum(x.nbytes for x in loaded)
