@@ -219,11 +219,11 @@ def test_eval_splits_every_mode_and_async_defaults_to_disjoint_halves():
     from d3d_jax.bench.evaluation.cli import eval_settings
     from d3d_jax.bench.evaluation.runner import mode_fields
     from d3d_jax.config import ConfigError
-    from d3d_jax.config.decoding import DecoderSettings, ModelPaths
+    from d3d_jax.config.decoding import DecoderConfig, ModelPaths
     from d3d_jax.config.evaluation import EvalConfig
 
     def fields(devices, **decoder):
-        cfg = EvalConfig(models=ModelPaths(target="t", drafter="d"), decoder=DecoderSettings(**decoder))
+        cfg = EvalConfig(models=ModelPaths(target="t", drafter="d"), decoder=DecoderConfig(**decoder))
         s = eval_settings(cfg, 4, 10, devices)
         return {m: {k: v for k, v in mode_fields(s, m).items() if k.endswith("_devices")} for m in s.modes}
 
