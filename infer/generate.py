@@ -38,7 +38,8 @@ BENCHMARK_ONLY_OPTIONS = ("acceptance_rule", "acceptance_override")
 
 def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Every flag but the prompts sets a :class:`~d3d_jax.config.generate.GenerateConfig` field."""
-    from d3d_jax.config import GenerateConfig, add_auto_flags, add_config_arguments, add_model_flags, config_flag
+    from d3d_jax.config import (GenerateConfig, add_auto_flags, add_config_arguments, add_device_flags, add_model_flags,
+                                config_flag)
     from d3d_jax.config.flags import add_kv_flags
 
     add_config_arguments(p, "generate.yaml")
@@ -71,12 +72,9 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                      help="C: rejection slots 1..C-1 get branches (default min(12, block size))")
     asy.add_argument("--branch-fanout", dest="decoder.branch_fanout", type=int, default=argparse.SUPPRESS,
                      help="F: alternatives per slot (default 2)")
-    asy.add_argument("--target-devices", dest="decoder.target_devices", type=int, default=argparse.SUPPRESS,
-                     help="devices for the target (with --drafter-devices: disjoint slices)")
-    asy.add_argument("--drafter-devices", dest="decoder.drafter_devices", type=int, default=argparse.SUPPRESS,
-                     help="devices for the drafter")
     add_auto_flags(p)
     add_kv_flags(p, GenerateConfig)
+    add_device_flags(p)
     p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                    help="extra DecoderConfig field (repeatable), e.g. --option row_buckets=[1,4]")
     flag("--json", key="generate.json", action="store_true", help="one JSON object per prompt")
@@ -254,6 +252,17 @@ def _check_context(cfg, prompts, target, drafter) -> None:
                                   hint="--allow-beyond-context")
 
 
+def placement_report(dec) -> dict:
+    """Where the decoder's models live: each side's devices (0: no drafter) and the target's
+    parameter bytes, whole and on its most loaded device (about the whole over N, split N ways)."""
+    from d3d_jax.parallel.sharding import bytes_per_device, devices_of
+
+    t_leaves, d_leaves = dec.param_leaves()
+    return dict(target_devices=len(devices_of(t_leaves)), drafter_devices=len(devices_of(d_leaves)),
+                target_param_bytes=int(sum(x.nbytes for x in t_leaves)),
+                target_param_bytes_per_device=bytes_per_device(t_leaves))
+
+
 def _print(cfg, outs, tokenizer, run: dict) -> None:
     """``run``: what every JSON object also says about how it was decoded (the attention backend)."""
     from d3d_jax.decoding import engine
@@ -284,6 +293,7 @@ def main(argv=None):
     from d3d_jax.io.checkpoint import load_decoding_model
     from d3d_jax.io.hf import has_tokenizer, load_tokenizer
     from d3d_jax.io.pairing import check_pairing
+    from d3d_jax.parallel.sharding import model_meshes
 
     from d3d_jax import compile_cache
     from d3d_jax.bench.clock import CompileClock
@@ -291,13 +301,16 @@ def main(argv=None):
 
     g, m = cfg.generate, cfg.models
     programs = compile_cache.enable(args.compile_cache)  # before anything compiles
+    # each model read straight onto its slice when a split is asked for (no whole copy on device 0)
+    t_mesh, d_mesh = model_meshes(cfg.decoder.derived(has_drafter=m.drafter is not None)["mode"],
+                                  cfg.decoder.target_devices, cfg.decoder.drafter_devices)
     load_model = functools.partial(load_decoding_model, dtype=m.dtype, attention=m.attention)
-    target = load_model(m.target)
+    target = load_model(m.target, mesh=t_mesh)
     vocab = target.config.vocab_size
     tok_path = Path(m.tokenizer) if m.tokenizer else Path(m.target)
     tokenizer = load_tokenizer(tok_path, vocab)[0] if m.tokenizer or has_tokenizer(tok_path) else None
     prompts = collect_prompts(args, tokenizer, vocab)
-    drafter, mask = load_drafter(cfg, load_model)
+    drafter, mask = load_drafter(cfg, functools.partial(load_model, mesh=d_mesh))
     eos = eos_ids(g, target.config, tokenizer)
     mask = check_pairing(tokenizer, target.config, drafter.config if drafter is not None else None,
                          mask_token_id=g.mask_token_id, eos_ids=eos, where=f"--drafter {m.drafter}")
@@ -318,7 +331,7 @@ def main(argv=None):
         raise
     except ValueError as e:  # the engine checks its arguments with ValueError
         raise UsageError(str(e)) from None
-    _print(cfg, outs, tokenizer, dict(attention=target.config.attention_backend))
+    _print(cfg, outs, tokenizer, dict(attention=target.config.attention_backend, **placement_report(dec)))
     return outs
 
 

@@ -215,19 +215,26 @@ def test_evaluate_with_engine_sync_equals_plain(tiny_pair):
     assert share == pytest.approx(d / (d + v)) and d > 0 and v > 0
 
 
-def test_eval_device_split_defaults_to_disjoint_halves():
-    from d3d_jax.errors import UsageError
-    from d3d_jax.bench.evaluation.cli import device_split
+def test_eval_splits_every_mode_and_async_defaults_to_disjoint_halves():
+    from d3d_jax.bench.evaluation.cli import eval_settings
+    from d3d_jax.bench.evaluation.runner import mode_fields
+    from d3d_jax.config import ConfigError
+    from d3d_jax.config.decoding import DecoderConfig, ModelPaths
+    from d3d_jax.config.evaluation import EvalConfig
 
-    assert device_split(None, None, 1) == (None, None)  # one device: both share it
-    assert device_split(None, None, 2) == (1, 1)
-    assert device_split(None, None, 8) == (4, 4)
-    assert device_split(None, None, 3) == (2, 1)
-    assert device_split(6, None, 8) == (6, 2) and device_split(None, 2, 8) == (6, 2)
-    assert device_split(1, 1, 8) == (1, 1)
-    for bad in ((1, 1, 1), (8, None, 8), (0, 1, 4), (3, 2, 4)):
-        with pytest.raises(UsageError, match="devices"):
-            device_split(*bad)
+    def fields(devices, **decoder):
+        cfg = EvalConfig(models=ModelPaths(target="t", drafter="d"), decoder=DecoderConfig(**decoder))
+        s = eval_settings(cfg, 4, 10, devices)
+        return {m: {k: v for k, v in mode_fields(s, m).items() if k.endswith("_devices")} for m in s.modes}
+
+    halves = {"target_devices": 4, "drafter_devices": 4}
+    assert fields(8) == {"plain": {}, "sync": {}, "async": halves}
+    assert fields(3)["async"] == {"target_devices": 2, "drafter_devices": 1}
+    assert fields(1) == {"plain": {}, "sync": {}, "async": {}}  # one device: both share it
+    split = {"target_devices": 2, "drafter_devices": 1}
+    assert fields(8, **split) == {m: split for m in ("plain", "sync", "async")}
+    with pytest.raises(ConfigError, match="= 10 but only 8 devices"):
+        fields(8, target_devices=6, drafter_devices=4)
 
 
 def test_hf_assisted_generation_peer(tiny_pair):

@@ -221,7 +221,7 @@ def test_insert_into_busy_slot_is_a_clear_error(setup):
     (dict(mode="async", branch_positions=BLOCK + 1), "decoder.branch_positions"),
     (dict(mode="async", branch_fanout=0), "decoder.branch_fanout"),
     (dict(mode="async", sample_drafts=True), "decoder.sample_drafts"),
-    (dict(target_devices=1, drafter_devices=1), "decoder.target_devices"),
+    (dict(target_devices=0), "decoder.target_devices"),
     (dict(max_cache_len=BLOCK), "decoder.max_cache_len"),
     (dict(eos_token_ids=(-1,)), "decoder.eos_token_ids"),
     (dict(mode="async", acceptance_override=object()), "decoder.acceptance_override"),

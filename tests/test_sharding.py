@@ -13,8 +13,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from d3d_jax.config import ConfigError, MeshConfig, ModelConfig
 from d3d_jax.model.masks import TokenMeta, packed_training_meta
 from d3d_jax.model.qwen3 import init_model
-from d3d_jax.parallel.sharding import (check_disjoint, logical_to_spec, make_mesh, shard, shard_model,
-                                       split_devices, use_mesh)
+from d3d_jax.parallel.sharding import (bytes_per_device, check_disjoint, decoding_slices, logical_to_spec,
+                                       make_mesh, resolve_slices, shard, shard_model, slice_mesh, use_mesh)
 
 CFG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
                   num_kv_heads=2, head_dim=8, tie_word_embeddings=False)
@@ -78,26 +78,50 @@ def test_mesh_size_must_match_devices():
     assert dict(make_mesh(MeshConfig(fsdp=-1, tensor=2)).shape) == {"data": 1, "fsdp": 4, "tensor": 2}
 
 
-def test_split_devices_into_disjoint_target_and_drafter_slices():
+def test_one_device_split_rule_for_every_command():
     devices = jax.devices()
-    target, drafter = split_devices(MeshConfig(target_devices=6, drafter_devices=2))
-    assert [d.id for d in target] == [d.id for d in devices[:6]]
-    assert [d.id for d in drafter] == [d.id for d in devices[6:]]
-    check_disjoint(target, drafter)
-    # each slice gets a mesh of its own
+    ids = lambda pair: tuple([d.id for d in side] for side in pair)  # noqa: E731
+    # counts: the target's first, the drafter's next, disjoint
+    assert ids(resolve_slices(6, 2)) == (list(range(6)), [6, 7])
+    # a target count alone (--tensor-parallel-size): the drafter shares its slice
+    assert ids(resolve_slices(2, None)) == ([0, 1], [0, 1])
+    # a drafter count alone: the target takes the rest
+    assert ids(resolve_slices(None, 2)) == (list(range(6)), [6, 7])
+    # neither: one shared device, or (a benchmark of async overlap) disjoint halves
+    assert ids(resolve_slices()) == ([0], [0])
+    assert ids(resolve_slices(halves=True)) == ([0, 1, 2, 3], [4, 5, 6, 7])
+    assert ids(resolve_slices(halves=True, devices=devices[:3])) == ([0, 1], [2])
+    assert ids(resolve_slices(halves=True, devices=devices[:1])) == ([0], [0])
+    # the fused modes run the drafter in the target's programs: on the target's slice
+    assert ids(decoding_slices("sync", 2, 1)) == ([0, 1], [0, 1])
+    assert ids(decoding_slices("async", 2, 1)) == ([0, 1], [2])
+    # each slice gets a mesh of its own (the same object for the same devices: loads stay put)
+    target, drafter = resolve_slices(6, 2)
     assert dict(make_mesh(MeshConfig(fsdp=-1, tensor=2), target).shape)["fsdp"] == 3
-    assert dict(make_mesh(MeshConfig(fsdp=-1), drafter).shape)["fsdp"] == 2
-    # 0 / 0: both share every device (the one-device case)
-    shared_t, shared_d = split_devices(MeshConfig())
-    assert shared_t == shared_d == devices
-    check_disjoint(shared_t, shared_d)
+    assert slice_mesh(target) is slice_mesh(list(target)) and dict(slice_mesh(drafter).shape)["tensor"] == 2
 
 
-def test_split_devices_errors():
+def test_split_errors_name_the_fields():
     with pytest.raises(ConfigError, match="= 10 but only 8 devices"):
-        split_devices(MeshConfig(target_devices=6, drafter_devices=4))
-    with pytest.raises(ConfigError, match="set both"):
-        split_devices(MeshConfig(target_devices=6))
+        resolve_slices(6, 4)
+    with pytest.raises(ConfigError, match="target_devices = 9 but only 8"):
+        resolve_slices(9, None)
+    with pytest.raises(ConfigError, match="drafter_devices = 8 leaves no device for the target"):
+        resolve_slices(None, 8)
+    with pytest.raises(ConfigError, match="drafter_devices: must be >= 1"):
+        resolve_slices(2, 0)
+    with pytest.raises(ConfigError, match="both as counts or both as device lists"):
+        resolve_slices(2, jax.devices()[2:3])
+
+
+def test_bytes_per_device_counts_each_devices_own_shards():
+    mesh = slice_mesh(jax.devices()[:2])
+    split = jax.device_put(np.zeros((4, 6), np.float32), NamedSharding(mesh, P(None, "tensor")))
+    whole = jax.device_put(np.zeros((3,), np.float32), NamedSharding(mesh, P()))
+    assert bytes_per_device([split, whole]) == 4 * 3 * 4 + 3 * 4
+
+
+def test_check_disjoint_names_the_overlap():
     devices = jax.devices()
     with pytest.raises(ConfigError, match=r"overlap on devices \[3, 4\]"):
         check_disjoint(devices[:5], devices[3:8])

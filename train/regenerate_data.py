@@ -59,6 +59,9 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int)
     ap.add_argument("--attention", choices=ATTENTION_CHOICES,
                     help="attention backend: auto (default: the fused kernels on GPU and TPU, xla on a CPU), xla or pallas")
+    ap.add_argument("--target-devices", "--tensor-parallel-size", dest="target_devices", type=int,
+                    help="the target tensor-parallel over this many of this process's devices (heads, MLP "
+                         "and KV cache split): num_devices=N mesh.fsdp=1 mesh.tensor=-1")
     ap.add_argument("--max-records", type=int)
     ap.add_argument("--process-index", type=int)
     ap.add_argument("--process-count", type=int)
@@ -78,6 +81,10 @@ def main(argv=None) -> int:
              "process_index": args.process_index, "process_count": args.process_count, "endpoint": args.endpoint,
              "concurrency": args.concurrency, "model": args.model, "enable_thinking": args.enable_thinking}
     overrides = [f"{k}={v}" for k, v in flags.items() if v is not None] + list(args.overrides)
+    if args.target_devices is not None and args.target_devices < 1:
+        ap.error(f"--target-devices: must be >= 1, got {args.target_devices}")
+    if args.target_devices is not None:  # before the key=value overrides, which win
+        overrides[:0] = [f"num_devices={args.target_devices}", "mesh.fsdp=1", "mesh.tensor=-1"]
     cfg = load_config(RegenerateConfig, args.config, overrides)
     if args.merge:
         import json

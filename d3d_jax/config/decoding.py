@@ -30,7 +30,7 @@ DEFAULT_NUM_SLOTS = 8  # rows of a decoder built without a command's own number 
 DEFAULT_CACHE_LEN = 1024  # KV slots per row of such a decoder
 AUTO_SYNC_BLOCKS = (4, 8, 16)  # auto: sync block sizes b (<= block_size; the drafter trains at 16)
 AUTO_ASYNC_GEOMETRIES = ((4, 2), (12, 2))  # auto: async (C, F) menu
-ASYNC_ONLY = ("branch_positions", "branch_fanout", "target_devices", "drafter_devices")
+ASYNC_ONLY = ("branch_positions", "branch_fanout")
 AUTO_ONLY = ("auto_sync_blocks", "auto_async", "prior_tau")
 # Modes whose decoder keeps its KV caches in pages: the one place a command's paging default
 # (the server's) is gated, so a mode that learns paging is added here and nowhere else.
@@ -188,8 +188,12 @@ class DecoderConfig:
     max_cache_len: int | None = None
     branch_positions: int | None = None  # async C: rejection slots 1..C-1 branch; None: min(12, B)
     branch_fanout: int | None = None  # async F: alternatives per rejection slot; None: 2
-    target_devices: int | None = None  # async: devices of the target slice (None: one shared device)
-    drafter_devices: int | None = None  # async: devices of the drafter slice, disjoint from the target's
+    # devices of the target's slice, tensor-parallel over them (None: one device); every mode
+    target_devices: int | None = None
+    # devices of the drafter's own slice after the target's (async overlaps the two there; the
+    # other modes run the drafter inside the target's programs, on the target's slice); None:
+    # the target's slice (parallel.sharding.resolve_slices)
+    drafter_devices: int | None = None
     sample_drafts: bool = False  # sync: sample drafts from q (sampling rows) instead of argmax
     # window widths (rows) a round may run over; () = powers of two up to num_slots
     row_buckets: tuple[int, ...] = ()

@@ -16,7 +16,9 @@ from d3d_jax.config.decoding import (ASYNC_ONLY, AUTO_ONLY, DEFAULT_BLOCK_SIZE, 
                                      ModelPaths, check_section)
 
 TEMPLATES = ("standard", "plain")
-ASYNC_OPTIONS, AUTO_OPTIONS = ASYNC_ONLY, AUTO_ONLY  # the fields only that mode reads
+DEVICE_OPTIONS = ("target_devices", "drafter_devices")  # the device split, every mode's
+# the fields only that mode reads (async also its default split: disjoint halves)
+ASYNC_OPTIONS, AUTO_OPTIONS = ASYNC_ONLY + DEVICE_OPTIONS, AUTO_ONLY
 
 
 @dataclasses.dataclass
@@ -29,6 +31,7 @@ class EvalSettings:
     modes: tuple[str, ...] = ("plain", "sync", "async")
     async_options: dict = dataclasses.field(default_factory=dict)  # mode async: ASYNC_OPTIONS fields
     auto_options: dict = dataclasses.field(default_factory=dict)  # mode auto: AUTO_OPTIONS fields
+    device_options: dict = dataclasses.field(default_factory=dict)  # every mode: DEVICE_OPTIONS fields
     concurrency: int = 1  # > 1: requests in flight in one long-lived decoder per mode
     async_timeline: bool = True  # time async rounds' parts (overlap fraction, drafter share)
     drafter_share_samples: int = 1  # sync: samples re-run with the host loop to split draft/verify
@@ -37,6 +40,7 @@ class EvalSettings:
     BOUNDS = dict(max_new_tokens=between(1, MAX_CACHE_LEN), block_size=between(2, MAX_BLOCK_SIZE),
                   max_cache_len=between(2, MAX_CACHE_LEN), modes=one_of(*MODES),
                   async_options=checked("validate: ASYNC_OPTIONS"), auto_options=checked("validate: AUTO_OPTIONS"),
+                  device_options=checked("validate: DEVICE_OPTIONS"),
                   concurrency=between(1, MAX_SLOTS), drafter_share_samples=between(0, INT32_MAX))
 
     def validate(self, prefix: str = "eval") -> None:
@@ -44,7 +48,8 @@ class EvalSettings:
             _require(getattr(self, key) >= 1, f"{prefix}.{key}", f"must be >= 1, got {getattr(self, key)}")
         bad = [m for m in self.modes if m not in MODES]
         _require(not bad, f"{prefix}.modes", f"each of {'|'.join(MODES)}, got {bad[0] if bad else ''!r}")
-        for key, allowed in (("async_options", ASYNC_OPTIONS), ("auto_options", AUTO_OPTIONS)):
+        for key, allowed in (("async_options", ASYNC_OPTIONS), ("auto_options", AUTO_OPTIONS),
+                             ("device_options", DEVICE_OPTIONS)):
             unknown = sorted(set(getattr(self, key)) - set(allowed))
             _require(not unknown, f"{prefix}.{key}", f"unknown fields {unknown} (known: {', '.join(allowed)})")
 

@@ -49,6 +49,18 @@ def add_model_flags(p, *, mode: bool = True) -> None:
                 help="attention backend: auto (default: the fused kernels on GPU and TPU, xla on a CPU), xla or pallas")
 
 
+def add_device_flags(p, default: str = "every mode") -> None:
+    """The device split, the same flags for every decoding command (``default``: what the help
+    adds about when they apply)."""
+    config_flag(p, "--target-devices", "--tensor-parallel-size", key="decoder.target_devices", type=int,
+                help=f"devices of the target's slice, tensor-parallel over them (heads, MLP and KV cache "
+                     f"split; default 1); {default}")
+    config_flag(p, "--drafter-devices", key="decoder.drafter_devices", type=int,
+                help="devices of the drafter's own slice, after the target's (default: it shares the "
+                     "target's); async overlaps the two there, plain/sync/auto run the drafter inside the "
+                     "target's programs, on the target's slice")
+
+
 def add_auto_flags(p) -> None:
     """Mode auto's menu and prior, the same flags for every decoding command."""
     config_flag(p, "--auto-sync-blocks", key="decoder.auto_sync_blocks", metavar="B1,B2",

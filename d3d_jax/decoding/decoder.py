@@ -13,7 +13,8 @@ JetStream's prefill / insert / generate; the caller picks free slots)::
     dec.run_until_done()                      # or: every active slot to its end
 
 * **The caller's weights, read in place.** The decoder binds the models' own arrays and never
-  copies them (on one device; a device split places each model's on its slice).  A model loaded
+  copies them (on one device, or on a split when they were loaded onto its slices:
+  ``parallel.sharding.model_meshes``; otherwise a split places each model's on its slice).  A model loaded
   one module per layer (``load_decoding_model``, ``stacked=False``: what the commands load) is
   what runs fastest; a stacked model (training's layout) is read as it is, its layers run by one
   scan that slices each layer's weights per step (slower on CPU and GPU, :mod:`~d3d_jax.model.qwen3`).
@@ -134,7 +135,8 @@ class SpecDecoder:
 
     def _context(self, target, drafter, program_dir) -> Context:
         """The config meets the models (the drafter rule, the vocabulary), then the programs'
-        store and, in async, the two device slices: what the strategy is built from."""
+        store and the device slices (async's two, or the one a split asks the other modes to
+        share): what the strategy is built from."""
         cfg, vocab = self.config, self.vocab_size
         check_drafter(cfg.mode, drafter is not None)
         if any(int(t) >= vocab for t in cfg.eos_token_ids):
@@ -146,8 +148,8 @@ class SpecDecoder:
                       lambda leaves: jax.tree.unflatten(self._trees[1], leaves),
                       programs=ProgramStore(program_dir, decoder_salt(cfg, graphdef, target.config, self.drafter)))
         self._t_place = self._d_place = lambda tree: tree  # noqa: E731
-        if cfg.mode == "async":
-            sl = place_slices(cfg.target_devices, cfg.drafter_devices)
+        if cfg.mode == "async" or cfg.target_devices is not None or cfg.drafter_devices is not None:
+            sl = place_slices(cfg.target_devices, cfg.drafter_devices, mode=cfg.mode)
             self._t_place, ctx.t_put, self._d_place, ctx.d_put = (sl.place_target_params, sl.put_target,
                                                                    sl.place_drafter_params, sl.put_drafter)
             ctx.shared = sl.shared
@@ -173,6 +175,11 @@ class SpecDecoder:
             self.drafter = d
         self._trees = [t_tree, d_tree]
         self._params = (t_leaves, d_leaves)
+
+    def param_leaves(self) -> tuple[list, list]:
+        """The target's and the drafter's parameter arrays as the programs read them (placed on
+        their slices); read-only."""
+        return self._params
 
     # ------------------------------------------------------------ requests and slots
     def validate_request(self, request: Request) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import jax
@@ -62,21 +63,6 @@ def make_mesh(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> M
     # into the types, and JAX's default for new meshes has changed between versions).
     return Mesh(np.asarray(devices, dtype=object).reshape(sizes), MESH_AXES,
                 axis_types=(AxisType.Auto,) * len(MESH_AXES))
-
-
-def split_devices(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None
-                  ) -> tuple[list[jax.Device], list[jax.Device]]:
-    """Disjoint target and drafter device lists (spec §5).  0/0 means both share all devices."""
-    devices = list(jax.devices() if devices is None else devices)
-    t, d = cfg.target_devices, cfg.drafter_devices
-    if t == 0 and d == 0:
-        return devices, devices
-    if t <= 0 or d <= 0:
-        raise ConfigError("mesh.target_devices/drafter_devices: set both (> 0) or neither")
-    if t + d > len(devices):
-        raise ConfigError(f"mesh.target_devices + mesh.drafter_devices = {t + d} but only "
-                          f"{len(devices)} devices exist")
-    return devices[:t], devices[t:t + d]
 
 
 def check_disjoint(a: Sequence[jax.Device], b: Sequence[jax.Device]) -> None:
@@ -248,44 +234,114 @@ def shard_model(model: Any, mesh: Mesh | None, rules: Sequence[tuple[str, Any]] 
     return model
 
 
-def resolve_slices(target_devices=None, drafter_devices=None, devices=None
-                   ) -> tuple[list[jax.Device], list[jax.Device]]:
-    """Target and drafter device lists from counts (as ``MeshConfig``) or explicit device lists.
+def _count(value) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
 
-    Neither given: both share the default device.  Lists must be disjoint or identical (shared).
+
+def resolve_slices(target_devices=None, drafter_devices=None, devices=None, *, halves: bool = False
+                   ) -> tuple[list[jax.Device], list[jax.Device]]:
+    """Target and drafter device lists: the one device-split rule of every command.
+
+    Counts (``--target-devices N --drafter-devices M``): the target takes the first N devices and
+    the drafter the next M, disjoint.  A target count alone: the drafter shares the target's
+    slice (vLLM's ``--tensor-parallel-size``).  A drafter count alone: the target takes the rest.
+    Neither: both share the first device, or with ``halves`` (a benchmark of async overlap)
+    disjoint halves whenever two devices exist.  Device lists: disjoint or identical (shared).
     """
     devices = list(jax.devices() if devices is None else devices)
     if target_devices is None and drafter_devices is None:
+        if halves and len(devices) >= 2:
+            return devices[:len(devices) - len(devices) // 2], devices[len(devices) - len(devices) // 2:]
         return devices[:1], devices[:1]
-    if isinstance(target_devices, (int, np.integer)) or isinstance(drafter_devices, (int, np.integer)):
-        if not (isinstance(target_devices, (int, np.integer))
-                and isinstance(drafter_devices, (int, np.integer))):
-            raise ConfigError("mesh.target_devices/drafter_devices: give both as counts or both as "
-                              "device lists")
-        counts = MeshConfig(target_devices=int(target_devices), drafter_devices=int(drafter_devices))
-        counts.validate()
-        return split_devices(counts, devices)
+    if all(_count(x) or x is None for x in (target_devices, drafter_devices)):
+        return _split_counts(target_devices, drafter_devices, devices)
+    if _count(target_devices) or _count(drafter_devices):
+        raise ConfigError("decoder.target_devices/drafter_devices: give both as counts or both as "
+                          "device lists")
     t, d = list(target_devices or []), list(drafter_devices or [])
     if not t or not d:
-        raise ConfigError("mesh.target_devices/drafter_devices: give both device lists (non-empty)")
+        raise ConfigError("decoder.target_devices/drafter_devices: give both device lists (non-empty)")
     known = {x.id for x in devices}
     for name, lst in (("target_devices", t), ("drafter_devices", d)):
         missing = [x for x in lst if getattr(x, "id", None) not in known]
         if missing:
-            raise ConfigError(f"mesh.{name}: {missing[0]!r} is not one of the {len(devices)} devices")
+            raise ConfigError(f"decoder.{name}: {missing[0]!r} is not one of the {len(devices)} devices")
     check_disjoint(t, d)
     return t, d
 
 
-def placer(devices: list[jax.Device]) -> tuple[Callable, Callable]:
-    """``(place_params, place)``: parameters by the logical rules on the slice, the rest replicated."""
-    if len(devices) == 1:
+def _split_counts(t: int | None, d: int | None, devices: list) -> tuple[list, list]:
+    n = len(devices)
+    for name, value in (("target_devices", t), ("drafter_devices", d)):
+        if value is not None and value < 1:
+            raise ConfigError(f"decoder.{name}: must be >= 1, got {value}")
+    if t is not None and d is None:
+        if t > n:
+            raise ConfigError(f"decoder.target_devices = {t} but only {n} devices exist")
+        return devices[:t], devices[:t]
+    if t is None:
+        t = n - d
+        if t < 1:
+            raise ConfigError(f"decoder.drafter_devices = {d} leaves no device for the target "
+                              f"({n} devices exist)")
+    if t + d > n:
+        raise ConfigError(f"decoder.target_devices + decoder.drafter_devices = {t + d} but only "
+                          f"{n} devices exist")
+    return devices[:t], devices[t:t + d]
+
+
+@functools.lru_cache(maxsize=None)
+def _slice_mesh(devices: tuple) -> Mesh:
+    return make_mesh(MeshConfig(data=1, fsdp=1, tensor=-1), devices)
+
+
+def slice_mesh(devices: Sequence[jax.Device]) -> Mesh:
+    """The tensor-parallel mesh of one slice (heads, KV heads and the MLP split over it): the
+    same Mesh object for the same devices, so a model loaded onto it is already placed."""
+    return _slice_mesh(tuple(devices))
+
+
+def _param_shardings(tree: Any, mesh: Mesh) -> Any:
+    """Parameters (Variables) by their logical axes; any other leaf (a replay drafter's numbers)
+    replicated."""
+    axes, rd = logical_axes(tree), rules_dict()
+
+    def one(path, x):
+        found = axes.get(path_names(path))
+        spec = logical_to_spec(found, x.shape, mesh, rd) if found is not None else P()
+        return NamedSharding(mesh, spec)
+
+    return jax.tree_util.tree_map_with_path(one, tree)
+
+
+def _is_cache(x: Any) -> bool:
+    return hasattr(x, "k_lbskh") and hasattr(x, "v_lbskh")
+
+
+def _put_shardings(tree: Any, mesh: Mesh) -> Any:
+    """Replicated, but a KV cache ``[layers, rows, length, kv_heads, head_dim]`` split over its KV
+    heads as the attention that writes it is: each device holds its heads' cache only."""
+    rep = NamedSharding(mesh, P())
+
+    def one(x):
+        if not _is_cache(x):
+            return rep
+        kv = lambda a: NamedSharding(mesh, logical_to_spec((None, None, None, "kv_heads", None),  # noqa: E731
+                                                           a.shape, mesh, rules_dict()))
+        return jax.tree.map(lambda a: kv(a) if getattr(a, "ndim", 0) == 5 else rep, x)
+
+    return jax.tree.map(one, tree, is_leaf=_is_cache)
+
+
+def placer(devices: list[jax.Device], mesh: bool = False) -> tuple[Callable, Callable]:
+    """``(place_params, place)``: parameters by the logical rules on the slice, the rest replicated
+    (a KV cache split over KV heads).  One device without ``mesh``: plain ``device_put``."""
+    if len(devices) == 1 and not mesh:
         dev = devices[0]
         return (lambda tree: jax.device_put(tree, dev)), (lambda tree: jax.device_put(tree, dev))
-    mesh: Mesh = make_mesh(MeshConfig(data=1, fsdp=1, tensor=-1), devices)
-    rep = NamedSharding(mesh, P())
-    return ((lambda tree: jax.device_put(tree, state_shardings(tree, mesh))),
-            (lambda tree: jax.device_put(tree, rep)))
+    m = slice_mesh(devices)
+    return ((lambda tree: jax.device_put(tree, _param_shardings(tree, m))),
+            (lambda tree: jax.device_put(tree, _put_shardings(tree, m))))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -295,7 +351,7 @@ class Slices:
     target: list[jax.Device]
     drafter: list[jax.Device]
     place_target_params: Callable  # by the logical rules on the target's slice
-    put_target: Callable  # replicated on the target's slice
+    put_target: Callable  # replicated on the target's slice (a KV cache split over KV heads)
     place_drafter_params: Callable
     put_drafter: Callable
 
@@ -305,8 +361,49 @@ class Slices:
         return list(self.target) == list(self.drafter)
 
 
-def place_slices(target_devices=None, drafter_devices=None, devices=None) -> Slices:
-    """The two slices (:func:`resolve_slices`) and their placers (:func:`placer`), in one call."""
-    t_devs, d_devs = resolve_slices(target_devices, drafter_devices, devices)
-    (t_params, t_put), (d_params, d_put) = placer(t_devs), placer(d_devs)
+def fused(mode: str) -> bool:
+    """Modes whose rounds run drafter and target in one program: the drafter lives on the
+    target's slice there (only async overlaps the two on slices of their own)."""
+    return mode != "async"
+
+
+def decoding_slices(mode: str, target_devices=None, drafter_devices=None, devices=None, *,
+                    halves: bool = False) -> tuple[list[jax.Device], list[jax.Device]]:
+    """The devices each side of a ``mode`` decoder runs on (:func:`resolve_slices`; in the fused
+    modes the drafter's are the target's)."""
+    t, d = resolve_slices(target_devices, drafter_devices, devices, halves=halves)
+    return (t, t) if fused(mode) else (t, d)
+
+
+def model_meshes(mode: str, target_devices=None, drafter_devices=None) -> tuple[Mesh | None, Mesh | None]:
+    """The meshes a command loads target and drafter onto, so each tensor lands on its slice as it
+    is read (no whole copy on one device first); ``(None, None)`` when no split was asked."""
+    if target_devices is None and drafter_devices is None:
+        return None, None
+    t, d = decoding_slices(mode, target_devices, drafter_devices)
+    return slice_mesh(t), slice_mesh(d)
+
+
+def place_slices(target_devices=None, drafter_devices=None, devices=None, *, mode: str = "async") -> Slices:
+    """The two slices (:func:`decoding_slices`) and their placers (:func:`placer`), in one call.
+    A split that was asked for places on meshes, so models loaded by :func:`model_meshes` stay put."""
+    t_devs, d_devs = decoding_slices(mode, target_devices, drafter_devices, devices)
+    asked = target_devices is not None or drafter_devices is not None
+    (t_params, t_put), (d_params, d_put) = placer(t_devs, asked), placer(d_devs, asked)
     return Slices(t_devs, d_devs, t_params, t_put, d_params, d_put)
+
+
+def devices_of(leaves: Sequence[Any]) -> list[jax.Device]:
+    """The devices holding any of ``leaves`` (arrays), by id."""
+    found = {d.id: d for x in leaves if isinstance(x, jax.Array) for d in x.sharding.device_set}
+    return [found[i] for i in sorted(found)]
+
+
+def bytes_per_device(leaves: Sequence[Any]) -> int:
+    """The bytes ``leaves`` keep on their most loaded device (each device's own shards)."""
+    per: dict[int, int] = {}
+    for x in leaves:
+        if isinstance(x, jax.Array):
+            for shard in x.addressable_shards:
+                per[shard.device.id] = per.get(shard.device.id, 0) + shard.data.nbytes
+    return max(per.values(), default=0)

@@ -19,10 +19,13 @@ from d3d_jax.decoding.verify import MAX_TOP_LOGPROBS
 
 
 class PromptScorer:
-    def __init__(self, target, max_len: int, programs=None):
+    def __init__(self, target, max_len: int, programs=None, params=None):
         """``programs``: the decoder's :class:`~d3d_jax.decoding.programs.ProgramStore` (its salt
-        holds the target's config and graph), so a restart reads the scoring programs too."""
-        self.graphdef, self.params = nnx.split(target)
+        holds the target's config and graph), so a restart reads the scoring programs too.
+        ``params``: the target's parameters as the decoder placed them (:func:`decoder_params`),
+        so scoring reads the decoder's copy, on its slice, and keeps no second one."""
+        self.graphdef, own = nnx.split(target)
+        self.params = own if params is None else params
         self.max_len = int(max_len)
         self.top = min(MAX_TOP_LOGPROBS, target.config.vocab_size)
         self._score = (programs.jit(self._score_fn, name="PromptScorer._score_fn")
@@ -48,3 +51,8 @@ class PromptScorer:
         return [(None, None)] + [(float(chosen[i]), [(int(t), float(v)) for t, v in
                                                       zip(top_ids[i, :top], top_lp[i, :top])])
                                  for i in range(n - 1)]
+
+
+def decoder_params(decoder, target):
+    """The decoder's placed target parameters in ``target``'s state structure."""
+    return jax.tree.unflatten(jax.tree.structure(nnx.state(target)), decoder.param_leaves()[0])

@@ -29,8 +29,8 @@ from typing import Any
 
 from d3d_jax import compile_cache
 from d3d_jax.config import ConfigError
-from d3d_jax.config.flags import (add_auto_flags, add_config_arguments, add_kv_flags, add_model_flags, config_flag,
-                                  declared, load_command_config)
+from d3d_jax.config.flags import (add_auto_flags, add_config_arguments, add_device_flags, add_kv_flags, add_model_flags,
+                                  config_flag, declared, load_command_config)
 from d3d_jax.config.decoding import DEFAULT_KV_PAGE_SIZE
 from d3d_jax.config.serve import MAX_CACHE_LEN, NUM_SLOTS, ServeConfig
 from d3d_jax.decoding.contract import Decoder
@@ -54,6 +54,7 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     flag = functools.partial(config_flag, p)
     add_model_flags(p)
     add_auto_flags(p)
+    add_device_flags(p)
     flag("--host", key="server.host", help="bind address (default: localhost only)")
     flag("--port", key="server.port", type=_declared("server.port"), help="default 8000; 0: a free port")
     flag("--api-key", key="server.api_key",
@@ -70,9 +71,6 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     flag("--branch-positions", key="decoder.branch_positions", type=_declared("decoder.branch_positions"),
          help="async C (default min(12, B))")
     flag("--branch-fanout", key="decoder.branch_fanout", type=_declared("decoder.branch_fanout"), help="async F (default 2)")
-    flag("--target-devices", key="decoder.target_devices", type=_declared("decoder.target_devices"), help="async: devices for the target")
-    flag("--drafter-devices", key="decoder.drafter_devices", type=_declared("decoder.drafter_devices"),
-         help="async: devices for the drafter")
     flag("--max-body-bytes", key="server.max_body_bytes", type=_declared("server.max_body_bytes"), help="larger bodies get 413")
     flag("--max-prompt-tokens", key="server.max_prompt_tokens", type=_declared("server.max_prompt_tokens"),
          help="default: the context length - 1")
@@ -151,11 +149,17 @@ def load(cfg: ServeConfig):
     from d3d_jax.io.checkpoint import load_decoding_model
     from d3d_jax.io.hf import eos_token_ids, load_tokenizer
     from d3d_jax.io.pairing import check_pairing
+    from d3d_jax.parallel.sharding import model_meshes
 
     m = cfg.models
     tokenizer = load_tokenizer(_tokenizer_dir(m))[0]
-    target = load_decoding_model(m.target, dtype=m.dtype, attention=m.attention)
-    drafter = load_decoding_model(m.drafter, dtype=m.dtype, attention=m.attention) if m.drafter else None
+    d = cfg.decoder
+    # each model read straight onto its slice: the decoder and the prompt scorer share these arrays
+    t_mesh, d_mesh = model_meshes(d.derived(has_drafter=m.drafter is not None)["mode"], d.target_devices,
+                                  d.drafter_devices)
+    target = load_decoding_model(m.target, dtype=m.dtype, attention=m.attention, mesh=t_mesh)
+    drafter = (load_decoding_model(m.drafter, dtype=m.dtype, attention=m.attention, mesh=d_mesh)
+               if m.drafter else None)
     eos_ids = eos_token_ids(target.config, tokenizer)
     check_pairing(tokenizer, target.config, drafter.config if drafter is not None else None, eos_ids=eos_ids,
                   where=f"--drafter {m.drafter}")
@@ -189,9 +193,10 @@ def make_service(decoder: Decoder, tokenizer, eos_ids, *, model_name: str, mode:
                       max_prompt_tokens=max_prompt_tokens, default_max_tokens=default_max_tokens,
                       vocab_size=decoder.vocab_size)
     if target is not None and score_prompt is None:
-        from d3d_jax.serving.scoring import PromptScorer
+        from d3d_jax.serving.scoring import PromptScorer, decoder_params
 
-        score_prompt = PromptScorer(target, limits.context_len, programs=decoder.programs)
+        score_prompt = PromptScorer(target, limits.context_len, programs=decoder.programs,
+                                    params=decoder_params(decoder, target))
     scheduler = Scheduler(decoder, max_queue=max_queue, metrics=ServerMetrics(vllm_names=vllm_metrics))
     return Service(scheduler=scheduler, tokenizer=tokenizer,
                    model_name=model_name, limits=limits, eos_token_ids=tuple(eos_ids),
@@ -448,6 +453,7 @@ class ServerThread:
 def main(args) -> None:
     cfg = load_command_config(ServeConfig, args)  # a ConfigError ends in one line (run_cli)
     srv = cfg.server
+    from d3d_jax.parallel.sharding import devices_of
     from d3d_jax.serving.app import create_app
 
     logging.basicConfig(level=srv.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -481,7 +487,9 @@ def main(args) -> None:
     host, port = sock.getsockname()[:2]
     # one machine-readable line: tests and infer/bench.py serve wait for it
     print(f"READY http://{host}:{port} model={svc.model_name} mode={decoder.config.mode} "
-          f"attention={target.config.attention_backend} slots={svc.scheduler.num_slots} auth={'on' if api_key else 'off'} "
+          f"attention={target.config.attention_backend} slots={svc.scheduler.num_slots} "
+          f"target_devices={len(devices_of(decoder.param_leaves()[0]))} "
+          f"drafter_devices={len(devices_of(decoder.param_leaves()[1]))} auth={'on' if api_key else 'off'} "
           f"start_s={time.perf_counter() - t_start:.1f}", flush=True)
     server = uvicorn_server(create_app(svc), srv.log_level)
     try:

@@ -22,7 +22,8 @@ import os
 from pathlib import Path
 
 from d3d_jax.config.evaluation import TEMPLATES, EvalConfig, EvalSettings
-from d3d_jax.config.flags import (add_auto_flags, add_config_arguments, add_kv_flags, add_model_flags, config_flag,
+from d3d_jax.config.flags import (add_auto_flags, add_config_arguments, add_device_flags, add_kv_flags, add_model_flags,
+                                  config_flag,
                                   load_command_config, parse_geometries)
 from d3d_jax.errors import UsageError
 
@@ -51,34 +52,10 @@ def add_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
     flag("--hf-peer", key="eval.hf_peer", action="store_true", help="also transformers assisted generation")
     flag("--concurrency", key="eval.concurrency", type=int,
          help="requests in flight in one long-lived decoder per mode (default 1: batch 1)")
-    flag("--target-devices", key="decoder.target_devices", type=int,
-         help="async: devices for the target (default: half of them when there are two or more, so target "
-              "and drafter run on disjoint devices; with one, both share it)")
-    flag("--drafter-devices", key="decoder.drafter_devices", type=int,
-         help="async: devices for the drafter (default: the rest)")
+    add_device_flags(ap, default="every mode; async by default: disjoint halves when there are two "
+                                 "or more devices")
     flag("--out", key="eval.out", help="default runs/eval")
     return ap
-
-
-def device_split(target_devices: int | None, drafter_devices: int | None, available: int
-                 ) -> tuple[int | None, int | None]:
-    """Async device counts: as given, or by default disjoint halves whenever two devices exist
-    (None, None: one device, both share it).  Too many devices asked for is one UsageError."""
-    if target_devices is None and drafter_devices is None:
-        if available < 2:
-            return None, None
-        return available - available // 2, available // 2
-    if target_devices is None or drafter_devices is None:
-        given = target_devices if target_devices is not None else drafter_devices
-        if given < 1 or given >= available:
-            raise UsageError(f"--target-devices/--drafter-devices: {given} leaves no device for the "
-                             f"other side ({available} devices)")
-        rest = available - given
-        return (given, rest) if target_devices is not None else (rest, given)
-    if target_devices < 1 or drafter_devices < 1 or target_devices + drafter_devices > available:
-        raise UsageError(f"--target-devices {target_devices} + --drafter-devices {drafter_devices}: "
-                         f"need 1 or more each and at most {available} in all")
-    return target_devices, drafter_devices
 
 
 def check_limits(cfg: EvalConfig, target, longest: int, block: int) -> None:
@@ -98,9 +75,11 @@ def check_limits(cfg: EvalConfig, target, longest: int, block: int) -> None:
 def eval_settings(cfg: EvalConfig, drafter_block: int | None, longest: int, devices: int) -> EvalSettings:
     """The runner's settings: every mode's decoder from the one ``decoder`` section (the same
     derived defaults as the server and generate), a cache that holds the longest conversation,
-    and async's device split."""
-    from d3d_jax.config.evaluation import ASYNC_OPTIONS, AUTO_OPTIONS
+    and the device split (every mode's, or async's default halves)."""
+    from d3d_jax.config.decoding import ASYNC_ONLY
+    from d3d_jax.config.evaluation import AUTO_OPTIONS, DEVICE_OPTIONS
     from d3d_jax.decoding.settings import decoder_fields
+    from d3d_jax.parallel.sharding import resolve_slices
 
     run, modes = cfg.eval, cfg.eval.modes
     block = cfg.mode_settings("plain", drafter_block).block_size
@@ -112,12 +91,16 @@ def eval_settings(cfg: EvalConfig, drafter_block: int | None, longest: int, devi
         fields = decoder_fields(cfg.mode_settings(mode, drafter_block), cfg.models.drafter)
         return {k: v for k, v in fields.items() if k in keys}
 
+    settings.device_options = {k: getattr(cfg.decoder, k) for k in DEVICE_OPTIONS
+                               if getattr(cfg.decoder, k) is not None}
+    if settings.device_options:  # a split that cannot be is refused before any model loads
+        resolve_slices(devices=list(range(devices)), **settings.device_options)
     if "async" in modes:
-        settings.async_options = options("async", ASYNC_OPTIONS)
-        td, dd = device_split(settings.async_options.pop("target_devices", None),
-                              settings.async_options.pop("drafter_devices", None), devices)
-        if td is not None:
-            settings.async_options.update(target_devices=td, drafter_devices=dd)
+        settings.async_options = options("async", ASYNC_ONLY)
+        if not settings.device_options:  # async overlaps on disjoint halves by default
+            t, d = resolve_slices(devices=list(range(devices)), halves=True)
+            if t != d:
+                settings.async_options.update(target_devices=len(t), drafter_devices=len(d))
     if "auto" in modes:
         settings.auto_options = options("auto", AUTO_OPTIONS)
     settings.validate()
@@ -164,13 +147,15 @@ def _write(report: dict, out: Path) -> str:
     return table
 
 
-def load_drafter(cfg: EvalConfig, target, tok, tokenizer_mask_id: int):
-    """``(drafter, mask id, eos ids)``, the drafter checked against target and tokenizer."""
+def load_drafter(cfg: EvalConfig, target, tok, tokenizer_mask_id: int, mesh=None):
+    """``(drafter, mask id, eos ids)``, the drafter checked against target and tokenizer
+    (``mesh``: loaded straight onto that slice)."""
     from d3d_jax.io.checkpoint import load_decoding_model
     from d3d_jax.io.hf import eos_token_ids
     from d3d_jax.io.pairing import check_pairing
 
-    drafter = load_decoding_model(cfg.models.drafter, dtype=cfg.models.dtype, attention=cfg.models.attention)
+    drafter = load_decoding_model(cfg.models.drafter, dtype=cfg.models.dtype, attention=cfg.models.attention,
+                                  mesh=mesh)
     eos_ids = eos_token_ids(target.config, tok)
     mask = check_pairing(tok, target.config, drafter.config, eos_ids=eos_ids,
                          where=f"--drafter {cfg.models.drafter}")
@@ -188,19 +173,25 @@ def main(args) -> int:
 
     from d3d_jax.bench.evaluation import plots
     from d3d_jax.bench.evaluation import runner as R
+    from d3d_jax.config.evaluation import DEVICE_OPTIONS
     from d3d_jax.io.chat import chat_prompt_ids as encode
     from d3d_jax.io.checkpoint import load_decoding_model
     from d3d_jax.io.hf import load_tokenizer
+    from d3d_jax.parallel.sharding import model_meshes
 
     m = cfg.models
-    target = load_decoding_model(m.target, dtype=m.dtype, attention=m.attention)
+    # a split asked for: each model read straight onto its slice (async's, when async runs)
+    t_mesh, d_mesh = model_meshes("async" if "async" in cfg.eval.modes else "sync", cfg.decoder.target_devices,
+                                  cfg.decoder.drafter_devices)
+    target = load_decoding_model(m.target, dtype=m.dtype, attention=m.attention, mesh=t_mesh)
     tok, mask_id = load_tokenizer(m.tokenizer or m.target, target.config.vocab_size)
-    drafter, mask_id, eos_ids = load_drafter(cfg, target, tok, mask_id)
+    drafter, mask_id, eos_ids = load_drafter(cfg, target, tok, mask_id, d_mesh)
     suites, longest = _suites(cfg, tok, encode)
     check_limits(cfg, target, longest, cfg.mode_settings("plain", drafter.config.block_size).block_size)
     settings = eval_settings(cfg, drafter.config.block_size, longest, jax.device_count())
+    split = {**settings.device_options, **{k: v for k, v in settings.async_options.items() if k in DEVICE_OPTIONS}}
     if "async" in settings.modes:
-        td, dd = (settings.async_options.get(k) for k in ("target_devices", "drafter_devices"))
+        td, dd = (split.get(k) for k in DEVICE_OPTIONS)
         print(f"[eval] async: target on {td or 1} device(s), drafter on "
               f"{dd if dd is not None else 'the same one'} ({jax.device_count()} {jax.default_backend()} "
               f"devices)", flush=True)
@@ -208,7 +199,7 @@ def main(args) -> int:
     results, raw = R.evaluate(target, drafter, tok, suites, settings, **kw)
     report = {"target": m.target, "drafter": m.drafter, "attention": target.config.attention_backend,
               "results": results,
-              "async_devices": {k: settings.async_options.get(k) for k in ("target_devices", "drafter_devices")}}
+              "async_devices": {k: split.get(k) for k in DEVICE_OPTIONS}}
     if cfg.eval.hf_peer:
         _hf_peer(cfg, tok, suites, raw, results, eos_ids, encode)
     out = Path(cfg.eval.out)

@@ -90,8 +90,9 @@ class Runner:
 
 
 def mode_fields(settings: EvalSettings, mode: str) -> dict:
-    """The DecoderConfig fields of ``mode``'s decoder (the block size and that mode's options)."""
-    return {"block_size": settings.block_size,
+    """The DecoderConfig fields of ``mode``'s decoder (the block size, the device split and that
+    mode's options)."""
+    return {"block_size": settings.block_size, **settings.device_options,
             **{"async": settings.async_options, "auto": settings.auto_options}.get(mode, {})}
 
 
