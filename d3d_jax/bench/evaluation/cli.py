@@ -23,8 +23,7 @@ from pathlib import Path
 
 from d3d_jax.config.evaluation import TEMPLATES, EvalConfig, EvalSettings
 from d3d_jax.config.flags import (add_auto_flags, add_config_arguments, add_device_flags, add_kv_flags, add_model_flags,
-                                  config_flag,
-                                  load_command_config, parse_geometries)
+                                  config_flag, load_command_config, parse_geometries)
 from d3d_jax.errors import UsageError
 
 
