@@ -69,6 +69,12 @@ class DecoderConfig(DecoderSettings):
     # request holds the pages its prompt and max_new_tokens need, not a whole max_cache_len row
     kv_page_size: int = 0
     kv_pages: int = 0  # the paged pool's pages; 0: as many as num_slots whole rows would take
+    # a paged cache: full pages are shared by content, so a prompt prefix another request computed
+    # (a system prompt, a chat's earlier turns) is not prefilled again (vLLM's name)
+    enable_prefix_caching: bool = True
+    # a paged cache: prompt tokens prefilled between two rounds, in chunks of at most this many
+    # (vLLM's name), so a long prompt holds running streams up for one chunk, not its whole prefill
+    max_num_batched_tokens: int = 512
 
     def __post_init__(self):
         fields = self.derived(has_drafter=self.mode != "plain", num_slots=DEFAULT_NUM_SLOTS,
@@ -108,6 +114,12 @@ class DecoderConfig(DecoderSettings):
     def prompt_buckets(self) -> tuple[int, ...]:
         return prompt_buckets(self.max_cache_len)
 
+    @property
+    def chunk_widths(self) -> tuple[int, ...]:
+        """A paged cache's prefill chunk widths (the same rule as prompt buckets, capped at
+        ``max_num_batched_tokens``): a fixed set, whatever the prompt lengths."""
+        return prompt_buckets(min(int(self.max_num_batched_tokens), int(self.max_cache_len)))
+
     def validate(self) -> None:
         super().validate("decoder")
         if self.mode == "async":
@@ -134,6 +146,9 @@ class DecoderConfig(DecoderSettings):
         if int(self.kv_page_size) < 0 or int(self.kv_pages) < 0:
             raise ConfigError(f"decoder.kv_page_size and decoder.kv_pages: must be >= 0, got "
                               f"{self.kv_page_size} and {self.kv_pages}")
+        if int(self.max_num_batched_tokens) < 1:
+            raise ConfigError(f"decoder.max_num_batched_tokens: must be >= 1, got "
+                              f"{self.max_num_batched_tokens}")
         if self.kv_page_size and self.mode != "plain":
             raise ConfigError(f"decoder.kv_page_size: a paged cache serves mode plain only so far, "
                               f"not {self.mode}")

@@ -168,11 +168,11 @@ class SlotPages:
 
     @staticmethod
     def of(config) -> "SlotPages | None":
-        """A decoder config's pages (no prefix sharing yet), or None for a dense cache."""
+        """A decoder config's pages, or None for a dense cache."""
         if not config.kv_page_size:
             return None
-        return SlotPages(PagePool(config.kv_num_pages, config.kv_page_size, prefix_caching=False),
-                         config.kv_max_pages)
+        return SlotPages(PagePool(config.kv_num_pages, config.kv_page_size,
+                                  prefix_caching=config.enable_prefix_caching), config.kv_max_pages)
 
     def hold(self, need: dict[int, int]) -> None:
         """Pages for ``need[slot]`` tokens per slot, all or none (:class:`PoolExhausted`)."""
@@ -192,6 +192,22 @@ class SlotPages:
             self.hold({s: min(len(r.prompt) + r.max_new_tokens, cap) for s, r in zip(slots, requests)})
         except PoolExhausted as e:
             raise RequestError(f"{e} (decoder.kv_pages)") from None
+
+    def reuse_prefix(self, slot: int, tokens: Sequence[int]) -> int:
+        """The slot's leading pages swapped for the pages of ``tokens``' longest cached prefix
+        (its own, fresh and unwritten, go back); how many tokens they hold.  Called right before
+        the slot's first prefill chunk, so a prefix that an earlier row's chunks registered hits."""
+        hit = self.pool.cached_prefix(tokens)
+        if hit:
+            held = self._held[slot]
+            self.pool.take(hit)
+            self.pool.release(held[:len(hit)])
+            self._held[slot] = hit + held[len(hit):]
+        return len(hit) * self.pool.page_size
+
+    def register(self, slot: int, tokens: Sequence[int]) -> None:
+        """The slot's full pages made findable: its first ``len(tokens)`` positions hold them."""
+        self.pool.register(self._held[slot][:self.pool.pages_for(len(tokens))], tokens)
 
     def release(self, slot: int) -> None:
         self.pool.release(self._held.pop(slot, []))
