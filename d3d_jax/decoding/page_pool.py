@@ -174,35 +174,44 @@ class SlotPages:
         return SlotPages(PagePool(config.kv_num_pages, config.kv_page_size,
                                   prefix_caching=config.enable_prefix_caching), config.kv_max_pages)
 
-    def hold(self, need: dict[int, int]) -> None:
-        """Pages for ``need[slot]`` tokens per slot, all or none (:class:`PoolExhausted`)."""
-        pages = {s: self.pool.pages_for(n) for s, n in need.items()}
-        if sum(pages.values()) > self.pool.num_free:
-            raise PoolExhausted(f"{sum(pages.values())} KV pages needed, {self.pool.num_free} of "
-                                f"{self.pool.num_pages} free")
+    def hold(self, need: dict[int, int], prefixes: dict[int, Sequence[int]] | None = None) -> None:
+        """Pages for ``need[slot]`` tokens per slot, all or none (:class:`PoolExhausted`); a slot's
+        leading pages are those of ``prefixes[slot]``'s cached prefix where there is one (taken
+        now, so allocating the rest cannot evict them)."""
+        hits = {s: self.pool.cached_prefix(t, record=False) for s, t in (prefixes or {}).items()}
+        pages = {s: self.pool.pages_for(n) - len(hits.get(s, ())) for s, n in need.items()}
+        idle = {p for hit in hits.values() for p in hit if self.pool.refs(p) == 0}  # cached: counted free
+        if sum(pages.values()) + len(idle) > self.pool.num_free:
+            raise PoolExhausted(f"{sum(pages.values()) + len(idle)} KV pages needed, "
+                                f"{self.pool.num_free} of {self.pool.num_pages} free")
         for s, n in pages.items():
-            self._held[s] = self.pool.allocate(n)
+            self.pool.take(hits.get(s, []))
+            self._held[s] = list(hits.get(s, [])) + self.pool.allocate(n)
 
     def hold_requests(self, slots: Sequence[int], requests, cap: int) -> None:
         """Each request's pages for what its prompt and ``max_new_tokens`` can fill (``cap`` at
-        most); a pool too short for them all refuses them all, by a request error."""
+        most), its prompt's cached prefix among them; a pool too short for them all refuses them
+        all, by a request error."""
         from d3d_jax.decoding.decoder_config import RequestError  # the pool stays free of JAX
 
         try:
-            self.hold({s: min(len(r.prompt) + r.max_new_tokens, cap) for s, r in zip(slots, requests)})
+            self.hold({s: min(len(r.prompt) + r.max_new_tokens, cap) for s, r in zip(slots, requests)},
+                      {s: list(r.prompt)[:-1] for s, r in zip(slots, requests)})
         except PoolExhausted as e:
             raise RequestError(f"{e} (decoder.kv_pages)") from None
 
     def reuse_prefix(self, slot: int, tokens: Sequence[int]) -> int:
         """The slot's leading pages swapped for the pages of ``tokens``' longest cached prefix
         (its own, fresh and unwritten, go back); how many tokens they hold.  Called right before
-        the slot's first prefill chunk, so a prefix that an earlier row's chunks registered hits."""
+        the slot's first prefill chunk, so a prefix that rows admitted since its insert registered
+        hits too (the pages it took at insert are that prefix's first ones already)."""
         hit = self.pool.cached_prefix(tokens)
-        if hit:
-            held = self._held[slot]
-            self.pool.take(hit)
-            self.pool.release(held[:len(hit)])
-            self._held[slot] = hit + held[len(hit):]
+        held = self._held[slot]
+        for i, page in enumerate(hit):
+            if held[i] != page:
+                self.pool.take([page])
+                self.pool.release([held[i]])
+                held[i] = page
         return len(hit) * self.pool.page_size
 
     def register(self, slot: int, tokens: Sequence[int]) -> None:
