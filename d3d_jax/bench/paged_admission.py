@@ -29,6 +29,7 @@ ROOT = Path(__file__).resolve().parents[2]
 VARIANTS = {  # name: (code, DecoderConfig fields)
     "paged": ("here", dict(kv_page_size=16)),
     "paged, prefix caching off": ("here", dict(kv_page_size=16, enable_prefix_caching=False)),
+    "paged, chunks of 256": ("here", dict(kv_page_size=16, max_num_batched_tokens=256)),
     "base dense": ("base", {}),
 }
 
@@ -102,6 +103,8 @@ def worker(args) -> dict:
 def driver(args) -> dict:
     out = {"loadavg_before": os.getloadavg(), "variants": {}}
     for name, (code, fields) in VARIANTS.items():
+        if args.only and name not in args.only.split(","):
+            continue
         env = dict(os.environ, PYTHONPATH=args.base if code == "base" else str(ROOT))
         cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--target", args.target,
                "--repeats", str(args.repeats), "--fields", json.dumps(fields)]
@@ -132,6 +135,7 @@ def main(argv=None) -> None:
     ap.add_argument("--target", default=str(ROOT / "artifacts" / "demo" / "models" / "target"))
     ap.add_argument("--base", default="/tmp/base", help="the other checkout (its d3d_jax) for 'base'")
     ap.add_argument("--repeats", type=int, default=3, help="chats and arrivals per variant (medians)")
+    ap.add_argument("--only", default="", help="these variants only (names, comma-separated)")
     ap.add_argument("--out", default="runs/bench_paged_admission")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--fields", default="{}", help=argparse.SUPPRESS)
