@@ -103,7 +103,7 @@ def worker(args) -> dict:
 def driver(args) -> dict:
     out = {"loadavg_before": os.getloadavg(), "variants": {}}
     for name, (code, fields) in VARIANTS.items():
-        if args.only and name not in args.only.split(","):
+        if args.only and name not in args.only:
             continue
         env = dict(os.environ, PYTHONPATH=args.base if code == "base" else str(ROOT))
         cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--target", args.target,
@@ -135,7 +135,7 @@ def main(argv=None) -> None:
     ap.add_argument("--target", default=str(ROOT / "artifacts" / "demo" / "models" / "target"))
     ap.add_argument("--base", default="/tmp/base", help="the other checkout (its d3d_jax) for 'base'")
     ap.add_argument("--repeats", type=int, default=3, help="chats and arrivals per variant (medians)")
-    ap.add_argument("--only", default="", help="these variants only (names, comma-separated)")
+    ap.add_argument("--only", action="append", default=[], help="this variant only (a name; repeat for more)")
     ap.add_argument("--out", default="runs/bench_paged_admission")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--fields", default="{}", help=argparse.SUPPRESS)
