@@ -227,9 +227,10 @@ def test_insert_into_busy_slot_is_a_clear_error(setup):
     (dict(mode="async", acceptance_override=object()), "decoder.acceptance_override"),
 ])
 def test_config_errors_name_the_key(kw, key):
-    # refused when built: no invalid DecoderConfig exists for a decoder to be handed
+    # refused when built, or (what needs the mode a config leaves to derive) when resolved, as a
+    # decoder resolves what it is handed: no invalid config reaches a decoder
     with pytest.raises(ConfigError, match=key):
-        DecoderConfig(**{**dict(num_slots=2, max_cache_len=CACHE, block_size=BLOCK), **kw})
+        DecoderConfig(**{**dict(num_slots=2, max_cache_len=CACHE, block_size=BLOCK), **kw}).resolved()
 
 
 def test_request_errors_name_the_problem(setup):

@@ -8,7 +8,7 @@ import argparse
 
 import pytest
 
-from d3d_jax.config import (CONFIG_DIR, ConfigError, DecoderSettings, EvalConfig, GenerateConfig, ServeConfig,
+from d3d_jax.config import (CONFIG_DIR, ConfigError, DecoderConfig, EvalConfig, GenerateConfig, ServeConfig,
                             add_config_arguments, config_flag, load_command_config, load_config)
 
 
@@ -71,7 +71,7 @@ def test_target_is_required():
     ({"mode": "sync", "block_size": 8}, 16, "sync", (8, None, None)),
 ])
 def test_derived_defaults(given, drafter_block, mode, want):
-    got = DecoderSettings(**given).resolved(has_drafter=drafter_block is not None, drafter_block_size=drafter_block,
+    got = DecoderConfig(**given).resolved(has_drafter=drafter_block is not None, drafter_block_size=drafter_block,
                                             num_slots=8, max_cache_len=512)
     assert (got.mode, (got.block_size, got.branch_positions, got.branch_fanout)) == (mode, want)
     assert (got.num_slots, got.max_cache_len) == (8, 512)
@@ -164,17 +164,43 @@ def test_serve_generate_and_eval_build_the_same_decoder(tmp_path, flags):
 
 @pytest.mark.parametrize("given", [{"mode": "async", "block_size": 8}, {"mode": "async", "branch_fanout": 3},
                                    {"mode": "auto", "block_size": 4}, {"mode": "sync"}, {"mode": "plain"}, {}])
-def test_the_decoder_config_derives_what_the_settings_derive(given):
-    """A DecoderConfig a program builds and the settings a command resolves fill every field left
-    None alike: the derived defaults are written once."""
-    import dataclasses
+def test_a_library_config_resolves_with_the_library_defaults(given):
+    """A DecoderConfig a program builds is resolved by the same rule a command's section is, with
+    the library's slot count and cache length; resolving twice changes nothing."""
+    from d3d_jax.config.decoding import DEFAULT_CACHE_LEN, DEFAULT_NUM_SLOTS, decoder_config
 
-    from d3d_jax.config.decoding import DEFAULT_CACHE_LEN, DEFAULT_NUM_SLOTS
-    from d3d_jax.decoding.decoder_config import DecoderConfig
-
-    settings = DecoderSettings(**given).resolved(has_drafter=given.get("mode") != "plain",
-                                                 num_slots=DEFAULT_NUM_SLOTS, max_cache_len=DEFAULT_CACHE_LEN)
     config = DecoderConfig(**given)
-    for f in dataclasses.fields(DecoderSettings):
-        assert getattr(config, f.name) == getattr(settings, f.name), f.name
-    assert (config.mode == "async") == (config.branch_positions is not None)
+    assert not config.is_resolved
+    got = decoder_config(**{"mode": None, **given})
+    assert got.is_resolved and (got.num_slots, got.max_cache_len) == (DEFAULT_NUM_SLOTS, DEFAULT_CACHE_LEN)
+    assert got.mode == given.get("mode", "auto")  # no mode: auto, as with a drafter
+    assert (got.mode == "async") == (got.branch_positions is not None)
+    assert got.resolved(num_slots=1, max_cache_len=2) == got  # a resolved config keeps its values
+
+
+def test_one_decoder_config():
+    """The decoder's fields are declared once: no other config or decoding dataclass repeats them."""
+    import dataclasses
+    import importlib
+    import pkgutil
+
+    import d3d_jax.config
+    import d3d_jax.decoding
+
+    ours = {f.name for f in dataclasses.fields(DecoderConfig)}
+    repeats = {}
+    for pkg in (d3d_jax.config, d3d_jax.decoding):
+        for info in pkgutil.iter_modules(pkg.__path__):
+            module = importlib.import_module(f"{pkg.__name__}.{info.name}")
+            for name, obj in vars(module).items():
+                if dataclasses.is_dataclass(obj) and isinstance(obj, type) and obj is not DecoderConfig:
+                    shared = ours & {f.name for f in dataclasses.fields(obj)}
+                    if len(shared) >= 3:
+                        repeats[f"{module.__name__}.{name}"] = sorted(shared)
+    assert not repeats, repeats
+
+
+@pytest.mark.parametrize("key", ["acceptance_rule", "acceptance_override", "eos_token_ids"])
+def test_fields_only_programs_set_are_refused_in_a_section(key):
+    with pytest.raises(ConfigError, match=rf"decoder\.{key}: is set by the program"):
+        load_config(ServeConfig, overrides=["models.target=x", f"decoder.{key}=[1]"])

@@ -530,11 +530,11 @@ def test_flag_tables_give_the_codes_defaults():
 
 
 def test_the_docs_modes_are_the_codes():
-    from d3d_jax.config.decoding import MODES, DecoderSettings
+    from d3d_jax.config.decoding import MODES, DecoderConfig
 
     # the behaviour the docs describe: auto with a drafter, plain without
-    assert DecoderSettings().resolved(has_drafter=True).mode == "auto"
-    assert DecoderSettings().resolved(has_drafter=False).mode == "plain"
+    assert DecoderConfig().resolved(has_drafter=True).mode == "auto"
+    assert DecoderConfig().resolved(has_drafter=False).mode == "plain"
     for program in ("infer/generate.py", "infer/serve.py"):
         assert tuple(program_parser(program)._option_string_actions["--mode"].choices) == MODES
     rows = [(page, cells) for page, _, _, _, rows in flag_tables() for cells in rows if "`--mode`" in cells[0]]
@@ -563,7 +563,7 @@ def test_configuration_page_is_generated_from_the_code():
     assert current == expected, "docs/configuration.md is stale: run python docs/generate_configuration.py"
     import d3d_jax.config as config
 
-    for cls in (config.ServerSettings, config.DecoderSettings, config.TrainConfig):
+    for cls in (config.ServerSettings, config.DecoderConfig, config.TrainConfig):
         for field in dataclasses.fields(cls):
             assert f"| `{field.name}` |" in current, (cls.__name__, field.name)
 

@@ -12,7 +12,8 @@ import dataclasses
 
 from d3d_jax.config.base import TEXT, _require, between, checked, one_of
 from d3d_jax.config.limits import INT32_MAX, MAX_BLOCK_SIZE, MAX_CACHE_LEN, MAX_SLOTS
-from d3d_jax.config.decoding import ASYNC_ONLY, AUTO_ONLY, DEFAULT_BLOCK_SIZE, MODES, DecoderSettings, ModelPaths
+from d3d_jax.config.decoding import (ASYNC_ONLY, AUTO_ONLY, DEFAULT_BLOCK_SIZE, MODES, DecoderConfig, ModelPaths,
+                                     check_section)
 
 TEMPLATES = ("standard", "plain")
 ASYNC_OPTIONS, AUTO_OPTIONS = ASYNC_ONLY, AUTO_ONLY  # the fields only that mode reads
@@ -90,17 +91,17 @@ class EvalRunSettings:
 @dataclasses.dataclass(frozen=True)
 class EvalConfig:
     models: ModelPaths = dataclasses.field(default_factory=ModelPaths)
-    decoder: DecoderSettings = dataclasses.field(default_factory=DecoderSettings)
+    decoder: DecoderConfig = dataclasses.field(default_factory=DecoderConfig)
     eval: EvalRunSettings = dataclasses.field(default_factory=EvalRunSettings)
 
     def validate(self) -> None:
         self.models.validate()
         _require(self.models.drafter is not None, "models.drafter", "is required (--drafter PATH)")
         _require(self.decoder.mode is None, "decoder.mode", "is not used by eval: set eval.modes")
-        self.decoder.validate()
+        check_section(self.decoder, has_drafter=None)  # each mode is resolved on its own
         self.eval.validate()
 
-    def mode_settings(self, mode: str, drafter_block_size: int | None) -> DecoderSettings:
+    def mode_settings(self, mode: str, drafter_block_size: int | None) -> DecoderConfig:
         """The decoder settings of one mode of the run, derived defaults filled in."""
         keep = {"async": ASYNC_ONLY, "auto": AUTO_ONLY}.get(mode, ())
         only = {k: None for k in ASYNC_ONLY + AUTO_ONLY if k not in keep}

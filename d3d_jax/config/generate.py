@@ -13,7 +13,7 @@ import dataclasses
 
 from d3d_jax.config.base import _require, above, between, one_of
 from d3d_jax.config.limits import INT32_MAX, MAX_CACHE_LEN
-from d3d_jax.config.decoding import DecoderSettings, ModelPaths
+from d3d_jax.config.decoding import DecoderConfig, ModelPaths, check_section
 
 LOOPS = ("device", "host")
 
@@ -49,11 +49,10 @@ class GenerateSettings:
 @dataclasses.dataclass(frozen=True)
 class GenerateConfig:
     models: ModelPaths = dataclasses.field(default_factory=ModelPaths)
-    decoder: DecoderSettings = dataclasses.field(default_factory=DecoderSettings)
+    decoder: DecoderConfig = dataclasses.field(default_factory=DecoderConfig)
     generate: GenerateSettings = dataclasses.field(default_factory=GenerateSettings)
 
     def validate(self) -> None:
         self.models.validate()
-        self.decoder.validate()
-        self.decoder.resolved(has_drafter=self.models.drafter is not None)  # mode and drafter agree
+        check_section(self.decoder, has_drafter=self.models.drafter is not None)
         self.generate.validate()

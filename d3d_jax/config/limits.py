@@ -31,6 +31,7 @@ from d3d_jax.errors import ConfigError
 INT32_MAX = 2 ** 31 - 1
 MAX_BLOCK_SIZE = 256
 MAX_CACHE_LEN = 1 << 20
+MAX_STOP_IDS = 16  # EOS + stop ids per request (the decoder pads them to this with -1)
 MAX_SLOTS = 1 << 16  # decoder rows; statistical tests decode 20000 rows of one prompt at once
 PORTS = (0, 65535)
 MAX_NUMBER_CHARS = 100

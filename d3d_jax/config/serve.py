@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 
 from d3d_jax.config.base import TEXT, ConfigError, _require, between, one_of
-from d3d_jax.config.decoding import DecoderSettings, ModelPaths
+from d3d_jax.config.decoding import DecoderConfig, ModelPaths, check_section
 
 NUM_SLOTS = 8  # the server's decoder.num_slots when none is given: concurrent requests decoded together
 MAX_CACHE_LEN = 2048  # decoder.max_cache_len when none is given, capped at max_position_embeddings
@@ -86,11 +86,10 @@ class ServerSettings:
 @dataclasses.dataclass(frozen=True)
 class ServeConfig:
     models: ModelPaths = dataclasses.field(default_factory=ModelPaths)
-    decoder: DecoderSettings = dataclasses.field(default_factory=DecoderSettings)
+    decoder: DecoderConfig = dataclasses.field(default_factory=DecoderConfig)
     server: ServerSettings = dataclasses.field(default_factory=ServerSettings)
 
     def validate(self) -> None:
         self.models.validate()
-        self.decoder.validate()
         self.server.validate()
-        self.decoder.resolved(has_drafter=self.models.drafter is not None)  # mode and drafter agree
+        check_section(self.decoder, has_drafter=self.models.drafter is not None)

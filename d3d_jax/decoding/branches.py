@@ -35,61 +35,12 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from d3d_jax.config import ConfigError
+# the pack's static shape is part of a decoder's config, so it is declared beside it
+from d3d_jax.config.decoding import MAX_ASYNC_BUDGET, BranchLayout  # noqa: F401
 from d3d_jax.model.kv_cache import KVCache
 from d3d_jax.model.masks import CAUSAL, TokenMeta, block_meta, concat_meta
 
 NO_TOKEN = -1  # never equal to a real token id: marks alternatives that must not hit
-# Largest branch pack: 10× the paper's 384-token B=16, C=12, F=2 pack, far past where more
-# branches still pay for their drafter compute.
-MAX_ASYNC_BUDGET = 4096
-
-
-@dataclasses.dataclass(frozen=True)
-class BranchLayout:
-    """Static shape of the branch pack: block size ``B``, branch positions ``C``, fan-out ``F``."""
-
-    block_size: int = 16
-    positions: int = 12  # C: rejection slots r = 1 … C-1 get branches
-    fanout: int = 2  # F: alternatives per rejection slot
-
-    def validate(self, prefix: str = "async") -> None:
-        b, c, f = self.block_size, self.positions, self.fanout
-        if b < 3:
-            raise ConfigError(f"{prefix}.block_size: must be >= 3 for asynchronous drafting, got {b}")
-        if not 1 <= c <= b:
-            raise ConfigError(f"{prefix}.branch_positions: C must satisfy 1 <= C <= block size {b}, "
-                              f"got C={c}")
-        if f < 1:
-            raise ConfigError(f"{prefix}.branch_fanout: F must be >= 1, got F={f}")
-        if self.budget > MAX_ASYNC_BUDGET:  # one drafter forward per round over the whole pack
-            raise ConfigError(f"{prefix}.branch_fanout/branch_positions: the branch pack would be N_async = "
-                              f"B·((C-1)·F + 2) = {b}·(({c}-1)·{f} + 2) = {self.budget} tokens, more than "
-                              f"the maximum {MAX_ASYNC_BUDGET}; lower F or C")
-
-    @property
-    def num_correction(self) -> int:
-        return (self.positions - 1) * self.fanout
-
-    @property
-    def num_branches(self) -> int:
-        """Correction branches plus the all-accept branch (which is the last)."""
-        return self.num_correction + 1
-
-    @property
-    def all_accept_index(self) -> int:
-        return self.num_correction
-
-    @property
-    def budget(self) -> int:
-        """``N_async = B·((C-1)·F + 2)``: shared prefix plus every branch."""
-        return self.block_size * (self.num_branches + 1)
-
-    def describe(self) -> str:
-        return (f"async branch pack: B={self.block_size} C={self.positions} F={self.fanout} -> "
-                f"{self.num_branches} branches, N_async = {self.budget} tokens")
-
-
 # --------------------------------------------------------------------------------------
 # Alternatives and packing (pure, traceable)
 # --------------------------------------------------------------------------------------

@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from d3d_jax.config.limits import MAX_STOP_IDS
 from d3d_jax.decoding import verify as V
 from d3d_jax.decoding.drafting import DraftOutput, insert_cache_rows
 from d3d_jax.decoding.grammar import unpack
@@ -38,7 +39,6 @@ from d3d_jax.model.masks import causal_meta
 
 RUNNING, FINISH_EOS, FINISH_STOP, FINISH_LENGTH = 0, 1, 2, 3
 FINISH_REASONS = {FINISH_EOS: "eos", FINISH_STOP: "stop", FINISH_LENGTH: "length"}
-MAX_STOP_IDS = 16  # EOS + stop ids per request (padded with -1)
 
 
 @jax.tree_util.register_dataclass

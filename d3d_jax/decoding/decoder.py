@@ -44,7 +44,7 @@ import numpy as np
 from flax import nnx
 
 from d3d_jax.config import ConfigError
-from d3d_jax.config.decoding import check_drafter
+from d3d_jax.config.decoding import DEFAULT_CACHE_LEN, DEFAULT_NUM_SLOTS, check_drafter
 from d3d_jax.decoding import metrics as M
 from d3d_jax.decoding import window as W
 from d3d_jax.decoding.admission import ChunkedAdmission
@@ -115,9 +115,9 @@ class SpecDecoder:
 
     def __init__(self, target, drafter, config: DecoderConfig, program_dir=None):
         """``program_dir``: where compiled programs are kept across processes
-        (:class:`~d3d_jax.decoding.programs.ProgramStore`; None: in memory only).  ``config`` was
-        checked when it was built; here it meets the models."""
-        self.config = cfg = config
+        (:class:`~d3d_jax.decoding.programs.ProgramStore`; None: in memory only).  ``config``'s
+        fields left None are derived with the library's defaults; here it meets the models."""
+        self.config = cfg = config.resolved(num_slots=DEFAULT_NUM_SLOTS, max_cache_len=DEFAULT_CACHE_LEN)
         self.vocab_size = target.config.vocab_size
         self._trees = [None, None]
         self.strategy = _strategy(self._context(target, drafter, program_dir))
