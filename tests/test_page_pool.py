@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from d3d_jax.decoding.page_pool import PagePool, PoolExhausted
+from d3d_jax.decoding.page_pool import PagePool, PoolExhausted, SlotPages
 
 PAGE = 4
 
@@ -184,3 +184,21 @@ def test_misuse_is_refused_by_name():
         pool.allocate(4)
     with pytest.raises(ValueError, match="num_pages 0"):
         PagePool(0, PAGE)
+
+
+def test_a_slot_holds_its_cached_prefix_before_allocating_so_the_rest_cannot_evict_it():
+    """Every free page gone but the two cached ones of a prefix: a request with that prefix holds
+    them plus fresh pages; the fresh ones must not be the prefix's own (evicted), and a later
+    lookup swaps nothing back."""
+    pool = PagePool(6, PAGE)
+    first = pool.allocate(2)
+    pool.register(first, list(range(8)))
+    pool.release(first)  # cached, findable
+    others = pool.allocate(4)  # every free page: only the cached ones remain allocatable
+    pool.release(others[2:])  # two free again
+    slots = SlotPages(pool, max_pages=4)
+    slots.hold({0: 16}, {0: list(range(9))})  # 4 pages: the 2 cached + 2 fresh
+    assert slots._held[0][:2] == first and len(set(slots._held[0])) == 4
+    assert slots.reuse_prefix(0, list(range(9))) == 8 and slots._held[0][:2] == first
+    with pytest.raises(PoolExhausted, match="1 KV pages needed, 0 of 6 free"):
+        slots.hold({1: 4}, {1: [7]})

@@ -22,7 +22,7 @@ from d3d_jax.model.qwen3 import unstacked
 from d3d_jax.decoding.decoder import DecoderConfig, Request, RequestError, SpecDecoder, slots_in_use
 from d3d_jax.decoding.engine import generate as decode
 from test_auto import Cycle, ungate
-from test_decoder import BLOCK, CACHE, MAX_NEW, SLOTS, setup  # noqa: F401  (the module fixture)
+from test_decoder import BLOCK, CACHE, MAX_NEW, SLOTS, VOCAB, generate, setup  # noqa: F401  (the module fixture)
 from tiny_models import serve
 
 PAGE = 4
@@ -167,3 +167,88 @@ def test_a_done_row_writes_nothing_into_pages_it_no_longer_holds(setup):  # noqa
 def test_paged_config_errors_name_the_key(kw, key):
     with pytest.raises(ConfigError, match=key):
         DecoderConfig(**{"mode": "plain", "num_slots": SLOTS, "max_cache_len": CACHE, "block_size": BLOCK, **kw}).resolved()
+
+
+
+# ---------------------------------------------------------------- prefix reuse and chunked prefill
+CHUNK = 8  # prompt tokens prefilled between two rounds: a 30-token prompt takes four chunks
+
+
+@pytest.fixture(scope="module")
+def chunked(setup):  # noqa: F811
+    cfg = DecoderConfig(mode="plain", num_slots=SLOTS, max_cache_len=CACHE, block_size=BLOCK,
+                        kv_page_size=PAGE, kv_pages=3 * CACHE // PAGE, max_num_batched_tokens=CHUNK)
+    return SpecDecoder(setup["target"], None, cfg)
+
+
+def _alone(setup, prompts, n):  # noqa: F811
+    """Each prompt decoded alone by the dense engine (checked against transformers in test_engine)."""
+    return [o.token_ids for o in generate(setup["target"], prompts, max_new_tokens=n, batch_size=1,
+                                          block_size=BLOCK, max_cache_len=CACHE)]
+
+
+def _run(dec, slots: dict) -> dict:
+    """Step until every slot of ``slots`` (slot: tokens so far) finished."""
+    done: set = set()
+    while len(done) < len(slots):
+        for slot, out in dec.step().items():
+            slots[slot] += out.token_ids
+            done |= {slot} if out.finished else set()
+    return slots
+
+
+def test_a_shared_prefix_is_prefilled_once_and_each_request_decodes_as_alone(setup, chunked):  # noqa: F811
+    """Two requests inserted together (the n choices of one request, or one system prompt sent
+    twice): the second maps the first's prefix pages, prefills only its own tail, and both decode
+    exactly as alone."""
+    dec, rng = chunked, np.random.default_rng(7)
+    prefix = rng.integers(0, VOCAB - 1, 20).tolist()
+    prompts = [prefix + [3, 9], prefix + [5, 1, 7]]
+    before = dec.kv_stats()
+    for slot, p in enumerate(prompts):
+        dec.insert(dec.prefill(Request(p, 10, index=slot)), slot)
+    out = _run(dec, {0: [], 1: []})
+    held = dict(dec.pages._held)
+    dec.free([0, 1])
+    assert [out[0], out[1]] == _alone(setup, prompts, 10)
+    assert held[0][:5] == held[1][:5]  # the prefix's five full pages, shared
+    assert dec.kv_stats()["prefix_cache_hits"] - before["prefix_cache_hits"] == 20
+    assert dec.pages.pool.usage == 0
+
+
+def test_turn_two_of_a_chat_hits_turn_one_and_its_answer(setup, chunked):  # noqa: F811
+    dec, rng = chunked, np.random.default_rng(8)
+    turn1 = rng.integers(0, VOCAB - 1, 10).tolist()
+    dec.insert(dec.prefill(Request(turn1, 12)), 0)
+    answer = _run(dec, {0: []})[0]
+    dec.free(0)
+    turn2 = turn1 + answer + [4, 2]  # 24 tokens: its first 23 are cached but the last one's
+    before = dec.kv_stats()
+    dec.insert(dec.prefill(Request(turn2, 9)), 2)
+    out = _run(dec, {2: []})[2]
+    dec.free(2)
+    assert dec.kv_stats()["prefix_cache_hits"] - before["prefix_cache_hits"] == 20  # 5 full pages
+    assert out == _alone(setup, [turn2], 9)[0]
+
+
+def test_a_prompt_longer_than_a_chunk_joins_after_its_chunks_while_others_decode(setup, chunked):  # noqa: F811
+    """A 30-token prompt takes four chunks of CHUNK tokens, each between two rounds: the running
+    request gets a token every step meanwhile, and both decode as alone."""
+    s, dec = setup, chunked
+    long_prompt = np.random.default_rng(9).integers(0, VOCAB - 1, 30).tolist()
+    dec.insert(dec.prefill(Request(s["prompts"][1], 20, index=1)), 0)
+    tokens = {0: [], 1: []}
+    tokens[0] += dec.step()[0].token_ids
+    dec.insert(dec.prefill(Request(long_prompt, 8, index=7)), 1)
+    waited = 0
+    while not tokens[1]:
+        outs = dec.step()
+        assert len(outs[0].token_ids) == 1  # the running stream is never held up for a whole prompt
+        tokens[0] += outs[0].token_ids
+        tokens[1] += outs[1].token_ids if 1 in outs else []
+        waited += 1
+    assert waited >= 4
+    _run(dec, tokens)
+    dec.free([0, 1])
+    assert tokens[0] == s["solo"][1][:20]
+    assert tokens[1] == _alone(s, [long_prompt], 8)[0]

@@ -213,6 +213,9 @@ class DecoderConfig:
     memory_utilization: float = 0.9  # share of an accelerator's memory the weights and pool may take
     enable_prefix_caching: bool = True  # full pages are shared by content (prefix reuse)
     kv_pages: int = 0  # the pool's pages; 0: kv_cache_tokens', else num_slots whole rows
+    # a paged cache: prompt tokens prefilled between two rounds, in chunks of at most this many
+    # (vLLM's name), so a long prompt holds running streams up for one chunk, not its whole prefill
+    max_num_batched_tokens: int = 512
     # The program's own (PROGRAM_ONLY: refused in a command's section).  Finish reason "eos" (a
     # request may override them; the server and generate take them from the tokenizer)
     eos_token_ids: tuple[int, ...] = ()
@@ -229,7 +232,8 @@ class DecoderConfig:
                   auto_sync_blocks=between(1, MAX_BLOCK_SIZE), auto_async=between(1, MAX_BLOCK_SIZE),
                   prior_tau=between(1, MAX_BLOCK_SIZE), kv_page_size=between(0, MAX_CACHE_LEN),
                   kv_cache_tokens=between(1, MAX_KV_CACHE_TOKENS), memory_utilization=above(0, 1),
-                  kv_pages=between(0, MAX_CACHE_LEN), eos_token_ids=between(0, 2 ** 31 - 1),
+                  kv_pages=between(0, MAX_CACHE_LEN), max_num_batched_tokens=between(1, MAX_CACHE_LEN),
+                  eos_token_ids=between(0, 2 ** 31 - 1),
                   acceptance_override=checked("DecoderConfig.validate (programs only)"),
                   acceptance_rule=checked("DecoderConfig.validate (programs only)"))
     _RANGES = (("block_size", 2, MAX_BLOCK_SIZE), ("num_slots", 1, MAX_SLOTS), ("max_cache_len", 2, MAX_CACHE_LEN),
@@ -301,6 +305,8 @@ class DecoderConfig:
     def _validate_pages(self, prefix: str) -> None:
         _require(int(self.kv_page_size or 0) >= 0 and int(self.kv_pages) >= 0,
                  f"{prefix}.kv_page_size and {prefix}.kv_pages", f"must be >= 0, got {self.kv_page_size} and {self.kv_pages}")
+        _require(int(self.max_num_batched_tokens) >= 1, f"{prefix}.max_num_batched_tokens",
+                 f"must be >= 1, got {self.max_num_batched_tokens}")
         _require(not self.kv_page_size or self.mode != "async", f"{prefix}.kv_page_size",  # its drafter side
                  "a paged cache serves modes plain, sync and auto, not async")  # cannot tell a done row
         key = "kv_cache_tokens" if not self.kv_pages and self.kv_cache_tokens else "kv_pages"
@@ -410,6 +416,12 @@ class DecoderConfig:
     @property
     def prompt_buckets(self) -> tuple[int, ...]:
         return prompt_buckets(self.max_cache_len)
+
+    @property
+    def chunk_widths(self) -> tuple[int, ...]:
+        """A paged cache's prefill chunk widths (the same rule as prompt buckets, capped at
+        ``max_num_batched_tokens``): a fixed set, whatever the prompt lengths."""
+        return prompt_buckets(min(int(self.max_num_batched_tokens), int(self.max_cache_len)))
 
 
 def decoder_config(mode: str, **fields) -> DecoderConfig:

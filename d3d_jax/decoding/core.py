@@ -132,6 +132,10 @@ def insert_target_rows(cache, rows: TargetRows, slots: jax.Array):
     cache, the rows' page tables set and their valid positions scattered to those pages."""
     if not isinstance(cache, pkv.PagedKVCache):
         return insert_cache_rows(cache, rows.cache, slots)
+    if isinstance(rows.cache, pkv.PagedKVCache):  # prefilled in place, through the rows' own tables
+        return pkv.PagedKVCache(cache.k_lpskh, cache.v_lpskh,
+                                _insert(cache.page_table, rows.cache.page_table, slots),
+                                _insert(cache.lengths, rows.cache.lengths, slots))
     return cache.inserted(rows.cache, rows.pages, slots)
 
 
@@ -209,11 +213,26 @@ class DecodeCore:
         # XLA would otherwise constant-fold over the whole zero cache at compile time
         _, cache = target(rows.prompt, causal_meta(pos, pos < cached_len[:, None]),
                           cache=kvc.init_cache(self.target_config, n, p), cache_span=1)
+        return self.target_rows(rows, cache.with_lengths(cached_len))
+
+    def target_rows(self, rows: RowInput, cache) -> TargetRows:
+        """``rows`` ready to join, their prompts cached in ``cache`` (``lengths = prompt_len - 1``)."""
+        n, p = rows.prompt.shape
+        pos = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (n, p))
         seq = jnp.zeros((n, self.cache_len), jnp.int32).at[:, :p].set(
             jnp.where(pos < rows.prompt_len[:, None], rows.prompt, 0))
-        return TargetRows(cache.with_lengths(cached_len), seq, rows.prompt_len, rows.max_new,
+        return TargetRows(cache, seq, rows.prompt_len, rows.max_new,
                           key_data(rows.seed, rows.index), rows.stop_ids, rows.stop_is_eos,
                           rows.sampling, rows.pages)
+
+    def paged_sides(self, target_params, drafter_params) -> list:
+        """Every paged cache of the state as ``(model, get(state), put(state, cache))``: what a
+        chunked prefill fills from a row's cached prefix on (a paged drafter adds its own)."""
+        if not self.page_size:
+            return []
+        target = nnx.merge(self.target_graphdef, target_params)
+        return [(target, lambda st: st.target_cache,
+                 lambda st, c: dataclasses.replace(st, target_cache=c))]
 
     def prefill_drafter(self, drafter_params, rows: RowInput):
         return self.drafter.prefill(drafter_params, rows.drafter_data, rows.prompt,

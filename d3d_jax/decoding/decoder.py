@@ -48,6 +48,7 @@ from d3d_jax.config import ConfigError
 from d3d_jax.config.decoding import DEFAULT_CACHE_LEN, DEFAULT_NUM_SLOTS, check_drafter
 from d3d_jax.decoding import metrics as M
 from d3d_jax.decoding import window as W
+from d3d_jax.decoding.admission import ChunkedAdmission
 from d3d_jax.decoding.async_loop import LiveRows
 from d3d_jax.decoding.constrained import masked_rounds
 from d3d_jax.decoding.core import FINISH_REASONS, MAX_STOP_IDS, RowInput
@@ -86,6 +87,10 @@ class SlotInfo:
     misses: int = 0
     modes: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     stats: dict = dataclasses.field(default_factory=dict)  # the strategy's own (auto)
+    # a paged cache: its prompt is being prefilled by chunks, it is on no device row yet
+    pending: bool = False
+    cached: int = -1  # a paged cache: prompt tokens in its pages so far (-1: not looked up yet)
+    tokens: list = dataclasses.field(default_factory=list)  # a paged cache: generated, as read
 
 
 @dataclasses.dataclass
@@ -125,6 +130,9 @@ class SpecDecoder:
         self.growth: PageGrowth | None = None  # growth page by page: allow_preemption()
         self._preempted: list[int] = []  # slots preempted since take_preempted()
         self._tables_stale = False  # pages were mapped on the host since the device's tables were set
+        # chunked prefill from a cached prefix (plain: the drafter's pages fill from a whole prefill)
+        self._chunks = (ChunkedAdmission(self.pages, cfg.max_num_batched_tokens, cfg.chunk_widths)
+                        if self.pages is not None and cfg.mode == "plain" else None)
         self._slots: dict[int, SlotInfo] = {}
         self.carry = None
         self._queue: list[tuple] = []  # ("admit", slot, row) | ("op", a, b, kind), in order
@@ -208,11 +216,13 @@ class SpecDecoder:
                             f"(in use: {slots_in_use(self)})")
         if self.pages is not None:
             self.pages.hold_requests(slots, prefix.requests, self.config.max_cache_len,
-                                     need=self.growth.first if self.growth else None)
+                                     need=self.growth.first if self.growth else None,
+                                     prefixes=self._chunks is not None)
             for s in slots if self.growth else ():
                 self.growth.admitted(s)
         for s, req in zip(slots, prefix.requests):
-            self._slots[s] = SlotInfo(req, np.zeros(self.config.width, np.int64))
+            self._slots[s] = SlotInfo(req, np.zeros(self.config.width, np.int64),
+                                      pending=self._chunks is not None)
             row = self.placement.size
             self._queue.append(("admit", s, row))
             cls = self.strategy.initial_class(req)
@@ -253,6 +263,8 @@ class SpecDecoder:
             if info is None:
                 continue
             if self.pages is not None:  # later rounds write nothing for it (core.verify)
+                if self._chunks is not None and not info.pending:  # generated tokens too, for a later turn
+                    self.pages.register(s, (list(info.request.prompt) + info.tokens)[:-1])
                 self.pages.release(s)
             if info.finish_reason is None:  # still running on the device: stop it there
                 self._queue.append(("op", self.placement.row_of[s], 0, W.OP_FREE))
@@ -271,17 +283,19 @@ class SpecDecoder:
     def _running(self) -> list[int]:
         if self._stale:
             self._refresh()
-        return [s for s, info in sorted(self._slots.items()) if info.finish_reason is None]
+        return [s for s, info in sorted(self._slots.items())
+                if info.finish_reason is None and not info.pending]
 
     # ------------------------------------------------------------ device state
     def _ensure_state(self) -> None:
         if self.carry is None:
             self.carry = self.strategy.init(self.config.num_slots)
 
-    def _row_input(self, requests: Sequence[Request], width: int, slots: Sequence[int] = ()) -> RowInput:
-        """Host arrays for every slot's row, prompts ``width`` wide (their bucket); rows past the
-        requests repeat the first (unused); ``slots``' page tables with a paged cache."""
-        n, cap = self.config.num_slots, self.config.max_cache_len
+    def _row_input(self, requests: Sequence[Request], width: int, slots: Sequence[int] = (),
+                   n: int | None = None) -> RowInput:
+        """Host arrays for ``n`` rows (every slot's), prompts ``width`` wide (their bucket); rows
+        past the requests repeat the first (unused); ``slots``' page tables with a paged cache."""
+        n, cap = n or self.config.num_slots, self.config.max_cache_len
         reqs = [requests[r] if r < len(requests) else requests[0] for r in range(n)]
         prompt = np.zeros((n, width), np.int32)
         stop_ids = np.full((n, MAX_STOP_IDS), -1, np.int32)
@@ -299,19 +313,39 @@ class SpecDecoder:
                         stop_is_eos, SamplingParams.stack([q.sampling for q in reqs]), data,
                         None if self.pages is None else self.pages.table(slots, n))
 
-    def _flush(self) -> None:
+    def _flush(self, everything: bool = False) -> None:
         """Replay the queued admissions and row operations in order (consecutive ones of a kind
-        in one dispatch)."""
+        in one dispatch); with a paged cache, then prefill chunks of up to
+        ``max_num_batched_tokens`` tokens (``everything``: every waiting prompt)."""
         self._ensure_state()
         queue, self._queue = self._queue, []
         while queue:
             kind = queue[0][0]
             run = list(itertools.takewhile(lambda e: e[0] == kind, queue))
             queue = queue[len(run):]
-            if kind == "admit":
+            if kind == "admit" and self._chunks is not None:
+                for _, s, _ in run:
+                    if s in self._slots:
+                        self._chunks.add(s, self._slots[s])
+            elif kind == "admit":
                 self._admit(run)
             else:
                 self._row_ops(run)
+        if self._chunks:
+            self._chunks.run(self._prefill_piece, lambda s, info: self._slots.get(s) is info, everything)
+
+    def _prefill_piece(self, slot: int, info: SlotInfo, start: int, count: int, width: int,
+                       last: bool) -> None:
+        """One chunk of ``slot``'s prompt; with its last, the row joins at its current device row
+        (the placement's swaps since its insert already ran)."""
+        prompt = np.asarray(info.request.prompt, np.int32)
+        tokens = np.zeros((1, width), np.int32)
+        tokens[0, :count] = prompt[start:start + count]
+        rows = self._row_input([info.request], self.config.max_cache_len, [slot], n=1)
+        one = lambda v: np.asarray([v], np.int32)  # noqa: E731
+        row = self.placement.row_of[slot] if last else self.config.num_slots  # out of range: not yet
+        self.carry = self.strategy.prefill_piece(self.carry, self._params, rows, tokens, one(start),
+                                                 one(count), one(row))
 
     def _admit(self, run: list[tuple]) -> None:
         """One dispatch per prompt bucket among the admitted rows (a program each, compiled when
@@ -336,8 +370,11 @@ class SpecDecoder:
 
     # ------------------------------------------------------------ rounds
     def _snapshot(self) -> list:
-        return [(s, self._slots.get(s)) if s is not None else (None, None)
-                for s in self.placement.slot_at]
+        """Each row's (slot, SlotInfo) now; a row still being prefilled has no info (its device
+        row holds a stale request, done, which the round's outcome must not be read for)."""
+        infos = [self._slots.get(s) if s is not None else None for s in self.placement.slot_at]
+        return [(s, None if info is None or info.pending else info)
+                for s, info in zip(self.placement.slot_at, infos)]
 
     def _dispatch(self) -> bool:
         """Dispatch one round over the live rows (nothing waits); False if none is running."""
@@ -346,7 +383,7 @@ class SpecDecoder:
         # admissions or row ops (a first one compiles) run before it: their device time would
         # count as the round's (a swap moves two rows of every cache), so it is not timed
         self._grow_pages()
-        flushed = bool(self._queue) or self._tables_stale
+        flushed = bool(self._queue) or self._tables_stale or bool(self._chunks)
         self._flush()
         self._set_tables()
         if not self._running():
@@ -433,6 +470,8 @@ class SpecDecoder:
                 if part.lo <= row < part.hi and info is not None and self._slots.get(slot) is info \
                         and info.finish_reason is None:
                     outs[slot] = self._count(info, part.label, {k: v[i] for k, v in h.items()})
+                    if self.pages is not None:
+                        info.tokens += outs[slot].token_ids
         self.strategy.observe(rnd.parts, host, seconds, rnd.snapshot, wall=wall)
         self._busy = any(info.finish_reason is None for info in self._slots.values())
         return outs
@@ -466,7 +505,7 @@ class SpecDecoder:
         max_rounds) -> (carry, timings)`` replaces a plain/sync strategy's own loop (the
         benchmarks' phase-timed one, :mod:`d3d_jax.bench.phased`).  Returns the timings."""
         self._drain()
-        self._flush()
+        self._flush(everything=True)
         if not self._running():
             return {}
         if not self._grow_pages(full=True):  # the loop maps no page: rounds by step() instead
@@ -516,6 +555,12 @@ class SpecDecoder:
             self.strategy.compile_ahead(types, self._params, widths)
         return time.perf_counter() - t0
 
+    def kv_stats(self) -> dict[str, float]:
+        """A paged cache's pool: ``kv_cache_usage_perc`` (a fraction, as vLLM's), the prompt
+        tokens looked up and found (``prefix_cache_queries`` / ``_hits``), free and cached pages
+        (:meth:`PagePool.stats`); empty for a dense cache."""
+        return {} if self.pages is None else self.pages.pool.stats()
+
     def decisions(self) -> dict[str, dict]:
         """Per geometry (``plain``, ``sync/8``, ``async/12x2``): rounds run (step's, not the
         on-device loop's), tokens committed and, auto, the tokens its choice predicted; of the
@@ -548,7 +593,7 @@ class SpecDecoder:
         ``hits``/``misses`` (one device→host read of those rows)."""
         slots = list(slots)
         self._drain()
-        self._flush()
+        self._flush(everything=True)
         res = self._row_results(slots)
         if self._stale:
             self._refresh()

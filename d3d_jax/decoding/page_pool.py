@@ -184,26 +184,51 @@ class SlotPages:
         """Whether the free pages (evictable cached ones included) hold ``requests`` now."""
         return sum(self.pool.pages_for(self.need(r, cap)) for r in requests) <= self.pool.num_free
 
-    def hold(self, need: dict[int, int]) -> None:
-        """Pages for ``need[slot]`` tokens per slot, all or none (:class:`PoolExhausted`)."""
-        pages = {s: self.pool.pages_for(n) for s, n in need.items()}
-        if sum(pages.values()) > self.pool.num_free:
-            raise PoolExhausted(f"{sum(pages.values())} KV pages needed, {self.pool.num_free} of "
-                                f"{self.pool.num_pages} free")
+    def hold(self, need: dict[int, int], prefixes: dict[int, Sequence[int]] | None = None) -> None:
+        """Pages for ``need[slot]`` tokens per slot, all or none (:class:`PoolExhausted`); a slot's
+        leading pages are those of ``prefixes[slot]``'s cached prefix where there is one (taken
+        now, so allocating the rest cannot evict them)."""
+        hits = {s: self.pool.cached_prefix(t, record=False) for s, t in (prefixes or {}).items()}
+        pages = {s: self.pool.pages_for(n) - len(hits.get(s, ())) for s, n in need.items()}
+        idle = {p for hit in hits.values() for p in hit if self.pool.refs(p) == 0}  # cached: counted free
+        if sum(pages.values()) + len(idle) > self.pool.num_free:
+            raise PoolExhausted(f"{sum(pages.values()) + len(idle)} KV pages needed, "
+                                f"{self.pool.num_free} of {self.pool.num_pages} free")
         for s, n in pages.items():
-            self._held[s] = self.pool.allocate(n)
+            self.pool.take(hits.get(s, []))
+            self._held[s] = list(hits.get(s, [])) + self.pool.allocate(n)
 
-    def hold_requests(self, slots: Sequence[int], requests, cap: int, need=None) -> None:
+    def hold_requests(self, slots: Sequence[int], requests, cap: int, need=None, prefixes: bool = True) -> None:
         """Each request's pages for ``need(request)`` tokens (default: what its prompt and
-        ``max_new_tokens`` can fill, ``cap`` at most); a pool too short for them all refuses them
-        all, by a request error."""
+        ``max_new_tokens`` can fill, ``cap`` at most), its prompt's cached prefix among them
+        (``prefixes``: where the prefill starts past it); a pool too short for them all refuses
+        them all, by a request error."""
         from d3d_jax.decoding.decoder_config import RequestError  # the pool stays free of JAX
 
         need = need or (lambda r: self.need(r, cap))
         try:
-            self.hold({s: need(r) for s, r in zip(slots, requests)})
+            self.hold({s: need(r) for s, r in zip(slots, requests)},
+                      {s: list(r.prompt)[:-1] for s, r in zip(slots, requests)} if prefixes else None)
         except PoolExhausted as e:
             raise RequestError(f"{e} (decoder.kv_pages)") from None
+
+    def reuse_prefix(self, slot: int, tokens: Sequence[int]) -> int:
+        """The slot's leading pages swapped for the pages of ``tokens``' longest cached prefix
+        (its own, fresh and unwritten, go back); how many tokens they hold.  Called right before
+        the slot's first prefill chunk, so a prefix that rows admitted since its insert registered
+        hits too (the pages it took at insert are that prefix's first ones already)."""
+        hit = self.pool.cached_prefix(tokens)
+        held = self._held[slot]
+        for i, page in enumerate(hit):
+            if held[i] != page:
+                self.pool.take([page])
+                self.pool.release([held[i]])
+                held[i] = page
+        return len(hit) * self.pool.page_size
+
+    def register(self, slot: int, tokens: Sequence[int]) -> None:
+        """The slot's full pages made findable: its first ``len(tokens)`` positions hold them."""
+        self.pool.register(self._held[slot][:self.pool.pages_for(len(tokens))], tokens)
 
     def release(self, slot: int) -> None:
         self.pool.release(self._held.pop(slot, []))

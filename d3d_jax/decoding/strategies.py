@@ -27,6 +27,7 @@ import numpy as np
 
 from d3d_jax.decoding import window as W
 from d3d_jax.decoding.admission import admit as admit_rows
+from d3d_jax.decoding.admission import prefill_piece
 from d3d_jax.decoding.core import MAX_STOP_IDS, DecodeCore, DecodeState, RoundResult, RowInput
 from d3d_jax.decoding.decoder_config import Request
 from d3d_jax.decoding.programs import ProgramStore
@@ -131,6 +132,7 @@ class Strategy:
         self._typed = threading.local()  # .on: this thread runs a compile-ahead pass (nothing runs)
         self._init = self.jit(self.home.init_state, static_argnums=0)
         self._admit = self.jit(self._admit_fn, donate_argnums=2)
+        self._piece = self.jit(self._piece_fn, donate_argnums=2)  # a paged cache's chunked prefill
         self._ops = self.jit(lambda st, ops, n: W.apply_row_ops(st, ops, n, mark_done),
                              name="row_ops", donate_argnums=0)
         self._read_rows = self.jit(lambda fields, rows: {k: v[rows] for k, v in fields.items()},
@@ -167,6 +169,20 @@ class Strategy:
         t_leaves, d_leaves = params
         d_leaves = d_leaves if self.drafter_in_state else None
         state = self._admit(t_leaves, d_leaves, carry.state, self.ctx.t_put(rows), index, count)
+        return dataclasses.replace(carry, state=state)
+
+    def _piece_fn(self, t_leaves, d_leaves, state, rows: RowInput, tokens, start, count, slot):
+        dp = None if d_leaves is None else self.ctx.dp(d_leaves)
+        sides = self.home.paged_sides(self.ctx.tp(t_leaves), dp)
+        return prefill_piece(self.home, sides, state, rows, tokens, start, count, slot)
+
+    def prefill_piece(self, carry: Carry, params, rows: RowInput, tokens, start, count, slot) -> Carry:
+        """One prefill chunk of one row into every paged cache (:func:`admission.prefill_piece`)."""
+        t_leaves, d_leaves = params
+        d_leaves = d_leaves if self.drafter_in_state else None
+        put = self.ctx.t_put
+        state = self._piece(t_leaves, d_leaves, carry.state, put(rows), put(tokens), put(start),
+                            put(count), put(slot))
         return dataclasses.replace(carry, state=state)
 
     def row_ops(self, carry: Carry, ops, count) -> Carry:
@@ -257,8 +273,15 @@ class Strategy:
         raise NotImplementedError
 
     def warm_admission(self, carry: Carry, params) -> Carry:
-        """Compile the admission of every prompt bucket (no row admitted)."""
-        n = self.ctx.config.num_slots
+        """Compile the admission of every prompt bucket, or with a paged cache the prefill of
+        every chunk width (no row admitted)."""
+        n, cfg = self.ctx.config.num_slots, self.ctx.config
+        if cfg.kv_page_size:
+            one = np.ones((1,), np.int32)
+            for width in cfg.chunk_widths:
+                carry = self.prefill_piece(carry, params, self._dummy_rows(1, cfg.max_cache_len),
+                                           np.zeros((1, width), np.int32), one * 0, one * 0, one * n)
+            return carry
         for width in self.ctx.config.prompt_buckets:
             carry = self.admit(carry, params, self._dummy_rows(n, width), np.full((n,), n, np.int32), 0)
         return carry
