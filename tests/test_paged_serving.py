@@ -121,7 +121,7 @@ def test_server_flags_size_the_pool_and_page_plain_mode_by_default():
 ])
 def test_pool_flag_errors_name_the_field(argv, message):
     with pytest.raises(ConfigError, match=message):
-        S.decoder_config(_serve_config(*argv), TARGET, ModelConfig(block_size=4) if "sync" in argv else None)
+        S.decoder_config(_serve_config(*argv), TARGET, ModelConfig(block_size=4) if "--drafter" in argv else None)
 
 
 @pytest.mark.parametrize("argv,message", [

@@ -227,8 +227,10 @@ class SlotPages:
         return len(hit) * self.pool.page_size
 
     def register(self, slot: int, tokens: Sequence[int]) -> None:
-        """The slot's full pages made findable: its first ``len(tokens)`` positions hold them."""
-        self.pool.register(self._held[slot][:self.pool.pages_for(len(tokens))], tokens)
+        """The slot's full pages made findable: its first ``len(tokens)`` positions hold them (a
+        slot whose pages went already, a preempted one's, has none to register)."""
+        held = self._held.get(slot, [])
+        self.pool.register(held[:min(len(held), self.pool.pages_for(len(tokens)))], tokens[:len(held) * self.pool.page_size])
 
     def release(self, slot: int) -> None:
         self.pool.release(self._held.pop(slot, []))
