@@ -1,17 +1,16 @@
 """Target-aligned data regeneration (spec §2.1): the target rewrites every response.
 
 Pipeline: read prompt lines in the common chat formats -> keep the user side -> render with the
-target's chat template (generation prompt; thinking disabled unless ``enable_thinking``) -> every
-prompt queued into one plain decoder through the serving scheduler's continuous batching (a row
-that finishes hands its slot to the next prompt at the next round) -> one JSONL record per prompt,
-appended and fsynced as it finishes, so that an interrupted run resumes exactly where it stopped.
+target's chat template (generation prompt; thinking disabled unless ``enable_thinking``) -> length-bucketed batches -> the
+engine's plain sampling -> one JSONL record per prompt, appended and fsynced so that an
+interrupted run resumes exactly where it stopped.
 
 Choices worth knowing (prompt formats, the user side and ids: :mod:`d3d_jax.io.chat`):
 
-* **Determinism**: each request samples from its own key derived from ``(seed, id)`` and the
-  token's position only (never its slot or the other rows of a round), so a record is the same
-  whichever prompts share its rounds, and a resumed run writes exactly the records an
-  uninterrupted one would.
+* **Determinism**: each row samples from its own key derived from ``(seed, id)``, and batches are
+  planned from *all* prompts of a shard (sorted by prompt length, then id) before resumption
+  filters anything; a partially written batch is regenerated whole and only its missing ids
+  are written.  So a resumed run writes exactly the records an uninterrupted one would.
 * **Shards**: prompt ``id`` goes to process ``sha256(id) mod process_count`` (stable when the
   prompt file grows); each process writes its own file ``<stem>-<i>-of-<n><suffix>``, and
   :func:`merge_shards` joins them into the one file the training data pipeline reads.
@@ -96,7 +95,7 @@ def target_sampling(target_dir: str | os.PathLike | None) -> dict:
 
 
 # --------------------------------------------------------------------------------------------
-# Sharding and seeds
+# Sharding, bucketing, seeds
 # --------------------------------------------------------------------------------------------
 def _hash_int(text: str, nbytes: int = 8) -> int:
     return int.from_bytes(hashlib.sha256(text.encode("utf-8")).digest()[:nbytes], "big")
@@ -118,6 +117,20 @@ def shard_prompts(prompts: Sequence[Prompt], process_index: int, process_count: 
 def record_seed(seed: int, prompt_id: str) -> int:
     """A row's sampling seed from the run seed and the prompt id only (never batch position)."""
     return _hash_int(f"{seed}\x00{prompt_id}", 4) & 0x7FFFFFFF
+
+
+def plan_batches(ids: Sequence[str], lengths: Sequence[int], batch_size: int) -> list[list[int]]:
+    """Indices grouped into batches of similar prompt length (sorted by length, then id)."""
+    if batch_size < 1:
+        raise UsageError(f"batch_size must be >= 1, got {batch_size}")
+    order = sorted(range(len(ids)), key=lambda i: (lengths[i], ids[i]))
+    return [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
+
+
+def padding_waste(lengths: Sequence[int], batches: Sequence[Sequence[int]]) -> float:
+    """Fraction of prompt slots that are padding when each batch pads to its longest prompt."""
+    padded = sum(len(b) * max(lengths[i] for i in b) for b in batches)
+    return 1.0 - sum(lengths) / padded if padded else 0.0
 
 
 # --------------------------------------------------------------------------------------------
@@ -210,7 +223,7 @@ class RegenerationSummary:
     generated_tokens: int = 0
     seconds: float = 0.0  # wall clock of the generation loop
     cpu_seconds: float = 0.0  # this process's CPU time in it (steadier on a shared host)
-    remaining: int = 0  # usable prompts of this shard still without a record when the run ended
+    padding_waste: float = 0.0
     malformed: list[tuple[int, str]] = dataclasses.field(default_factory=list)
     skipped: list[tuple[int, str]] = dataclasses.field(default_factory=list)  # usable JSON, unusable here
     # output lines that could not count as done: set aside (<out>.invalid) and regenerated
@@ -221,11 +234,6 @@ class RegenerationSummary:
         return self.generated_tokens / self.seconds if self.seconds > 0 else 0.0
 
     @property
-    def eta_s(self) -> float | None:
-        """Seconds the remaining prompts would take at this run's rate (None: no rate yet)."""
-        return self.remaining * self.seconds / self.written if self.written else None
-
-    @property
     def complete(self) -> bool:
         return self.already_done + self.written + len(self.skipped) >= self.shard_prompts
 
@@ -234,9 +242,7 @@ class RegenerationSummary:
                  f"now, {self.shard_prompts} prompts in this shard of {self.prompt_lines}"
                  + ("" if self.complete else " (INCOMPLETE: rerun to resume)"),
                  f"generated {self.generated_tokens} tokens in {self.seconds:.1f}s = "
-                 f"{self.tokens_per_s:.1f} tokens/s"
-                 + (f"; {self.remaining} prompts left, about {self.eta_s:.0f}s at this rate"
-                    if self.remaining and self.eta_s is not None else "")]
+                 f"{self.tokens_per_s:.1f} tokens/s; prompt padding waste {100 * self.padding_waste:.1f}%"]
         for title, items in (("malformed prompt lines", self.malformed),
                              ("prompts skipped (this shard)", self.skipped),
                              ("invalid output records set aside and regenerated", self.invalid_records)):
@@ -260,9 +266,7 @@ def regenerate(target, tokenizer, prompts_path: str | os.PathLike, out_path: str
                enable_thinking: bool = False) -> RegenerationSummary:
     """Regenerate responses for every prompt of this process's shard not yet in the output.
 
-    ``batch_size`` rows decode together (the decoder's slots; each takes the next prompt as soon
-    as its own ends).  ``max_records`` stops after that many new records, the first ones in file
-    order (a partial run; rerun to continue).
+    ``max_records`` stops after that many new records (a partial run; rerun to continue).
     Prompts longer than ``max_prompt_tokens`` (default: what fits before the target's
     ``max_position_embeddings`` with ``max_new_tokens`` left) are skipped and listed.  Malformed
     lines and prompts the template or vocabulary rejects are skipped and listed too; more than
@@ -295,12 +299,15 @@ def regenerate(target, tokenizer, prompts_path: str | os.PathLike, out_path: str
     if mine and not usable:
         raise DataError(f"{prompts_path}: none of this shard's {len(mine)} prompts is usable "
                         f"(first: line {summary.skipped[0][0]}: {summary.skipped[0][1]})")
-    todo = [i for i, p in enumerate(usable) if p.id not in done]  # in file order
-    summary.remaining = len(todo)
-    todo = todo[:max_records] if max_records is not None else todo
-    _write_records(target, tokenizer, out, usable, token_ids, todo, run, summary, batch_size=batch_size,
-                   cache_multiple=cache_multiple, progress=progress)
-    summary.remaining -= summary.written
+    lengths = [len(t) for t in token_ids]
+    batches = plan_batches([p.id for p in usable], lengths, batch_size)
+    summary.padding_waste = padding_waste(lengths, batches)
+    todo_total = sum(p.id not in done for p in usable)
+    if max_records is not None:
+        todo_total = min(todo_total, max_records)
+    _write_batches(target, tokenizer, out, usable, token_ids, batches, done, run, summary,
+                   batch_size=batch_size, cache_multiple=cache_multiple, max_records=max_records,
+                   total=todo_total, progress=progress)
     return summary
 
 
@@ -347,55 +354,48 @@ def _resume(out: Path, run: _Run, vocab_size: int, summary: RegenerationSummary)
     return {r["id"] for r in valid}
 
 
-def _write_records(target, tokenizer, out: Path, usable, token_ids, todo: Sequence[int], run: _Run,
-                   summary: RegenerationSummary, *, batch_size: int, cache_multiple: int, progress: bool) -> None:
-    """Prompts ``todo`` through the serving scheduler's continuous batching: every one queued, a
-    finished row's slot taken by the next prompt at the next round; each round's finished
-    records appended whole (and fsynced) as they end."""
+def _write_batches(target, tokenizer, out: Path, usable, token_ids, batches, done: set[str], run: _Run,
+                   summary: RegenerationSummary, *, batch_size: int, cache_multiple: int,
+                   max_records: int | None, total: int, progress: bool) -> None:
     from tqdm.auto import tqdm
 
     from d3d_jax.io.atomic import writing
-    from d3d_jax.serving.offline import finished_rounds
 
     with writing(out):
         out.parent.mkdir(parents=True, exist_ok=True)
-    bar = tqdm(total=len(todo), unit="record", desc=f"regenerate {out.name}", disable=not progress)
+    bar = tqdm(total=total, unit="prompt", desc=f"regenerate {out.name}", disable=not progress)
     start, cpu_start = time.perf_counter(), time.process_time()
+    # one decoder for every prompt length, built when the first batch needs it: its cache fits
+    # the longest prompt, and it reads the target's arrays (one copy of the weights, however
+    # many length buckets the prompts span)
+    cache_len = run_cache_len([len(t) for t in token_ids], run.settings.max_new_tokens, cache_multiple)
+    decoder = None
     with writing(out), open(out, "ab") as f:
-        if todo:
-            # one decoder for every prompt length: its cache fits the longest prompt, and it reads
-            # the target's arrays (one copy of the weights, however many length buckets there are)
-            cache_len = run_cache_len([len(t) for t in token_ids], run.settings.max_new_tokens, cache_multiple)
-            requests = (_request(token_ids[i], usable[i].id, run) for i in todo)
-            for finished in finished_rounds(_decoder(target, batch_size, cache_len), requests):
-                records = []
-                for k, output, error in finished:
-                    if error:
-                        raise RuntimeError(f"prompt {usable[todo[k]].id!r} (line {usable[todo[k]].line}) "
-                                           f"failed: {error}")
-                    records.append(_record(usable[todo[k]], token_ids[todo[k]], output, tokenizer, run.generation,
-                                           run.template, run.target_id))
-                append_records(f, records)
-                summary.written += len(records)
-                summary.generated_tokens += sum(len(r["response_token_ids"]) for r in records)
-                summary.seconds = time.perf_counter() - start
-                bar.update(len(records))
-                bar.set_postfix(tok_s=f"{summary.tokens_per_s:.1f}")
+        for batch in batches:
+            if max_records is not None and summary.written >= max_records:
+                break
+            todo = [i for i in batch if usable[i].id not in done]
+            if not todo:
+                continue
+            if decoder is None:
+                decoder = _decoder(target, batch_size, cache_len)
+            # The whole planned batch is regenerated (same rows as an uninterrupted run).
+            outputs = _generate_batch(decoder, [token_ids[i] for i in batch],
+                                      [record_seed(run.settings.seed, usable[i].id) for i in batch],
+                                      run.settings, run.eos_ids)
+            records = [_record(usable[i], token_ids[i], o, tokenizer, run.generation, run.template, run.target_id)
+                       for i, o in zip(batch, outputs) if i in todo]
+            if max_records is not None:
+                records = records[: max_records - summary.written]
+            append_records(f, records)
+            summary.written += len(records)
+            summary.generated_tokens += sum(len(r["response_token_ids"]) for r in records)
+            summary.seconds = time.perf_counter() - start
+            bar.update(len(records))
+            bar.set_postfix(tok_s=f"{summary.tokens_per_s:.1f}")
     bar.close()
     summary.seconds = time.perf_counter() - start
     summary.cpu_seconds = time.process_time() - cpu_start
-
-
-def _request(prompt_ids, prompt_id: str, run: _Run):
-    """The engine request of one prompt: its randomness keyed by ``(seed, record_seed(id))`` and
-    the position only, so its tokens do not depend on which prompts share its rounds."""
-    from d3d_jax.decoding.decoder import Request
-    from d3d_jax.decoding.verify import SamplingParams
-
-    st = run.settings
-    return Request(prompt=prompt_ids, max_new_tokens=st.max_new_tokens,
-                   sampling=SamplingParams(temperature=st.temperature, top_p=st.top_p, top_k=st.top_k),
-                   seed=st.seed, index=record_seed(st.seed, prompt_id), eos_token_ids=tuple(run.eos_ids))
 
 
 def _max_token_chars(tokenizer) -> int:
@@ -467,3 +467,14 @@ def _decoder(target, batch_size: int, cache_len: int):
     from d3d_jax.decoding import engine
 
     return engine.make_decoder(target, mode="plain", num_slots=batch_size, max_cache_len=cache_len)
+
+
+def _generate_batch(decoder, prompt_ids: Sequence[Sequence[int]], row_seeds: list[int], settings: GenerationSettings,
+                    eos_ids: Sequence[int]):
+    """One planned batch through the engine's plain sampling."""
+    from d3d_jax.decoding import engine
+
+    sampling = engine.SamplingParams(temperature=settings.temperature, top_p=settings.top_p,
+                                     top_k=settings.top_k)
+    return engine.generate(decoder, prompt_ids, sampling=sampling, max_new_tokens=settings.max_new_tokens,
+                           eos_token_ids=tuple(eos_ids), seed=settings.seed, row_seeds=row_seeds)
