@@ -74,10 +74,10 @@ def add_auto_flags(p) -> None:
 def add_kv_flags(p, cls: type, *, pages_by_default: bool = False) -> None:
     """The KV cache's flags (vLLM's names) for every decoding command; ``cls``: the command's
     config (each value is refused at the flag by the field's bound)."""
-    default = "16 in plain mode" if pages_by_default else "0"
+    default = "16 on a CPU, 0 on a GPU/TPU" if pages_by_default else "0"
     config_flag(p, "--kv-page-size", key="decoder.kv_page_size", type=declared(cls, "decoder.kv_page_size"),
-                help=f"tokens per KV cache page; 0: a dense cache, a whole --max-model-len row per "
-                     f"slot (default {default}; paging serves mode plain so far)")
+                help=f"tokens per KV cache page; 0: dense caches, a whole --max-model-len row per "
+                     f"slot (default {default}; paging serves plain, sync and auto)")
     config_flag(p, "--kv-cache-tokens", key="decoder.kv_cache_tokens", type=declared(cls, "decoder.kv_cache_tokens"),
                 help="tokens of the paged KV pool (default: from free memory x --memory-utilization on "
                      "an accelerator, --max-num-seqs x --max-model-len on a CPU)")
