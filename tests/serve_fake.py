@@ -146,6 +146,21 @@ class FakeDecoder:
         return {"tau": tau, "rounds": s["rounds"], "n_out": len(s["out"]), "hits": s["hits"],
                 "misses": s["misses"], "accept_hist": None, "modes": {self._label: s["rounds"]}}
 
+    def can_admit(self, request) -> bool:
+        return True
+
+    def allow_preemption(self) -> None:
+        pass
+
+    def take_preempted(self) -> list[int]:
+        return []
+
+    def page_stats(self) -> None:
+        return None
+
+    def param_leaves(self) -> tuple[list, list]:
+        return [], []
+
     @property
     def _label(self) -> str:
         return "plain" if self.config.mode == "plain" else f"{self.config.mode}/{self.config.block_size}"

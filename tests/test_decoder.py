@@ -377,4 +377,4 @@ def test_the_decoder_and_the_serving_fake_keep_the_contract(setup):
     contract = {n for n in vars(Decoder) if not n.startswith("_")} | set(Decoder.__annotations__)
     public = {n for n, _ in inspect.getmembers(SpecDecoder) if not n.startswith("_")}
     assert public == contract - {"config", "vocab_size", "programs"} | {"run_until_done"}
-    assert len(public) <= 10
+    assert len(public) <= 15  # requests and rounds (10), KV pages and where the weights are (5)

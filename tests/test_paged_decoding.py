@@ -204,7 +204,7 @@ def test_a_shared_prefix_is_prefilled_once_and_each_request_decodes_as_alone(set
     dec, rng = chunked, np.random.default_rng(7)
     prefix = rng.integers(0, VOCAB - 1, 20).tolist()
     prompts = [prefix + [3, 9], prefix + [5, 1, 7]]
-    before = dec.kv_stats()
+    before = dec.page_stats()
     for slot, p in enumerate(prompts):
         dec.insert(dec.prefill(Request(p, 10, index=slot)), slot)
     out = _run(dec, {0: [], 1: []})
@@ -212,7 +212,7 @@ def test_a_shared_prefix_is_prefilled_once_and_each_request_decodes_as_alone(set
     dec.free([0, 1])
     assert [out[0], out[1]] == _alone(setup, prompts, 10)
     assert held[0][:5] == held[1][:5]  # the prefix's five full pages, shared
-    assert dec.kv_stats()["prefix_cache_hits"] - before["prefix_cache_hits"] == 20
+    assert dec.page_stats()["prefix_cache_hits"] - before["prefix_cache_hits"] == 20
     assert dec.pages.pool.usage == 0
 
 
@@ -223,11 +223,11 @@ def test_turn_two_of_a_chat_hits_turn_one_and_its_answer(setup, chunked):  # noq
     answer = _run(dec, {0: []})[0]
     dec.free(0)
     turn2 = turn1 + answer + [4, 2]  # 24 tokens: its first 23 are cached but the last one's
-    before = dec.kv_stats()
+    before = dec.page_stats()
     dec.insert(dec.prefill(Request(turn2, 9)), 2)
     out = _run(dec, {2: []})[2]
     dec.free(2)
-    assert dec.kv_stats()["prefix_cache_hits"] - before["prefix_cache_hits"] == 20  # 5 full pages
+    assert dec.page_stats()["prefix_cache_hits"] - before["prefix_cache_hits"] == 20  # 5 full pages
     assert out == _alone(setup, [turn2], 9)[0]
 
 

@@ -97,7 +97,7 @@ def worker(args) -> dict:
         while sched.num_active or sched.num_queued:
             time.sleep(0.01)
     sched.stop()
-    return dict(warm_up_s=warm_s, chats=chats, arrivals=arrivals, kv_stats=getattr(dec, "kv_stats", dict)())
+    return dict(warm_up_s=warm_s, chats=chats, arrivals=arrivals, kv_stats=dec.page_stats() or {})
 
 
 def driver(args) -> dict:

@@ -418,6 +418,12 @@ class DecoderConfig:
         return prompt_buckets(self.max_cache_len)
 
     @property
+    def chunked_prefill(self) -> bool:
+        """Prompts prefilled chunk by chunk from a cached prefix: a paged plain decoder (a paged
+        drafter's pages still fill from one whole prefill at admission)."""
+        return bool(self.kv_page_size) and self.mode == "plain"
+
+    @property
     def chunk_widths(self) -> tuple[int, ...]:
         """A paged cache's prefill chunk widths (the same rule as prompt buckets, capped at
         ``max_num_batched_tokens``): a fixed set, whatever the prompt lengths."""

@@ -54,3 +54,20 @@ class Decoder(Protocol):
     def slot_metrics(self, slot: int) -> dict:
         """The slot's request so far: ``tau``, ``accept_hist``, ``rounds``, ``n_out``, ``modes``,
         ``hits`` and ``misses`` (None where the mode has none)."""
+
+    # KV memory in pages (a dense decoder: always admits, never preempts, no pool)
+    def can_admit(self, request) -> bool:
+        """Whether :meth:`insert` finds KV pages for ``request`` now (else it waits queued)."""
+
+    def allow_preemption(self) -> None:
+        """From here on rows grow page by page, and the newest may be preempted when one is short."""
+
+    def take_preempted(self) -> list[int]:
+        """Slots preempted since the last call (freed already): the caller queues them again."""
+
+    def page_stats(self) -> dict | None:
+        """The pool's usage, pages and prefix-cache counts; None for a dense cache."""
+
+    def param_leaves(self) -> tuple[list, list]:
+        """The target's and the drafter's parameter arrays as the programs read them (read-only:
+        prompt scoring reads the placed target, never a second copy)."""

@@ -132,7 +132,7 @@ class SpecDecoder:
         self._tables_stale = False  # pages were mapped on the host since the device's tables were set
         # chunked prefill from a cached prefix (plain: the drafter's pages fill from a whole prefill)
         self._chunks = (ChunkedAdmission(self.pages, cfg.max_num_batched_tokens, cfg.chunk_widths)
-                        if self.pages is not None and cfg.mode == "plain" else None)
+                        if cfg.chunked_prefill else None)
         self._slots: dict[int, SlotInfo] = {}
         self.carry = None
         self._queue: list[tuple] = []  # ("admit", slot, row) | ("op", a, b, kind), in order
@@ -554,12 +554,6 @@ class SpecDecoder:
                                  if isinstance(x, jax.Array) else x, self.carry)
             self.strategy.compile_ahead(types, self._params, widths)
         return time.perf_counter() - t0
-
-    def kv_stats(self) -> dict[str, float]:
-        """A paged cache's pool: ``kv_cache_usage_perc`` (a fraction, as vLLM's), the prompt
-        tokens looked up and found (``prefix_cache_queries`` / ``_hits``), free and cached pages
-        (:meth:`PagePool.stats`); empty for a dense cache."""
-        return {} if self.pages is None else self.pages.pool.stats()
 
     def decisions(self) -> dict[str, dict]:
         """Per geometry (``plain``, ``sync/8``, ``async/12x2``): rounds run (step's, not the

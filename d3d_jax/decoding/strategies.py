@@ -276,7 +276,7 @@ class Strategy:
         """Compile the admission of every prompt bucket, or with a paged cache the prefill of
         every chunk width (no row admitted)."""
         n, cfg = self.ctx.config.num_slots, self.ctx.config
-        if cfg.kv_page_size:
+        if cfg.chunked_prefill:
             one = np.ones((1,), np.int32)
             for width in cfg.chunk_widths:
                 carry = self.prefill_piece(carry, params, self._dummy_rows(1, cfg.max_cache_len),
