@@ -765,8 +765,15 @@ def test_constrained_requests_run_plain_beside_requests_that_speculate(setup, mo
     outputs, are mostly rejected) and four are not: the constrained ones run plain rounds in
     every round, counted with the reason "grammar", while the others speculate in the same
     rounds; every output is greedy decoding's (brute force under the mask for the constrained)."""
+    from d3d_jax.decoding.auto import GRAMMAR_PRIOR_TAU
+    from d3d_jax.decoding.auto_policy import Pool, geometric_rate
+
     s, dec = setup, setup["auto"]
     ungate(dec, monkeypatch)
+    # the grammar pool as a fresh decoder starts it: the module's earlier constrained requests,
+    # which speculated, taught this shared decoder that constrained drafts pay (as they should)
+    fresh = Pool(dec.config.block_size, geometric_rate(GRAMMAR_PRIOR_TAU, max(16, dec.config.block_size)))
+    monkeypatch.setattr(dec.strategy, "grammar_pool", fresh)
     allowed = [t for t in range(VOCAB) if t % 3 and t != MASK]
     constrained = (1, 4)
     reqs = [Request(p, n, index=i, grammar=AllowedSet(allowed) if i in constrained else None)
