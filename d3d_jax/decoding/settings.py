@@ -13,6 +13,7 @@ import dataclasses
 from d3d_jax.config import ConfigError
 from d3d_jax.config.decoding import DEFAULT_CACHE_LEN, DEFAULT_NUM_SLOTS, PROGRAM_ONLY, DecoderConfig
 from d3d_jax.decoding.auto import offline_tau
+from d3d_jax.model import paged_kv as pkv
 
 
 def decoder_fields(config: DecoderConfig, drafter_path=None) -> dict:
@@ -45,14 +46,6 @@ def _temporaries_bytes(target_config, config: DecoderConfig) -> int:
     return 4 * vocab * (2 * int(config.max_cache_len) + 4 * int(config.num_slots))
 
 
-def kv_bytes_per_token(model_config, dtype=None) -> int:
-    """K and V of every layer for one position: ``2 x L x K x H x dtype bytes``."""
-    import jax.numpy as jnp
-
-    item = jnp.dtype(dtype or model_config.dtype).itemsize
-    return 2 * int(model_config.num_layers) * int(model_config.num_kv_heads) * int(model_config.head_dim) * item
-
-
 def kv_pool_pages(config: DecoderConfig, target_config, drafter_config=None, device=None) -> int | None:
     """Pages a paged pool gets from an accelerator's memory: what ``memory_utilization`` of it
     leaves after what is in use (the weights, loaded by now) and the programs' temporaries; a page
@@ -64,7 +57,7 @@ def kv_pool_pages(config: DecoderConfig, target_config, drafter_config=None, dev
         return None
     room = (stats["bytes_limit"] * float(config.memory_utilization) - stats["bytes_in_use"]
             - _temporaries_bytes(target_config, config))
-    per_token = kv_bytes_per_token(target_config) + (kv_bytes_per_token(drafter_config) if drafter_config else 0)
+    per_token = sum(pkv.page_bytes(c, 1) for c in (target_config, drafter_config) if c is not None)
     tokens = max(int(room // per_token), 0)
     one_row = -(-int(config.max_cache_len) // int(config.kv_page_size))
     pages = tokens // int(config.kv_page_size)
