@@ -202,3 +202,26 @@ def test_a_slot_holds_its_cached_prefix_before_allocating_so_the_rest_cannot_evi
     assert slots.reuse_prefix(0, list(range(9))) == 8 and slots._held[0][:2] == first
     with pytest.raises(PoolExhausted, match="1 KV pages needed, 0 of 6 free"):
         slots.hold({1: 4}, {1: [7]})
+
+
+def test_a_steps_token_budget_covers_the_decode_rows_before_the_prefill_chunk():
+    """vLLM's budget: the round after the chunks feeds ``decoding`` tokens, so the chunk gets the
+    rest (a 40-token prompt, budget 16: 10 tokens beside 6 decode tokens), never less than the
+    smallest chunk width (8), and a prompt with nothing cached runs from position 0."""
+    import types
+
+    from d3d_jax.decoding.admission import ChunkedAdmission
+    from d3d_jax.decoding.decoder_config import Request
+
+    pages = SlotPages(PagePool(16, PAGE), 16)
+    pages.hold({0: 44})
+    info = types.SimpleNamespace(request=Request(list(range(1, 41)), 4), cached=-1, pending=True)
+    chunks = ChunkedAdmission(pages, 16, (8, 16))
+    chunks.add(0, info)
+    calls = []
+    record = lambda slot, info, start, count, width, last: calls.append((start, count, width, last))  # noqa: E731
+    chunks.run(record, lambda slot, info: True, decoding=6)
+    chunks.run(record, lambda slot, info: True, decoding=40)
+    chunks.run(record, lambda slot, info: True, everything=True)
+    assert calls == [(0, 10, 16, False), (10, 8, 8, False), (18, 16, 16, False), (34, 5, 8, True)]
+    assert not info.pending and len(chunks) == 0

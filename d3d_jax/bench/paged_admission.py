@@ -1,5 +1,5 @@
 """Prefix reuse and chunked prefill, measured through the scheduler the server runs, side by side
-with another checkout's code (plain mode, greedy, the demo target).
+with another checkout's code (greedy, the demo target; plain mode, or sync with the demo drafter).
 
 Each variant runs in a process of its own (``--base DIR`` puts another checkout's ``d3d_jax`` first
 on the path for the ``base`` variant), one after the other, in one invocation:
@@ -10,7 +10,10 @@ on the path for the ``base`` variant), one after the other, in one invocation:
 * **arrival**: 4 streams running, a 900-token prompt arrives: the largest gap between two of the
   streams' deliveries from its arrival to its first token, and its time to first token.
 
-    python d3d_jax/bench/paged_admission.py --base /tmp/base --out runs/bench_paged_admission
+``--set`` picks the variants: ``chunks`` (chunk budgets), ``prefix`` (plain, prefix caching on
+and off) or ``sync`` (sync mode, prefix caching on and off: the drafter's pages are reused too).
+
+    python d3d_jax/bench/paged_admission.py --base /tmp/base --set sync --out runs/bench_paged_admission
 """
 
 from __future__ import annotations
@@ -26,11 +29,24 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-VARIANTS = {  # name: (code, DecoderConfig fields)
-    "paged": ("here", dict(kv_page_size=16)),
-    "paged, prefix caching off": ("here", dict(kv_page_size=16, enable_prefix_caching=False)),
-    "paged, chunks of 256": ("here", dict(kv_page_size=16, max_num_batched_tokens=256)),
-    "base dense": ("base", {}),
+VARIANTS = {  # set: {name: (code, DecoderConfig fields)}
+    "chunks": {
+        "paged, budget 256 (default)": ("here", dict(kv_page_size=16)),
+        "paged, budget 128": ("here", dict(kv_page_size=16, max_num_batched_tokens=128)),
+        "paged, budget 512": ("here", dict(kv_page_size=16, max_num_batched_tokens=512)),
+        "base, paged (chunks of 512)": ("base", dict(kv_page_size=16)),
+    },
+    "prefix": {
+        "paged": ("here", dict(kv_page_size=16)),
+        "paged, prefix caching off": ("here", dict(kv_page_size=16, enable_prefix_caching=False)),
+        "base dense": ("base", {}),
+    },
+    "sync": {
+        "sync, paged": ("here", dict(mode="sync", kv_page_size=16)),
+        "sync, paged, prefix caching off": ("here", dict(mode="sync", kv_page_size=16,
+                                                         enable_prefix_caching=False)),
+        "base, sync, paged": ("base", dict(mode="sync", kv_page_size=16)),
+    },
 }
 
 
@@ -67,15 +83,17 @@ def worker(args) -> dict:
 
     target = load_decoding_model(args.target, dtype="float32")
     vocab = target.config.vocab_size
-    cfg = DecoderConfig(mode="plain", num_slots=8, max_cache_len=1024, **json.loads(args.fields))
-    dec = SpecDecoder(target, None, cfg)
+    fields = dict(mode="plain", **json.loads(args.fields))
+    drafter = None if fields["mode"] == "plain" else load_decoding_model(args.drafter, dtype="float32")
+    cfg = DecoderConfig(num_slots=8, max_cache_len=1024, **fields)
+    dec = SpecDecoder(target, drafter, cfg)
     t = time.perf_counter()
     dec.warm_up()  # as the server does before READY
     warm_s = time.perf_counter() - t
     sched = Scheduler(dec).start()
     rng = np.random.default_rng(0)
     chats = []
-    for _ in range(args.repeats):
+    for _ in range(args.repeats if "chat" in args.parts else 0):
         system, q1, q2 = _ids(rng, 600, vocab), _ids(rng, 30, vocab), _ids(rng, 30, vocab)
         one = Timed(sched, Request(system + q1, 48))
         one.done.wait()
@@ -83,7 +101,7 @@ def worker(args) -> dict:
         two.done.wait()
         chats.append(dict(turn1_ttft_s=one.ttft, turn2_ttft_s=two.ttft, turn2_tokens=two.tokens))
     arrivals = []
-    for _ in range(args.repeats):
+    for _ in range(args.repeats if "arrival" in args.parts else 0):
         streams = [Timed(sched, Request(_ids(rng, 20, vocab), 1000 - 20 - 8)) for _ in range(4)]
         while min(len(s.times) for s in streams) < 8:
             time.sleep(0.01)
@@ -102,12 +120,13 @@ def worker(args) -> dict:
 
 def driver(args) -> dict:
     out = {"loadavg_before": os.getloadavg(), "variants": {}}
-    for name, (code, fields) in VARIANTS.items():
+    for name, (code, fields) in VARIANTS[args.set].items():
         if args.only and name not in args.only:
             continue
         env = dict(os.environ, PYTHONPATH=args.base if code == "base" else str(ROOT))
         cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--target", args.target,
-               "--repeats", str(args.repeats), "--fields", json.dumps(fields)]
+               "--drafter", args.drafter, "--repeats", str(args.repeats), "--parts", args.parts,
+               "--fields", json.dumps(fields)]
         res = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
         if res.returncode:
             raise SystemExit(f"{name}: {res.stderr[-3000:]}")
@@ -119,7 +138,10 @@ def driver(args) -> dict:
 def summary(out: dict) -> str:
     rows = ["| variant | turn-2 TTFT (s) | turn-1 TTFT (s) | largest stream gap (s) | 900-token TTFT (s) | gap ÷ TTFT |",
             "|---|---|---|---|---|---|"]
-    med = statistics.median
+    def med(values):
+        values = list(values)
+        return statistics.median(values) if values else float("nan")
+
     for name, v in out["variants"].items():
         gap, ttft = med(a["max_gap_s"] for a in v["arrivals"]), med(a["ttft_s"] for a in v["arrivals"])
         rows.append(f"| {name} | {med(c['turn2_ttft_s'] for c in v['chats']):.3f} | "
@@ -134,6 +156,10 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default=str(ROOT / "artifacts" / "demo" / "models" / "target"))
     ap.add_argument("--base", default="/tmp/base", help="the other checkout (its d3d_jax) for 'base'")
+    ap.add_argument("--drafter", default=str(ROOT / "artifacts" / "demo" / "drafters" / "small"))
+    ap.add_argument("--set", choices=sorted(VARIANTS), default="prefix",
+                    help="which variants: chunk budgets, prefix reuse (plain) or sync mode")
+    ap.add_argument("--parts", default="chat,arrival", help="chat, arrival or both (comma-separated)")
     ap.add_argument("--repeats", type=int, default=3, help="chats and arrivals per variant (medians)")
     ap.add_argument("--only", action="append", default=[], help="this variant only (a name; repeat for more)")
     ap.add_argument("--out", default="runs/bench_paged_admission")

@@ -213,9 +213,9 @@ class DecoderConfig:
     memory_utilization: float = 0.9  # share of an accelerator's memory the weights and pool may take
     enable_prefix_caching: bool = True  # full pages are shared by content (prefix reuse)
     kv_pages: int = 0  # the pool's pages; 0: kv_cache_tokens', else num_slots whole rows
-    # a paged cache: prompt tokens prefilled between two rounds, in chunks of at most this many
-    # (vLLM's name), so a long prompt holds running streams up for one chunk, not its whole prefill
-    max_num_batched_tokens: int = 512
+    # a paged cache: tokens one step feeds (vLLM's name): the next round's rows x width, the rest
+    # prefill chunks, so a long prompt holds running streams up for one chunk, not its whole prefill
+    max_num_batched_tokens: int = 256
     # The program's own (PROGRAM_ONLY: refused in a command's section).  Finish reason "eos" (a
     # request may override them; the server and generate take them from the tokenizer)
     eos_token_ids: tuple[int, ...] = ()

@@ -96,13 +96,19 @@ class ChunkedAdmission:
         """A row whose ``info.request.prompt`` is to be prefilled (``info.cached`` starts at -1)."""
         self._rows.append((slot, info))
 
-    def run(self, dispatch: Callable, alive: Callable, everything: bool = False) -> None:
-        """Dispatch chunks until ``budget`` tokens are spent (``everything``: until no row waits):
+    def run(self, dispatch: Callable, alive: Callable, everything: bool = False, decoding: int = 0) -> None:
+        """Dispatch chunks until the step's budget is spent (``everything``: until no row waits):
         ``dispatch(slot, info, start, count, width, last)``.  ``alive(slot, info)``: the row still
         wants them (a cancelled one is dropped).  Each chunk's full pages are registered once it is
-        dispatched: later dispatches (another row's prefix hit) run after it on the device."""
+        dispatched: later dispatches (another row's prefix hit) run after it on the device.
+
+        ``decoding``: the tokens the round after these chunks feeds (running rows x width).  As in
+        vLLM, ``budget`` covers a step's decode tokens and its prefill chunk together, since a
+        stream waits for both between two of its tokens; the chunk keeps at least the smallest
+        width, so prompts progress however many rows decode."""
+        budget = max(self.budget - int(decoding), min(self.widths[0], self.budget))
         spent = 0
-        while self._rows and (everything or spent < self.budget):
+        while self._rows and (everything or spent < budget):
             slot, info = self._rows[0]
             if not alive(slot, info):
                 self._rows.popleft()
@@ -111,7 +117,7 @@ class ChunkedAdmission:
             if info.cached < 0:  # its first chunk: start after the longest cached prefix
                 info.cached = self.pages.reuse_prefix(slot, prompt[:-1])
             todo = len(prompt) - 1 - info.cached
-            count = min(todo, self.budget if everything else self.budget - spent)
+            count = min(todo, budget if everything else budget - spent)
             width = next(w for w in self.widths if w >= min(max(count, 1), self.widths[-1]))
             last = count == todo
             dispatch(slot, info, info.cached, count, width, last)

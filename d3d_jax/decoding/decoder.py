@@ -332,7 +332,8 @@ class SpecDecoder:
             else:
                 self._row_ops(run)
         if self._chunks:
-            self._chunks.run(self._prefill_piece, lambda s, info: self._slots.get(s) is info, everything)
+            self._chunks.run(self._prefill_piece, lambda s, info: self._slots.get(s) is info, everything,
+                             decoding=0 if everything else len(self._running()) * self.config.width)
 
     def _prefill_piece(self, slot: int, info: SlotInfo, start: int, count: int, width: int,
                        last: bool) -> None:
