@@ -252,3 +252,95 @@ def test_a_prompt_longer_than_a_chunk_joins_after_its_chunks_while_others_decode
     dec.free([0, 1])
     assert tokens[0] == s["solo"][1][:20]
     assert tokens[1] == _alone(s, [long_prompt], 8)[0]
+
+
+# ---------------------------------------------------------------- the drafter's pages too (sync, auto)
+def _chunked_speculative(s, mode: str, monkeypatch) -> SpecDecoder:
+    """A sync or auto decoder admitting by chunks of CHUNK tokens, growing its rows page by page
+    (as under the scheduler), each step checking that every running row's drafter pages hold a
+    fresh prefill of its committed tokens (a prefix hit on a page the drafter never wrote, or a
+    drafter table left behind by growth, would fail it).  Auto cycles every mix of rounds."""
+    key = ("chunked", mode)
+    if key not in s["decoders"]:
+        cfg = DecoderConfig(mode=mode, num_slots=SLOTS, max_cache_len=CACHE, block_size=BLOCK,
+                            kv_page_size=PAGE, kv_pages=3 * CACHE // PAGE, max_num_batched_tokens=CHUNK)
+        s["decoders"][key] = SpecDecoder(s["target"], s["drafter"], cfg)
+        s["decoders"][key].allow_preemption()
+    dec = s["decoders"][key]
+    if mode == "auto":
+        monkeypatch.setattr(dec.strategy.policy, "choose", Cycle(dec.strategy.policy))
+        ungate(dec, monkeypatch)
+    step = dec.step
+
+    def checking_step():
+        out = step()
+        assert_drafter_pages_hold_a_fresh_prefill(dec.carry.state, s["drafter"])
+        return out
+
+    monkeypatch.setattr(dec, "step", checking_step)
+    return dec
+
+
+@pytest.mark.parametrize("mode", ["sync", "auto"])
+def test_a_shared_prefix_fills_target_and_drafter_pages_once(setup, mode, monkeypatch):  # noqa: F811
+    """Two requests with a 20-token prefix inserted together: the second maps the first's pages
+    in both pools (one lookup), the drafter prefills only the tails, and both decode as alone."""
+    dec, rng = _chunked_speculative(setup, mode, monkeypatch), np.random.default_rng(17)
+    prefix = rng.integers(0, VOCAB - 1, 20).tolist()
+    prompts = [prefix + [3, 9], prefix + [5, 1, 7]]
+    before = dec.page_stats()
+    for slot, p in enumerate(prompts):
+        dec.insert(dec.prefill(Request(p, 10, index=slot)), slot)
+    out = _run(dec, {0: [], 1: []})
+    held = dict(dec.pages._held)
+    dec.free([0, 1])
+    after = dec.page_stats()
+    assert [out[0], out[1]] == _alone(setup, prompts, 10)
+    assert held[0][:5] == held[1][:5]
+    assert after["drafter_prefill_tokens_reused"] - before["drafter_prefill_tokens_reused"] == 20
+    # 21 + 22 prompt tokens cached in all, 20 of them found: the drafter computed the other 23
+    assert after["drafter_prefill_tokens_computed"] - before["drafter_prefill_tokens_computed"] == 23
+    assert dec.pages.pool.usage == 0
+
+
+@pytest.mark.parametrize("mode", ["sync", "auto"])
+def test_turn_two_hits_only_pages_the_drafter_wrote_too(setup, mode, monkeypatch):  # noqa: F811
+    """Turn 1 (10 tokens, 11 answered) ends with the target holding 20 positions (5 pages) and
+    the drafter fewer (it trails by the last round's accepted tokens + 1): only the pages both
+    caches filled are registered, so turn 2 hits 4 pages in sync (the drafter holds >= 16), and
+    decodes as alone."""
+    dec, rng = _chunked_speculative(setup, mode, monkeypatch), np.random.default_rng(18)
+    turn1 = rng.integers(0, VOCAB - 1, 10).tolist()
+    dec.insert(dec.prefill(Request(turn1, 11)), 0)
+    answer = _run(dec, {0: []})[0]
+    drafted = dec._slots[0].drafted
+    dec.free(0)
+    turn2 = turn1 + answer + [4, 2]
+    before = dec.page_stats()
+    dec.insert(dec.prefill(Request(turn2, 9)), 2)
+    out = _run(dec, {2: []})[2]
+    dec.free(2)
+    hit = dec.page_stats()["prefix_cache_hits"] - before["prefix_cache_hits"]
+    assert hit == (9 + min(drafted, 11)) // PAGE * PAGE
+    assert hit == 16 if mode == "sync" else hit <= 16
+    assert out == _alone(setup, [turn2], 9)[0]
+
+
+@pytest.mark.parametrize("mode", ["sync", "auto"])
+def test_a_long_prompt_joins_by_chunks_while_a_speculative_stream_decodes(setup, mode, monkeypatch):  # noqa: F811
+    s, dec = setup, _chunked_speculative(setup, mode, monkeypatch)
+    long_prompt = np.random.default_rng(19).integers(0, VOCAB - 1, 30).tolist()
+    dec.insert(dec.prefill(Request(s["prompts"][4], 20, index=4)), 0)
+    tokens, done, first = {0: dec.step()[0].token_ids, 1: []}, set(), None
+    dec.insert(dec.prefill(Request(long_prompt, 8, index=7)), 1)
+    for steps in range(1, 100):
+        for slot, o in dec.step().items():
+            tokens[slot] += o.token_ids
+            done |= {slot} if o.finished else set()
+        first = first or (steps if tokens[1] else None)
+        if done == {0, 1}:
+            break
+    assert first >= 4  # 29 prompt tokens, at most CHUNK of them between two rounds
+    dec.free([0, 1])
+    assert tokens[0] == s["solo"][4][:20]
+    assert tokens[1] == _alone(s, [long_prompt], 8)[0]

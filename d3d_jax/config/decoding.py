@@ -419,9 +419,9 @@ class DecoderConfig:
 
     @property
     def chunked_prefill(self) -> bool:
-        """Prompts prefilled chunk by chunk from a cached prefix: a paged plain decoder (a paged
-        drafter's pages still fill from one whole prefill at admission)."""
-        return bool(self.kv_page_size) and self.mode == "plain"
+        """Prompts prefilled chunk by chunk from a cached prefix: every paged decoder (plain,
+        sync and auto; a drafter's paged cache is filled by the same chunks)."""
+        return bool(self.kv_page_size)
 
     @property
     def chunk_widths(self) -> tuple[int, ...]:

@@ -60,20 +60,22 @@ def admit(tree, rows: RowInput, index: jax.Array, count: jax.Array, *, prefill: 
 
 
 def prefill_piece(core: DecodeCore, sides: list, state: DecodeState, rows: RowInput,
-                  tokens: jax.Array, start: jax.Array, count: jax.Array, slot: jax.Array) -> DecodeState:
+                  tokens: jax.Array, start: jax.Array, count: jax.Array, slot: jax.Array,
+                  drafter_params=None) -> tuple[DecodeState, list]:
     """One chunk of one row's prompt in every paged cache of ``sides``
     (:meth:`DecodeCore.paged_sides`): ``tokens [1, C]``, the first ``count [1]`` real, at
     positions ``start [1] …``, through the row's own table ``rows.pages`` (the state's tables
     are untouched: the row is not on the device yet).  ``slot [1]``: the device row it joins
-    when this chunk is its last, with ``lengths = prompt_len - 1``; out of range: not yet."""
+    when this chunk is its last, with ``lengths = prompt_len - 1``; out of range: not yet.
+    Returns the state and each side's chunk logits ``[1, C, V]`` (XLA drops those unused)."""
+    logits = []
     for model, get, put in sides:
         cache = get(state)
         own = PagedKVCache(cache.k_lpskh, cache.v_lpskh, rows.pages, start)
-        _, own = prefill_chunk(model, own, tokens, count)
+        out, own = prefill_chunk(model, own, tokens, count)
+        logits.append(out)
         state = put(state, PagedKVCache(own.k_lpskh, own.v_lpskh, cache.page_table, cache.lengths))
-    cache = state.target_cache
-    joined = PagedKVCache(cache.k_lpskh, cache.v_lpskh, rows.pages, rows.prompt_len - 1)
-    return core.insert(state, core.target_rows(rows, joined), None, slot)
+    return core.join_prefilled(state, rows, drafter_params, slot), logits
 
 
 class ChunkedAdmission:
@@ -88,6 +90,7 @@ class ChunkedAdmission:
     def __init__(self, pages, budget: int, widths: Sequence[int]):
         self.pages, self.budget, self.widths = pages, int(budget), tuple(widths)
         self._rows: collections.deque = collections.deque()  # (slot, info), oldest first
+        self.computed = self.reused = 0  # prompt tokens prefilled by chunks, and found cached
 
     def __len__(self) -> int:
         return len(self._rows)
@@ -116,11 +119,13 @@ class ChunkedAdmission:
             prompt = list(info.request.prompt)
             if info.cached < 0:  # its first chunk: start after the longest cached prefix
                 info.cached = self.pages.reuse_prefix(slot, prompt[:-1])
+                self.reused += info.cached
             todo = len(prompt) - 1 - info.cached
             count = min(todo, budget if everything else budget - spent)
             width = next(w for w in self.widths if w >= min(max(count, 1), self.widths[-1]))
             last = count == todo
             dispatch(slot, info, info.cached, count, width, last)
+            self.computed += count
             info.cached += count
             self.pages.register(slot, prompt[:info.cached])
             spent += max(count, 1)

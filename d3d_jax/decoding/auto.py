@@ -36,7 +36,7 @@ from d3d_jax.decoding.auto_gate import Gate
 from d3d_jax.decoding.auto_reasons import count as count_reasons
 from d3d_jax.decoding.auto_reasons import part_reasons
 from d3d_jax.decoding.branches import BranchLayout
-from d3d_jax.decoding.drafting import prefill_scored
+from d3d_jax.decoding.drafting import chunk_score, prefill_scored
 from d3d_jax.decoding.auto_policy import (MIN_ROUNDS_TO_SET_ASIDE, REJUDGE_AFTER, Acceptance, Geometry,
                                           Policy, Pool, geometric_rate)
 from d3d_jax.decoding.strategies import (OPS_PER_DISPATCH, Carry, Context, Part, Strategy, mark_done,
@@ -97,6 +97,7 @@ class AutoStrategy(Strategy):
         self._plain = self.jit(self._plain_fn, static_argnames="rows", donate_argnums=1)
         self._async = self.jit(self._async_fn, static_argnames=("label", "rows"), donate_argnums=2)
         self._admit_all = self.jit(self._admit_all_fn, donate_argnums=2)
+        self._piece_all = self.jit(self._piece_all_fn, donate_argnums=2)
         self._ops_all = self.jit(self._ops_all_fn, donate_argnums=0)
 
     # ------------------------------------------------------------ state, admission, row ops
@@ -131,6 +132,22 @@ class AutoStrategy(Strategy):
 
     def admit(self, carry: Carry, params, rows, index, count) -> Carry:
         return self._admit_all(*params, carry, rows, index, count)
+
+    def _piece_all_fn(self, t_leaves, d_leaves, carry: Carry, rows, tokens, start, count, slot):
+        """A prefill chunk as every strategy runs it; with its last, the row gets a prompt score
+        (the drafter's over that chunk, from the same forward: :func:`chunk_score`; NaN for a
+        drafter without a cache) and no next block in any async geometry yet."""
+        state, logits = self._piece_logits(t_leaves, d_leaves, carry.state, rows, tokens, start,
+                                           count, slot)
+        score = (chunk_score(logits[1], rows.prompt, start, count) if len(logits) > 1
+                 else jnp.full((1,), jnp.nan, jnp.float32))
+        stale = lambda side: dataclasses.replace(side, anchor=side.anchor.at[slot].set(-1, mode="drop"))  # noqa: E731
+        return dataclasses.replace(carry, state=state, side={k: stale(v) for k, v in carry.side.items()},
+                                   prompt_score=carry.prompt_score.at[slot].set(score, mode="drop"))
+
+    def prefill_piece(self, carry: Carry, params, rows, tokens, start, count, slot) -> Carry:
+        put = self.ctx.t_put
+        return self._piece_all(*params, carry, put(rows), put(tokens), put(start), put(count), put(slot))
 
     def _ops_all_fn(self, carry: Carry, ops, count):
         mark = lambda c, row, flag: dataclasses.replace(c, state=mark_done(c.state, row, flag))  # noqa: E731

@@ -132,10 +132,6 @@ def insert_target_rows(cache, rows: TargetRows, slots: jax.Array):
     cache, the rows' page tables set and their valid positions scattered to those pages."""
     if not isinstance(cache, pkv.PagedKVCache):
         return insert_cache_rows(cache, rows.cache, slots)
-    if isinstance(rows.cache, pkv.PagedKVCache):  # prefilled in place, through the rows' own tables
-        return pkv.PagedKVCache(cache.k_lpskh, cache.v_lpskh,
-                                _insert(cache.page_table, rows.cache.page_table, slots),
-                                _insert(cache.lengths, rows.cache.lengths, slots))
     return cache.inserted(rows.cache, rows.pages, slots)
 
 
@@ -226,13 +222,33 @@ class DecodeCore:
                           rows.sampling, rows.pages)
 
     def paged_sides(self, target_params, drafter_params) -> list:
-        """Every paged cache of the state as ``(model, get(state), put(state, cache))``: what a
-        chunked prefill fills from a row's cached prefix on (a paged drafter adds its own)."""
+        """Every paged cache of the state as ``(model, get(state), put(state, cache))``, the
+        target's first: what a chunked prefill fills from a row's cached prefix on.  A drafter
+        that keeps a KV cache (``chunk_model``) has its own pool over the same pages, so a prefix
+        hit and each chunk cover both caches."""
         if not self.page_size:
             return []
         target = nnx.merge(self.target_graphdef, target_params)
-        return [(target, lambda st: st.target_cache,
-                 lambda st, c: dataclasses.replace(st, target_cache=c))]
+        sides = [(target, lambda st: st.target_cache,
+                  lambda st, c: dataclasses.replace(st, target_cache=c))]
+        drafter = None if drafter_params is None else self.drafter.chunk_model(drafter_params)
+        if drafter is not None:
+            sides.append((drafter, lambda st: st.drafter_state,
+                          lambda st, c: dataclasses.replace(st, drafter_state=c)))
+        return sides
+
+    def join_prefilled(self, state: DecodeState, rows: RowInput, drafter_params, slot: jax.Array
+                       ) -> DecodeState:
+        """Rows whose prompts (but the last token) chunks wrote into their pages join ``slot``
+        (out of range: not yet); a drafter without a KV cache (a replay) is prefilled here."""
+        cached = rows.prompt_len - 1
+        target = self.target_rows(rows, pkv.prefilled(state.target_cache, rows.pages, cached))
+        drafter = None
+        if self.drafter is not None:
+            d = state.drafter_state
+            drafter = (pkv.prefilled(d, rows.pages, cached) if isinstance(d, pkv.PagedKVCache)
+                       else self.prefill_drafter(drafter_params, rows))
+        return self.insert(state, target, drafter, slot)
 
     def prefill_drafter(self, drafter_params, rows: RowInput):
         return self.drafter.prefill(drafter_params, rows.drafter_data, rows.prompt,

@@ -48,7 +48,6 @@ from d3d_jax.config import ConfigError
 from d3d_jax.config.decoding import DEFAULT_CACHE_LEN, DEFAULT_NUM_SLOTS, check_drafter
 from d3d_jax.decoding import metrics as M
 from d3d_jax.decoding import window as W
-from d3d_jax.decoding.admission import ChunkedAdmission
 from d3d_jax.decoding.async_loop import LiveRows
 from d3d_jax.decoding.constrained import masked_rounds
 from d3d_jax.decoding.core import FINISH_REASONS, MAX_STOP_IDS, RowInput
@@ -57,6 +56,7 @@ from d3d_jax.decoding.decoder_config import (DecoderConfig, Request, RequestErro
 from d3d_jax.decoding.drafting import as_drafter
 from d3d_jax.decoding.page_growth import PageGrowth
 from d3d_jax.decoding.page_pool import SlotPages
+from d3d_jax.decoding.paging import PagedAdmission
 from d3d_jax.parallel.sharding import place_slices
 from d3d_jax.decoding.programs import ProgramStore, decoder_salt
 from d3d_jax.decoding.strategies import LOGPROB_KEYS, OPS_PER_DISPATCH, Context
@@ -91,6 +91,7 @@ class SlotInfo:
     pending: bool = False
     cached: int = -1  # a paged cache: prompt tokens in its pages so far (-1: not looked up yet)
     tokens: list = dataclasses.field(default_factory=list)  # a paged cache: generated, as read
+    drafted: int = 0  # a paged cache: of ``tokens``, those the drafter's cache holds at least
 
 
 @dataclasses.dataclass
@@ -130,8 +131,9 @@ class SpecDecoder:
         self.growth: PageGrowth | None = None  # growth page by page: allow_preemption()
         self._preempted: list[int] = []  # slots preempted since take_preempted()
         self._tables_stale = False  # pages were mapped on the host since the device's tables were set
-        # chunked prefill from a cached prefix (plain: the drafter's pages fill from a whole prefill)
-        self._chunks = (ChunkedAdmission(self.pages, cfg.max_num_batched_tokens, cfg.chunk_widths)
+        # chunked prefill from a cached prefix, into the target's pages and a drafter's
+        self._chunks = (PagedAdmission(self.pages, cfg, self.strategy.drafter_in_state
+                                       and self.drafter.chunk_model(self.drafter.params) is not None)
                         if cfg.chunked_prefill else None)
         self._slots: dict[int, SlotInfo] = {}
         self.carry = None
@@ -250,10 +252,12 @@ class SpecDecoder:
 
     def page_stats(self) -> dict | None:
         """The paged pool's usage and prefix-cache counts (:meth:`PagePool.stats`, plus
-        ``num_pages``); None with a dense cache."""
+        ``num_pages`` and the prompt tokens prefilled and reused: :meth:`PagedAdmission.stats`);
+        None with a dense cache."""
         if self.pages is None:
             return None
-        return dict(self.pages.pool.stats(), num_pages=self.pages.pool.num_pages)
+        return dict(self.pages.pool.stats(), num_pages=self.pages.pool.num_pages,
+                    **(self._chunks.stats() if self._chunks is not None else {}))
 
     def free(self, slot) -> None:
         """The slot's request leaves (finished or cancelled); freeing a free slot does nothing.
@@ -262,9 +266,9 @@ class SpecDecoder:
             info = self._slots.pop(s, None)
             if info is None:
                 continue
-            if self.pages is not None:  # later rounds write nothing for it (core.verify)
-                if self._chunks is not None and not info.pending:  # generated tokens too, for a later turn
-                    self.pages.register(s, (list(info.request.prompt) + info.tokens)[:-1])
+            if self._chunks is not None:  # its pages findable by a later turn, then released
+                self._chunks.release(s, info)
+            elif self.pages is not None:  # later rounds write nothing for it (core.verify)
                 self.pages.release(s)
             if info.finish_reason is None:  # still running on the device: stop it there
                 self._queue.append(("op", self.placement.row_of[s], 0, W.OP_FREE))
@@ -332,21 +336,7 @@ class SpecDecoder:
             else:
                 self._row_ops(run)
         if self._chunks:
-            self._chunks.run(self._prefill_piece, lambda s, info: self._slots.get(s) is info, everything,
-                             decoding=0 if everything else len(self._running()) * self.config.width)
-
-    def _prefill_piece(self, slot: int, info: SlotInfo, start: int, count: int, width: int,
-                       last: bool) -> None:
-        """One chunk of ``slot``'s prompt; with its last, the row joins at its current device row
-        (the placement's swaps since its insert already ran)."""
-        prompt = np.asarray(info.request.prompt, np.int32)
-        tokens = np.zeros((1, width), np.int32)
-        tokens[0, :count] = prompt[start:start + count]
-        rows = self._row_input([info.request], self.config.max_cache_len, [slot], n=1)
-        one = lambda v: np.asarray([v], np.int32)  # noqa: E731
-        row = self.placement.row_of[slot] if last else self.config.num_slots  # out of range: not yet
-        self.carry = self.strategy.prefill_piece(self.carry, self._params, rows, tokens, one(start),
-                                                 one(count), one(row))
+            self._chunks.run(self, everything)
 
     def _admit(self, run: list[tuple]) -> None:
         """One dispatch per prompt bucket among the admitted rows (a program each, compiled when
@@ -471,8 +461,8 @@ class SpecDecoder:
                 if part.lo <= row < part.hi and info is not None and self._slots.get(slot) is info \
                         and info.finish_reason is None:
                     outs[slot] = self._count(info, part.label, {k: v[i] for k, v in h.items()})
-                    if self.pages is not None:
-                        info.tokens += outs[slot].token_ids
+                    if self._chunks is not None:
+                        self._chunks.read(info, part.label, outs[slot].token_ids)
         self.strategy.observe(rnd.parts, host, seconds, rnd.snapshot, wall=wall)
         self._busy = any(info.finish_reason is None for info in self._slots.values())
         return outs

@@ -68,6 +68,10 @@ class Drafter(Protocol):
         """``state`` with prefilled ``rows`` written into ``slots`` (out-of-range slots dropped);
         ``pages [n, max_pages]``: the rows' page tables, for a paged cache."""
 
+    def chunk_model(self, params) -> Any:
+        """The model whose causal forward writes this drafter's KV cache (a chunked prefill runs
+        it over the paged state, beside the target), or None when its state is no KV cache."""
+
     def propose(self, params, state, seq, anchor_pos, row_keys, sampling: V.SamplingParams,
                 block_size: int, sample_drafts: bool, fanout: int = 0
                 ) -> tuple[DraftOutput, Any]:
@@ -115,6 +119,19 @@ def prompt_score(logits_btv: jax.Array, prompt_bt: jax.Array, prefill_len: jax.A
     the logits one position before (NaN where ``prefill_len`` is 0)."""
     hit = jnp.argmax(logits_btv[:, :-1], axis=-1).astype(jnp.int32) == prompt_bt[:, 1:]
     valid = jnp.arange(prompt_bt.shape[1] - 1)[None, :] < prefill_len[:, None]
+    n = jnp.sum(valid, axis=1)
+    return jnp.where(n > 0, jnp.sum(hit & valid, axis=1) / jnp.maximum(n, 1), jnp.nan).astype(jnp.float32)
+
+
+def chunk_score(logits_bcv: jax.Array, prompt_bt: jax.Array, start_b: jax.Array, count_b: jax.Array
+                ) -> jax.Array:
+    """:func:`prompt_score` of a prefill chunk: the share of its ``count_b`` positions from
+    ``start_b`` on whose next prompt token is the argmax of their logits (NaN for none)."""
+    c = logits_bcv.shape[1]
+    padded = jnp.pad(prompt_bt, ((0, 0), (0, c)))
+    nxt = jax.vmap(lambda p, s: jax.lax.dynamic_slice_in_dim(p, s + 1, c))(padded, start_b)
+    hit = jnp.argmax(logits_bcv, axis=-1).astype(jnp.int32) == nxt
+    valid = jnp.arange(c)[None, :] < count_b[:, None]
     n = jnp.sum(valid, axis=1)
     return jnp.where(n > 0, jnp.sum(hit & valid, axis=1) / jnp.maximum(n, 1), jnp.nan).astype(jnp.float32)
 
@@ -184,6 +201,9 @@ class ModelDrafter:
         if isinstance(state, pkv.PagedKVCache):  # the target's pages: the same table
             return state.inserted(rows, pages, slots)
         return insert_cache_rows(state, rows, slots)
+
+    def chunk_model(self, params):
+        return nnx.merge(self.graphdef, params)
 
     def commit(self, state: kvc.KVCache, lengths: jax.Array) -> kvc.KVCache:
         return state.with_lengths(lengths)
@@ -315,6 +335,9 @@ class ReplayDrafter:
 
     def commit(self, state, lengths):
         return state
+
+    def chunk_model(self, params):
+        return None  # a replay drafter caches nothing
 
     def catch_up(self, params, state, seq, upto, active, limit: int):
         return state  # a replay drafter caches nothing

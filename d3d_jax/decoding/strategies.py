@@ -32,7 +32,7 @@ from d3d_jax.decoding.core import MAX_STOP_IDS, DecodeCore, DecodeState, RoundRe
 from d3d_jax.decoding.decoder_config import Request
 from d3d_jax.decoding.programs import ProgramStore
 from d3d_jax.decoding.verify import GREEDY, SamplingParams
-from d3d_jax.model.paged_kv import UNMAPPED
+from d3d_jax.model.paged_kv import UNMAPPED, PagedKVCache
 
 
 @jax.tree_util.register_dataclass
@@ -107,6 +107,14 @@ def mark_done(state: DecodeState, row: jax.Array, flag: jax.Array) -> DecodeStat
     return dataclasses.replace(state, done=state.done.at[row].set(state.done[row] | flag))
 
 
+def set_page_tables(state: DecodeState, table) -> DecodeState:
+    """Every row's page table replaced, in the target's cache and a paged drafter's (one table)."""
+    state = dataclasses.replace(state, target_cache=state.target_cache.with_page_table(table))
+    if isinstance(state.drafter_state, PagedKVCache):
+        state = dataclasses.replace(state, drafter_state=state.drafter_state.with_page_table(table))
+    return state
+
+
 def windowed(fn: Callable, rows: int, state, start, lo, hi, *args):
     """``fn(view, *args) -> (view, out)`` on the window; rows outside ``[lo, hi)`` are done for
     the round and keep every per-row value."""
@@ -137,9 +145,7 @@ class Strategy:
                              name="row_ops", donate_argnums=0)
         self._read_rows = self.jit(lambda fields, rows: {k: v[rows] for k, v in fields.items()},
                                    name="read_rows")
-        self._tables = self.jit(lambda st, t: dataclasses.replace(
-            st, target_cache=dataclasses.replace(st.target_cache, page_table=t)), name="page_tables",
-            donate_argnums=0)
+        self._tables = self.jit(set_page_tables, name="page_tables", donate_argnums=0)
 
     def jit(self, fn, name: str | None = None, **kw):
         """``jax.jit`` through the decoder's program store (kept on disk when it has a directory)."""
@@ -172,9 +178,13 @@ class Strategy:
         return dataclasses.replace(carry, state=state)
 
     def _piece_fn(self, t_leaves, d_leaves, state, rows: RowInput, tokens, start, count, slot):
+        return self._piece_logits(t_leaves, d_leaves, state, rows, tokens, start, count, slot)[0]
+
+    def _piece_logits(self, t_leaves, d_leaves, state, rows: RowInput, tokens, start, count, slot):
+        """:func:`admission.prefill_piece` with this strategy's models: ``(state, logits per side)``."""
         dp = None if d_leaves is None else self.ctx.dp(d_leaves)
         sides = self.home.paged_sides(self.ctx.tp(t_leaves), dp)
-        return prefill_piece(self.home, sides, state, rows, tokens, start, count, slot)
+        return prefill_piece(self.home, sides, state, rows, tokens, start, count, slot, dp)
 
     def prefill_piece(self, carry: Carry, params, rows: RowInput, tokens, start, count, slot) -> Carry:
         """One prefill chunk of one row into every paged cache (:func:`admission.prefill_piece`)."""

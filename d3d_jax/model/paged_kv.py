@@ -84,14 +84,19 @@ class PagedKVCache:
         mapped = inside & (page >= 0) & (page < self.num_pages)
         return jnp.where(mapped, page, self.num_pages), positions_bt % ps
 
-    def inserted(self, rows: kvc.KVCache, pages: jax.Array, slots: jax.Array) -> "PagedKVCache":
-        """Prefilled dense rows (``[L, n, P, ...]``) joining ``slots``: their page tables
-        ``pages [n, max_pages]`` set and their valid positions scattered to those pages."""
+    def inserted(self, rows, pages: jax.Array, slots: jax.Array) -> "PagedKVCache":
+        """Prefilled rows joining ``slots``: dense rows (``[L, n, P, ...]``) get their page tables
+        ``pages [n, max_pages]`` set and their valid positions scattered to those pages; rows
+        prefilled in place through their own tables (a :class:`PagedKVCache` over this pool:
+        :func:`prefilled`) only bring their tables and lengths."""
+        put = lambda full, new: full.at[slots].set(new, mode="drop")  # noqa: E731
+        if isinstance(rows, PagedKVCache):
+            return PagedKVCache(self.k_lpskh, self.v_lpskh, put(self.page_table, rows.page_table),
+                                put(self.lengths, rows.lengths))
         n, p = rows.batch, rows.max_len
         pos = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (n, p))
         write = kvc.PendingWrite(rows.k_lbskh, rows.v_lbskh, pos, pos < rows.lengths[:, None])
         own = PagedKVCache(self.k_lpskh, self.v_lpskh, pages, rows.lengths).written(write)
-        put = lambda full, new: full.at[slots].set(new, mode="drop")  # noqa: E731
         return PagedKVCache(own.k_lpskh, own.v_lpskh, put(self.page_table, pages),
                             put(self.lengths, rows.lengths))
 
@@ -111,6 +116,12 @@ class PagedKVCache:
         if len(metas) == 1:
             return lambda i: PagedLayer(self.k_lpskh, self.v_lpskh, self.page_table, metas[0], i)
         return lambda i: PagedSpans(self.k_lpskh, self.v_lpskh, self.page_table, metas, index, i)
+
+
+def prefilled(cache: PagedKVCache, pages: jax.Array, lengths: jax.Array) -> PagedKVCache:
+    """Rows whose first ``lengths`` positions a chunked prefill wrote through their tables
+    ``pages``, over ``cache``'s pool: what :meth:`PagedKVCache.inserted` takes to join them."""
+    return PagedKVCache(cache.k_lpskh, cache.v_lpskh, pages, jnp.asarray(lengths, jnp.int32))
 
 
 def _scatter(pool: jax.Array, new_lbtkh: jax.Array, page_bt: jax.Array, offset_bt: jax.Array) -> jax.Array:
