@@ -94,6 +94,20 @@ def test_vllm_names_of_the_pool_series():
     assert "kv_cache_usage_perc" not in ServerMetrics().render(1, 0, 4, "plain")  # a dense cache
 
 
+def test_each_models_prefill_work_is_a_d3d_counter():
+    from d3d_jax.serving.metrics import ServerMetrics
+
+    kv = dict(num_pages=64, prefill_tokens_computed=120, prefill_tokens_reused=600,
+              drafter_prefill_tokens_computed=120, drafter_prefill_tokens_reused=600)
+    text = ServerMetrics(vllm_names=True).render(1, 0, 4, "sync", model="m", kv=kv)
+    for line in ('d3d_prefill_tokens_total{model="target",source="computed"} 120',
+                 'd3d_prefill_tokens_total{model="drafter",source="cached"} 600'):
+        assert line in text
+    plain = dict(kv, drafter_prefill_tokens_computed=None)
+    del plain["drafter_prefill_tokens_computed"], plain["drafter_prefill_tokens_reused"]
+    assert 'model="drafter"' not in ServerMetrics().render(1, 0, 4, "plain", kv=plain)
+
+
 def _serve_config(*argv):
     p = S.add_arguments(argparse.ArgumentParser())
     return load_command_config(ServeConfig, p.parse_args(["--target", "t", *argv]))

@@ -149,7 +149,11 @@ def summary(out: dict) -> str:
     texts = {name: [c["turn2_tokens"] for c in v["chats"]] + [a["long_tokens"] for a in v["arrivals"]]
              for name, v in out["variants"].items()}
     same = len({json.dumps(t) for t in texts.values()}) == 1
-    return "\n".join(rows) + f"\n\nevery variant's turn-2 and 900-token outputs equal: {same}\n"
+    work = [f"- {name}: prompt tokens the drafter's cache computed {kv['drafter_prefill_tokens_computed']}, "
+            f"took from the prefix cache {kv['drafter_prefill_tokens_reused']}"
+            for name, v in out["variants"].items() if "drafter_prefill_tokens_computed" in (kv := v["kv_stats"])]
+    return ("\n".join(rows) + f"\n\nevery variant's turn-2 and 900-token outputs equal: {same}\n"
+            + "".join(line + "\n" for line in work))
 
 
 def main(argv=None) -> None:

@@ -202,6 +202,15 @@ def _kv_metrics(metric, kv: dict, preemptions: int) -> None:
            [("", kv.get("prefix_cache_hits", 0))], "vllm:prefix_cache_hits")
     metric("num_preemptions_total", "counter", "running requests preempted for lack of KV pages",
            [("", preemptions)], "vllm:num_preemptions")
+    # each model's prefill work: the drafter's pages share the target's ids, so a hit spares both
+    samples = [(f'{{model="{model}",source="{source}"}}', kv[key])
+               for model, prefix in (("target", ""), ("drafter", "drafter_"))
+               for source, name in (("computed", "computed"), ("cached", "reused"))
+               if (key := f"{prefix}prefill_tokens_{name}") in kv]
+    if samples:
+        metric("prefill_tokens_total", "counter",
+               "prompt tokens each model's KV cache prefilled (computed) or took from the prefix cache (cached)",
+               samples)
 
 
 def _escape(v: str) -> str:
