@@ -83,7 +83,7 @@ def worker(args) -> dict:
 
     target = load_decoding_model(args.target, dtype="float32")
     vocab = target.config.vocab_size
-    fields = dict(mode="plain", **json.loads(args.fields))
+    fields = {"mode": "plain", **json.loads(args.fields)}
     drafter = None if fields["mode"] == "plain" else load_decoding_model(args.drafter, dtype="float32")
     cfg = DecoderConfig(num_slots=8, max_cache_len=1024, **fields)
     dec = SpecDecoder(target, drafter, cfg)
