@@ -201,8 +201,16 @@ def test_a_shared_prefix_is_prefilled_once_and_each_request_decodes_as_alone(set
     """Two requests inserted together (the n choices of one request, or one system prompt sent
     twice): the second maps the first's prefix pages, prefills only its own tail, and both decode
     exactly as alone."""
-    dec, rng = chunked, np.random.default_rng(7)
-    prefix = rng.integers(0, VOCAB - 1, 20).tolist()
+    held, counted = _two_sharing_a_prefix(setup, chunked, seed=7)
+    assert held[0][:5] == held[1][:5]  # the prefix's five full pages, shared
+    assert counted["prefix_cache_hits"] == 20
+    assert chunked.pages.pool.usage == 0
+
+
+def _two_sharing_a_prefix(setup, dec, seed: int):  # noqa: F811
+    """Two requests with one 20-token prefix, inserted together and run to their ends, each
+    checked against its output alone: their pages, and how much ``page_stats`` counted."""
+    prefix = np.random.default_rng(seed).integers(0, VOCAB - 1, 20).tolist()
     prompts = [prefix + [3, 9], prefix + [5, 1, 7]]
     before = dec.page_stats()
     for slot, p in enumerate(prompts):
@@ -211,9 +219,7 @@ def test_a_shared_prefix_is_prefilled_once_and_each_request_decodes_as_alone(set
     held = dict(dec.pages._held)
     dec.free([0, 1])
     assert [out[0], out[1]] == _alone(setup, prompts, 10)
-    assert held[0][:5] == held[1][:5]  # the prefix's five full pages, shared
-    assert dec.page_stats()["prefix_cache_hits"] - before["prefix_cache_hits"] == 20
-    assert dec.pages.pool.usage == 0
+    return held, {k: v - before[k] for k, v in dec.page_stats().items()}
 
 
 def test_turn_two_of_a_chat_hits_turn_one_and_its_answer(setup, chunked):  # noqa: F811
@@ -285,21 +291,12 @@ def _chunked_speculative(s, mode: str, monkeypatch) -> SpecDecoder:
 def test_a_shared_prefix_fills_target_and_drafter_pages_once(setup, mode, monkeypatch):  # noqa: F811
     """Two requests with a 20-token prefix inserted together: the second maps the first's pages
     in both pools (one lookup), the drafter prefills only the tails, and both decode as alone."""
-    dec, rng = _chunked_speculative(setup, mode, monkeypatch), np.random.default_rng(17)
-    prefix = rng.integers(0, VOCAB - 1, 20).tolist()
-    prompts = [prefix + [3, 9], prefix + [5, 1, 7]]
-    before = dec.page_stats()
-    for slot, p in enumerate(prompts):
-        dec.insert(dec.prefill(Request(p, 10, index=slot)), slot)
-    out = _run(dec, {0: [], 1: []})
-    held = dict(dec.pages._held)
-    dec.free([0, 1])
-    after = dec.page_stats()
-    assert [out[0], out[1]] == _alone(setup, prompts, 10)
+    dec = _chunked_speculative(setup, mode, monkeypatch)
+    held, counted = _two_sharing_a_prefix(setup, dec, seed=17)
     assert held[0][:5] == held[1][:5]
-    assert after["drafter_prefill_tokens_reused"] - before["drafter_prefill_tokens_reused"] == 20
+    assert counted["drafter_prefill_tokens_reused"] == 20
     # 21 + 22 prompt tokens cached in all, 20 of them found: the drafter computed the other 23
-    assert after["drafter_prefill_tokens_computed"] - before["drafter_prefill_tokens_computed"] == 23
+    assert counted["drafter_prefill_tokens_computed"] == 23
     assert dec.pages.pool.usage == 0
 
 
