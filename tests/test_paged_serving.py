@@ -118,9 +118,10 @@ TARGET = ModelConfig(max_position_embeddings=4096)  # 4 layers, 2 KV heads of 64
 
 def test_server_flags_size_the_pool_and_page_plain_mode_by_default():
     cfg = S.decoder_config(_serve_config("--max-model-len", "1024", "--kv-cache-tokens", "4096",
-                                         "--max-num-seqs", "32", "--no-enable-prefix-caching"), TARGET, None)
+                                         "--max-num-seqs", "32", "--no-enable-prefix-caching",
+                                         "--max-num-batched-tokens", "128"), TARGET, None)
     assert (cfg.mode, cfg.kv_page_size, cfg.kv_num_pages, cfg.num_slots) == ("plain", 16, 4096 // 16, 32)
-    assert cfg.enable_prefix_caching is False
+    assert cfg.enable_prefix_caching is False and cfg.chunk_widths == (16, 32, 64, 128)
     cfg = S.decoder_config(_serve_config("--num-slots", "4", "--max-model-len", "256", "--kv-page-size", "64"),
                            TARGET, None)
     assert (cfg.kv_page_size, cfg.kv_num_pages, cfg.enable_prefix_caching) == (64, 4 * 256 // 64, True)

@@ -86,6 +86,10 @@ def add_kv_flags(p, cls: type, *, pages_by_default: bool = False) -> None:
                 help="share of an accelerator's memory the weights and the KV pool may take (default 0.9)")
     config_flag(p, "--no-enable-prefix-caching", key="decoder.enable_prefix_caching", action="store_false",
                 help="never share KV pages between requests by content (prefix caching is on by default)")
+    config_flag(p, "--max-num-batched-tokens", key="decoder.max_num_batched_tokens",
+                type=declared(cls, "decoder.max_num_batched_tokens"),
+                help="paged: tokens one step feeds, the next round's rows x width first, the rest "
+                     "prompt chunks (default 256)")
 
 
 def flag_values(args: argparse.Namespace) -> dict[str, Any]:
