@@ -742,8 +742,13 @@ class AllowedSet:
             bits[t // WORD] |= np.uint32(1 << (t % WORD))
         self.bits = bits.view(np.int32)
 
-    def block_bitmask(self, drafts, width):
-        return np.tile(self.bits, (width, 1))
+    def block(self, drafts, width, candidates=None):
+        from d3d_jax.decoding.grammar import allowed_choice
+
+        drafts = np.array(drafts, np.int32)
+        for k in range(width - 1 if candidates is not None else 0):
+            drafts[k] = allowed_choice(self.bits, candidates[k], drafts[k])
+        return drafts, np.tile(self.bits, (width, 1))
 
     def advance(self, tokens):
         return True
