@@ -280,6 +280,8 @@ def build_dataclass(cls: type, data: Mapping[str, Any], prefix: str = "") -> Any
     for k, v in data.items():
         key = f"{prefix}.{k}" if prefix else k
         if k not in fields:
+            if k in getattr(cls, "ELSEWHERE", {}):
+                raise ConfigError(f"{key}: not a setting here: it is {cls.ELSEWHERE[k]}")
             raise ConfigError(f"{key}: unknown key (known: {', '.join(sorted(fields))})")
         kwargs[k] = _convert(v, hints[k], key)
     try:
