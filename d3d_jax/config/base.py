@@ -345,6 +345,7 @@ def parse_scalar(text: str, key: str) -> Any:
         value = yaml.load(text, Loader=_BoundedLoader)
     except yaml.YAMLError:
         return text
+    _check_size(value, key)  # first: the walks below would expand an alias bomb
     _check_numbers(value, key=key)
     return value
 
@@ -454,7 +455,6 @@ def parse_overrides(overrides: Sequence[str]) -> dict:
             raise ConfigError(f"{item}: overrides must look like key=value")
         k, v = item.split("=", 1)
         value = parse_scalar(v, k.strip()[:100])
-        _check_size(value, k.strip()[:100])
         _set_dotted(tree, k.strip(), value)
     return tree
 
