@@ -177,13 +177,14 @@ def test_real_qwen3_shapes_have_the_published_sizes(name):
 
 
 @pytest.mark.parametrize("key", ["target_devices", "drafter_devices"])
-def test_training_refuses_the_decoding_device_split_by_name(key):
-    """mesh.target_devices / drafter_devices split devices for decoding; a training run would
-    silently ignore them, so it refuses them, naming the key."""
-    from d3d_jax.config import TrainRunConfig
+@pytest.mark.parametrize("cls", ["TrainRunConfig", "RegenerateConfig", "PruneRunConfig"])
+def test_a_mesh_device_split_is_refused_naming_the_decoder_field(key, cls):
+    """The target/drafter split is the decoder's: a mesh section that names it (read by no
+    command) is refused, and the error says where the setting lives."""
+    import d3d_jax.config as C
 
-    with pytest.raises(ConfigError, match=f"mesh.{key}: is a decoding setting"):
-        load_config(TrainRunConfig, [], [f"mesh.{key}=2", "num_devices=1"])
+    with pytest.raises(ConfigError, match=rf"mesh.{key}: not a setting here: it is decoder.{key} \(--"):
+        load_config(getattr(C, cls), [], [f"mesh.{key}=2"])
 
 
 def test_every_shipped_model_and_mesh_config_loads():

@@ -56,11 +56,12 @@ def allowed(vocab, spec, prefix) -> np.ndarray:
     return _ALLOWED[key]
 
 
-def draft_probs(vocab, spec, toy, prefix) -> np.ndarray:
-    """A drafter that knows the grammar most of the time: its drafts are often valid, so the
-    masks of later slots are reached."""
+def draft_probs(vocab, spec, toy, prefix, knows: float = 0.8) -> np.ndarray:
+    """A drafter that knows the grammar with weight ``knows``: at 0.8 its drafts are often
+    valid, so the masks of later slots are reached; at 0 nearly every draft is refused."""
     good = softmax_on(toy.logits(prefix, 1), allowed(vocab, spec, prefix))
-    return (0.8 * good + 0.2 * softmax_on(toy.logits(prefix, 1), np.ones(toy.size, bool))).astype(np.float32)
+    mix = knows * good + (1 - knows) * softmax_on(toy.logits(prefix, 1), np.ones(toy.size, bool))
+    return mix.astype(np.float32)
 
 
 def softmax_on(x, keep):
@@ -79,17 +80,26 @@ def reference(vocab, spec, toy) -> dict:
     return out
 
 
-def spec_round(vocab, spec, toy, prefixes, rng, sampled: bool, keys, rule):
-    """One verified block per row from ``prefixes``: the emitted tokens of each."""
+def spec_round(vocab, spec, toy, prefixes, rng, sampled: bool, keys, rule, proposals: bool = False):
+    """One verified block per row from ``prefixes``: the emitted tokens of each.  With
+    ``proposals`` a drafter blind to the grammar proposes and the host replaces each draft by
+    the best allowed of its top 4 (a point mass then), as a constrained round does."""
     n = len(prefixes)
     drafts = np.zeros((n, WIDTH - 1), np.int32)
     q = np.zeros((n, WIDTH - 1, toy.size), np.float32)
     for i, pre in enumerate(prefixes):
         for k in range(WIDTH - 1):
-            qk = draft_probs(vocab, spec, toy, pre + tuple(int(d) for d in drafts[i, :k]))
+            qk = draft_probs(vocab, spec, toy, pre + tuple(int(d) for d in drafts[i, :k]), 0.0 if proposals else 0.8)
             q[i, k] = qk
             drafts[i, k] = rng.choice(toy.size, p=qk / qk.sum()) if sampled else int(np.argmax(qk))
-    masks = np.stack([_block(vocab, spec, pre, drafts[i]) for i, pre in enumerate(prefixes)])
+    if proposals:
+        cands = np.concatenate([drafts[..., None], np.argsort(-q, axis=-1)[..., :4]], axis=-1)
+        walked = [_walk(vocab, spec, pre, drafts[i], cands[i]) for i, pre in enumerate(prefixes)]
+        drafts = np.stack([d for d, _ in walked])
+        q = np.eye(toy.size, dtype=np.float32)[drafts]
+        masks = np.stack([m for _, m in walked])
+    else:
+        masks = np.stack([_block(vocab, spec, pre, drafts[i]) for i, pre in enumerate(prefixes)])
     logits = np.stack([[toy.logits(pre + tuple(drafts[i, :k]), 0) for k in range(WIDTH)]
                        for i, pre in enumerate(prefixes)])
     masked = jnp.where(unpack(jnp.asarray(masks), toy.size), jnp.asarray(logits), -jnp.inf)
@@ -106,8 +116,14 @@ def _block(vocab, spec, prefix, drafts):
     return m.block_bitmask(drafts, WIDTH)
 
 
-@pytest.mark.parametrize("sampled", [False, True])
-def test_masked_speculation_samples_plain_decodings_distribution(vocab, sampled):
+def _walk(vocab, spec, prefix, drafts, cands):
+    m = vocab.matcher(spec)
+    assert m.advance(prefix)
+    return m.block(drafts, WIDTH, cands)
+
+
+@pytest.mark.parametrize("sampled, proposals", [(False, False), (True, False), (False, True), (True, True)])
+def test_masked_speculation_samples_plain_decodings_distribution(vocab, sampled, proposals):
     from scipy.stats import chisquare
 
     spec = GrammarSpec("choice", tuple(CHOICES))
@@ -117,10 +133,11 @@ def test_masked_speculation_samples_plain_decodings_distribution(vocab, sampled)
     keys = jax.random.wrap_key_data(jax.vmap(lambda s: jax.random.key_data(jax.random.key(s)))(
         jnp.arange(ROWS, dtype=jnp.int32) + 1000 * sampled))
     rule = V.verify_sampled if sampled else V.verify_point_mass
-    out = spec_round(vocab, spec, toy, [()] * ROWS, rng, sampled, keys, rule)
+    out = spec_round(vocab, spec, toy, [()] * ROWS, rng, sampled, keys, rule, proposals)
     short = [i for i, o in enumerate(out) if len(o) < 2]
     if short:  # a round that kept one token: the next round, from it
-        more = spec_round(vocab, spec, toy, [out[i] for i in short], rng, sampled, keys[np.asarray(short)], rule)
+        more = spec_round(vocab, spec, toy, [out[i] for i in short], rng, sampled, keys[np.asarray(short)], rule,
+                          proposals)
         for i, o in zip(short, more):
             out[i] = out[i] + o
     pairs = [o[:2] for o in out]
@@ -131,3 +148,22 @@ def test_masked_speculation_samples_plain_decodings_distribution(vocab, sampled)
     expected = [want[b] * ROWS for b in big] + [ROWS * (1 - sum(want[b] for b in big))]
     assert len(big) >= 3 and sum(o > 0 for o in observed) >= 3
     assert chisquare(observed, expected).pvalue > 1e-3, (observed, expected)
+
+
+def test_a_drafter_blind_to_the_grammar_proposes_the_masked_greedy_block(vocab):
+    """A drafter that ranks tokens as the target does but ignores the grammar: its raw argmax
+    drafts are refused, while the walk's choice from its ranking is plain decoding's masked
+    greedy block, token for token (so a greedy verify accepts all of it)."""
+    spec = GrammarSpec("choice", tuple(CHOICES))
+    toy = Toy(vocab.size)
+    greedy, prefix = [], ()
+    for _ in range(WIDTH - 1):
+        t = int(np.argmax(np.where(allowed(vocab, spec, prefix), toy.logits(prefix, 0), -np.inf)))
+        greedy.append(t)
+        prefix += (t,)
+    ranking = np.stack([np.argsort(-toy.logits(tuple(greedy[:k]), 0)) for k in range(WIDTH - 1)])
+    raw = ranking[:, 0]
+    assert not allowed(vocab, spec, ())[raw[0]]  # this toy's unmasked choice breaks the grammar
+    drafts, masks = _walk(vocab, spec, (), raw, ranking)
+    assert drafts.tolist() == greedy
+    assert (masks == _block(vocab, spec, (), drafts)).all()  # the masks along the chosen drafts

@@ -280,6 +280,8 @@ def build_dataclass(cls: type, data: Mapping[str, Any], prefix: str = "") -> Any
     for k, v in data.items():
         key = f"{prefix}.{k}" if prefix else k
         if k not in fields:
+            if k in getattr(cls, "ELSEWHERE", {}):
+                raise ConfigError(f"{key}: not a setting here: it is {cls.ELSEWHERE[k]}")
             raise ConfigError(f"{key}: unknown key (known: {', '.join(sorted(fields))})")
         kwargs[k] = _convert(v, hints[k], key)
     try:
@@ -343,6 +345,7 @@ def parse_scalar(text: str, key: str) -> Any:
         value = yaml.load(text, Loader=_BoundedLoader)
     except yaml.YAMLError:
         return text
+    _check_size(value, key)  # first: the walks below would expand an alias bomb
     _check_numbers(value, key=key)
     return value
 
@@ -452,7 +455,6 @@ def parse_overrides(overrides: Sequence[str]) -> dict:
             raise ConfigError(f"{item}: overrides must look like key=value")
         k, v = item.split("=", 1)
         value = parse_scalar(v, k.strip()[:100])
-        _check_size(value, k.strip()[:100])
         _set_dotted(tree, k.strip(), value)
     return tree
 

@@ -70,12 +70,17 @@ def json_loads(raw: str | bytes) -> Any:
 
 def long_number(tree: Any) -> tuple[tuple, LongNumber] | None:
     """``(path, number)`` of the first :class:`LongNumber` in a parsed tree (walked without
-    recursion: a tree may be deep), or None."""
-    stack = [((), tree)]
+    recursion: a tree may be deep; each shared container once: YAML aliases make a few lines
+    a tree of billions of paths), or None."""
+    stack, seen = [((), tree)], set()
     while stack:
         path, v = stack.pop()
         if isinstance(v, LongNumber):
             return path, v
+        if isinstance(v, (dict, list)):
+            if id(v) in seen:
+                continue
+            seen.add(id(v))
         if isinstance(v, dict):
             stack.extend((path + (k,), x) for k, x in reversed(list(v.items())))
         elif isinstance(v, list):

@@ -242,23 +242,20 @@ def decoding_attention(choice: str, cfg: ModelConfig, key: str = "models.attenti
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
     """Device mesh ``data × fsdp × tensor``.  ``-1`` on one axis takes the remaining devices.
-
-    ``target_devices`` / ``drafter_devices`` split the devices for serving (spec §5): the
-    first ``target_devices`` go to the target, the next ``drafter_devices`` to the drafter;
-    0 means "share all devices" (one device: both share it).
-    """
+    Decoding splits devices between target and drafter with ``decoder.target_devices`` and
+    ``decoder.drafter_devices``, not here."""
 
     data: int = 1
     fsdp: int = -1
     tensor: int = 1
-    target_devices: int = 0
-    drafter_devices: int = 0
     # logical axis -> mesh axes; None means the defaults in d3d_jax.parallel.sharding
     rules: tuple[tuple[str, Any], ...] | None = None
 
+    # keys a user may look for here, and where they live (config.base names them on refusal)
+    ELSEWHERE = {k: f"decoder.{k} (--{k.replace('_', '-')}), read by generate, serve and eval"
+                 for k in ("target_devices", "drafter_devices")}
     # each field's valid values, checked by config.base.check_fields for every loader
     BOUNDS = dict(data=between(-1, 1 << 16), fsdp=between(-1, 1 << 16), tensor=between(-1, 1 << 16),
-                  target_devices=between(0, 1 << 16), drafter_devices=between(0, 1 << 16),
                   rules=checked("parallel.sharding: logical axis -> mesh axes"))
 
     def validate(self, prefix: str = "mesh") -> None:
@@ -267,8 +264,6 @@ class MeshConfig:
             _require(v == -1 or v >= 1, f"{prefix}.{name}", f"must be >= 1 or -1, got {v}")
         _require([self.data, self.fsdp, self.tensor].count(-1) <= 1, prefix,
                  "at most one of data/fsdp/tensor may be -1")
-        _require(self.target_devices >= 0, f"{prefix}.target_devices", "must be >= 0")
-        _require(self.drafter_devices >= 0, f"{prefix}.drafter_devices", "must be >= 0")
 
     def axis_sizes(self, num_devices: int) -> tuple[int, int, int]:
         """Resolve -1 and check the product equals ``num_devices``."""

@@ -222,10 +222,6 @@ class TrainRunConfig:
         p = f"{prefix}." if prefix else ""
         self.model.validate(f"{p}model")
         self.mesh.validate(f"{p}mesh")
-        for key in ("target_devices", "drafter_devices"):  # a decoding split: training never reads it
-            _require(getattr(self.mesh, key) == 0, f"{p}mesh.{key}",
-                     f"is a decoding setting (the target/drafter device split), got {getattr(self.mesh, key)}; "
-                     f"training runs on every device of the mesh: leave it 0")
         self.data.validate(f"{p}data")
         self.objective.validate(f"{p}objective")
         self.optim.validate(f"{p}optim")

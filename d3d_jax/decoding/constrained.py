@@ -3,7 +3,8 @@
 A grammar lives on the host (:mod:`~d3d_jax.decoding.grammar`), and a slot's mask depends on
 the drafts before it, so such a round is two programs with the host between them: the drafter's
 forward (its drafts copied back), then each constrained row's matcher walked along its drafts
-for a ``[rows, W, words]`` bitmask, then the target's verify and commit with that mask.  Rows
+for a ``[rows, W, words]`` bitmask (each draft first replaced by the best of the drafter's
+top-K that the grammar allows there), then the target's verify and commit with that mask.  Rows
 without a grammar ride along unmasked (all bits set) and decode exactly as in any other round.
 No round is dispatched ahead while a grammar is live: the next round's masks need this one's
 committed tokens.  Plain rounds (W = 1) skip the drafter.  Auto runs each placement class in
@@ -27,6 +28,8 @@ import numpy as np
 
 from d3d_jax.decoding.grammar import words
 from d3d_jax.decoding.strategies import Part, result_out, windowed
+
+PROPOSAL_CANDIDATES = 8  # the drafter's top-K a constrained row's draft is chosen from
 
 
 def masked_rounds(strategy, vocab_size: int) -> "MaskedRounds":
@@ -96,12 +99,19 @@ class MaskedGeometry:
                 d = core.drafter.catch_up(dp, v.drafter_state, v.seq, v.anchor_pos, ~v.done, core.width)
                 v = dataclasses.replace(v, drafter_state=d)
             out, v = core.draft(dp, v)
-            return v, (out.drafts, out.probs)
+            cands = out.drafts[..., None]
+            if out.logits is not None:  # the drafter's ranking, for the host's masked choice
+                top = jax.lax.top_k(out.logits, PROPOSAL_CANDIDATES)[1].astype(jnp.int32)
+                cands = jnp.concatenate([cands, top], axis=-1)
+            return v, (out.drafts, out.probs, cands)
 
         return windowed(draft, rows, state, start, lo, hi)
 
-    def _verify_fn(self, t_leaves, state, drafts, probs, mask, start, lo, hi, *, rows):
+    def _verify_fn(self, t_leaves, state, drafts, probs, mask, masked_rows, start, lo, hi, *, rows):
         tp, core = self.strategy.ctx.tp(t_leaves), self.core
+        if probs is not None:  # a host-chosen draft is a point mass: verified as one, lossless
+            point = jax.nn.one_hot(drafts, probs.shape[-1], dtype=probs.dtype)
+            probs = jnp.where(masked_rows[:, None, None], point, probs)
 
         def verify(v):
             accepted, nxt, cache, logprobs = core.verify(tp, v, drafts, drafts, probs, token_mask=mask)
@@ -122,17 +132,20 @@ class MaskedGeometry:
         if plain and state.drafter_state is not None:  # auto keeps the drafter's state aside
             kept, state = state.drafter_state, dataclasses.replace(state, drafter_state=None)
         if plain:
-            drafts, probs, host = jnp.zeros((rows, width - 1), jnp.int32), None, np.zeros((rows, 0), np.int32)
+            drafts, probs = np.zeros((rows, width - 1), np.int32), None
+            cands = np.zeros((rows, width - 1, 1), np.int32)
         else:
-            state, (drafts, probs) = self._draft(params[1], state, start, lo, hi, rows=rows)
+            state, (drafts, probs, cands) = self._draft(params[1], state, start, lo, hi, rows=rows)
         t0 = time.perf_counter()
-        if not plain:
-            host = np.asarray(jax.device_get(drafts))
+        drafts, cands = (np.array(a) for a in jax.device_get((drafts, cands)))
         mask = np.full((rows, width, self.words), -1, np.int32)
+        masked_rows = np.zeros(rows, bool)
         for row, matcher in matchers.items():
-            mask[row - start] = matcher.block_bitmask(host[row - start], width)
+            drafts[row - start], mask[row - start] = matcher.block(drafts[row - start], width, cands[row - start])
+            masked_rows[row - start] = True
         self.host_seconds.append(time.perf_counter() - t0)
-        state, res = self._verify(params[0], state, drafts, probs, jnp.asarray(mask), start, lo, hi, rows=rows)
+        state, res = self._verify(params[0], state, jnp.asarray(drafts), probs, jnp.asarray(mask),
+                                  jnp.asarray(masked_rows), start, lo, hi, rows=rows)
         if plain and carry.state.drafter_state is not None:
             state = dataclasses.replace(state, drafter_state=kept)
         out = result_out(res)

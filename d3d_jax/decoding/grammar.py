@@ -15,6 +15,12 @@ drawn from the same masked distribution plain decoding draws it from (by the sam
 keys), so greedy outputs are identical and sampled ones equal in distribution (point-mass
 drafts: token for token).  A draft the grammar forbids is rejected by the target's masked
 choice; the slots after it are unreachable and left unmasked.
+
+The drafter's proposals are masked too, on the host along the same walk: each slot's draft
+becomes the first token of the drafter's own top-K that the grammar allows there
+(:meth:`Matcher.block`), so a block of JSON punctuation and keys is accepted whole instead of
+rejected at its first refused draft.  Any draft the target's randomness does not see keeps the
+output law (the target decides every slot), so this changes acceptance, never the outputs.
 """
 
 from __future__ import annotations
@@ -107,6 +113,14 @@ class Matcher:
     def block_bitmask(self, drafts, width: int) -> np.ndarray:
         """``[width, words]``: slot 0's mask now, slot k's after ``drafts[:k]`` (matcher rolled
         back after); slots past a draft the grammar refuses allow everything (never reached)."""
+        return self.block(drafts, width)[1]
+
+    def block(self, drafts, width: int, candidates=None) -> tuple[np.ndarray, np.ndarray]:
+        """(drafts, ``[width, words]`` masks) as :meth:`block_bitmask`; with ``candidates
+        [width-1, K]`` (the drafter's own ranking) each draft is first replaced by
+        :func:`allowed_choice` under its slot's mask, so the walk goes on where a raw draft
+        would have been refused and rejected."""
+        drafts = np.array(drafts, np.int32)
         out = np.full((width, words(self.vocab.size)), -1, np.int32)
         consumed = 0
         for k in range(width):
@@ -115,9 +129,25 @@ class Matcher:
                 break
             consumed += bool(k)
             self.mask_into(out[k])
+            if candidates is not None and k < width - 1:
+                drafts[k] = allowed_choice(out[k], candidates[k], drafts[k])
         if consumed:
             self.ll.rollback(consumed)
-        return out
+        return drafts, out
+
+
+def allowed_choice(bits: np.ndarray, candidates, fallback: int) -> int:
+    """The first of ``candidates`` that ``bits [words]`` allows; else the lowest allowed token
+    (a forced token, in a schema's punctuation and keys); ``fallback`` when nothing is."""
+    c = np.asarray(candidates, np.int64)
+    ok = (bits[c // WORD].astype(np.int64) >> (c % WORD)) & 1
+    if ok.any():
+        return int(c[np.argmax(ok)])
+    nz = np.flatnonzero(bits)
+    if not nz.size:
+        return int(fallback)
+    word = int(bits[nz[0]]) & 0xFFFFFFFF
+    return int(nz[0]) * WORD + ((word & -word).bit_length() - 1)
 
 
 def unpack(bitmask, vocab: int):
