@@ -387,9 +387,10 @@ def test_span_buckets_add_an_attention_only_where_they_save_a_third():
 
 @pytest.mark.parametrize("kv_heads", [4, 2])
 def test_cached_step_reads_head_and_output_projection_in_place(kv_heads):
-    """A one-token step of a tied model (XLA:CPU) makes no transposed copy of a weight: the head
-    reads the embedding ``[v, d]`` as it lies and the output projection ``[n, h, d]`` is one
-    ``[n·h, d]`` matrix (both were copied at every step, at equal and GQA heads)."""
+    """A one-token step of a tied model (XLA:CPU) copies no weight and no cache span: the head
+    reads the embedding ``[v, d]`` as it lies, the output projection ``[n, h, d]`` is one
+    ``[n·h, d]`` matrix, and equal heads attend to the span where it lies (the embedding and
+    o_proj were copied at every step, and with equal heads each layer's K and V span)."""
     from d3d_jax.config import ModelConfig
     from d3d_jax.model.qwen3 import init_model, unstacked
 
@@ -400,7 +401,7 @@ def test_cached_step_reads_head_and_output_projection_in_place(kv_heads):
     fn = jax.jit(lambda s, c: nnx.merge(graphdef, s)(jnp.zeros((1, 1), jnp.int32), meta, cache=c),
                  donate_argnums=1)
     text = fn.lower(state, kvc.init_cache(cfg, 1, 40)).compile().as_text()
-    sizes = {512 * 64, 4 * 32 * 64}  # embedding, o_proj
+    sizes = {512 * 64, 4 * 32 * 64, 40 * kv_heads * 32}  # embedding, o_proj, a layer's K or V span
     copied = [ln.strip()[:120] for ln in text.splitlines()
               if (m := re.search(r"= f32\[([0-9,]+)\]\{[0-9,]*\} (copy|transpose)\(", ln))
               and int(np.prod([int(x) for x in m.group(1).split(",")])) in sizes]
