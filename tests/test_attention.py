@@ -255,15 +255,16 @@ def _brute_force(q, k, v, q_meta, prefix):
 
 @pytest.mark.parametrize("kv_heads", [KV_HEADS, N_HEADS])
 def test_xla_decode_step_both_formulations_equal_brute_force(kv_heads):
-    """The xla backend's two ways to attend with few query rows per kv head (products summed in
-    place, the accelerators' choice; a dot, CPU's) both give brute-force attention."""
+    """The xla backend's ways to attend with few query rows per kv head (products summed in
+    place, the accelerators' choice; every head pair by a matmul, CPU's; a dot) all give
+    brute-force attention."""
     from d3d_jax.model.attention import _xla_dense
 
     (q, k, v, q_meta, _), prefix = _one_step_case(kv_heads)
     want = _brute_force(q, k, v, q_meta, prefix)
-    for in_place in (True, False):
-        got = jax.jit(functools.partial(_xla_dense, in_place=in_place))(q, q_meta, (prefix, (k, v, q_meta)))
-        np.testing.assert_allclose(np.asarray(got), want, atol=2e-5, rtol=2e-5)
+    for kw in (dict(in_place=True), dict(in_place=False, all_pairs=True), dict(in_place=False)):
+        got = jax.jit(functools.partial(_xla_dense, **kw))(q, q_meta, (prefix, (k, v, q_meta)))
+        np.testing.assert_allclose(np.asarray(got), want, atol=2e-5, rtol=2e-5, err_msg=str(kw))
 
 
 def test_xla_decode_step_lowers_to_dots_on_cpu_and_reads_in_place_elsewhere():

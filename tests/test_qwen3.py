@@ -383,3 +383,26 @@ def test_span_buckets_add_an_attention_only_where_they_save_a_third():
 
     assert switches(176) == 0
     assert switches(256) == cfg.num_layers
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_cached_step_reads_head_and_output_projection_in_place(kv_heads):
+    """A one-token step of a tied model (XLA:CPU) copies no weight and no cache span: the head
+    reads the embedding ``[v, d]`` as it lies, the output projection ``[n, h, d]`` is one
+    ``[n·h, d]`` matrix, and equal heads attend to the span where it lies (the embedding and
+    o_proj were copied at every step, and with equal heads each layer's K and V span)."""
+    from d3d_jax.config import ModelConfig
+    from d3d_jax.model.qwen3 import init_model, unstacked
+
+    cfg = ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
+                      num_kv_heads=kv_heads, head_dim=32, tie_word_embeddings=True)
+    graphdef, state = nnx.split(unstacked(init_model(cfg, seed=0)))
+    meta = causal_meta(jnp.full((1, 1), 5, jnp.int32))
+    fn = jax.jit(lambda s, c: nnx.merge(graphdef, s)(jnp.zeros((1, 1), jnp.int32), meta, cache=c),
+                 donate_argnums=1)
+    text = fn.lower(state, kvc.init_cache(cfg, 1, 40)).compile().as_text()
+    sizes = {512 * 64, 4 * 32 * 64, 40 * kv_heads * 32}  # embedding, o_proj, a layer's K or V span
+    copied = [ln.strip()[:120] for ln in text.splitlines()
+              if (m := re.search(r"= f32\[([0-9,]+)\]\{[0-9,]*\} (copy|transpose)\(", ln))
+              and int(np.prod([int(x) for x in m.group(1).split(",")])) in sizes]
+    assert not copied, copied

@@ -1,14 +1,14 @@
 """``infer/bench.py shapes``: plain decoding's ms/token over a grid of small model shapes, against
 what each shape's arithmetic predicts from the fastest cell.
 
-A cell is a 4-layer, 256-wide Qwen3 (random weights, vocab 4096, head dim 64) with its query /
-KV heads and MLP width, decoding ``new`` tokens greedily after a 32-token prompt at batch 1
-(``engine.generate``, the engine benchmark's setup).  Its work per token is what the arithmetic
-of a batch-1 step needs: every weight once (one multiply-add per weight) plus the attention over
-the cache span the step reads (query heads × head dim × span, for the scores and again for the
-values), the span being the engine's bucket for each position, averaged over the run.  The
-prediction for a cell is the fastest cell's ms per unit of work times its own work; a cell
-slower than 1.5× its prediction is a shape cliff.
+A cell is a 4-layer, 256-wide Qwen3 (random weights, vocab 4096, head dim 64, one module per
+layer as decoders run it) with its query / KV heads and MLP width, decoding ``new`` tokens
+greedily after a 32-token prompt at batch 1 (``engine.generate``, the engine benchmark's setup).
+Its work per token is what the arithmetic of a batch-1 step needs: every weight once (one
+multiply-add per weight) plus the attention over the cache span the step reads (query heads ×
+head dim × span, for the scores and again for the values), the span being the engine's bucket
+for each position, averaged over the run. The prediction for a cell is the fastest cell's ms per
+unit of work times its own work; a cell slower than 1.5× its prediction is a shape cliff.
 
 Each checkout runs in fresh processes importing ``d3d_jax`` from that checkout (``--compare-with
 DIR`` adds another, say a ``git worktree`` of main), run A B B A, each round timing every cell
@@ -78,7 +78,7 @@ def measure(cells, rounds: int) -> dict:
 
     from d3d_jax.bench.generator import Generator
     from d3d_jax.config import ModelConfig
-    from d3d_jax.model.qwen3 import init_model
+    from d3d_jax.model.qwen3 import init_model, unstacked
 
     prompt = np.random.default_rng(0).integers(0, SHAPE["vocab"], SHAPE["prompt_len"]).tolist()
     gen, runs = Generator(), {}
@@ -86,7 +86,7 @@ def measure(cells, rounds: int) -> dict:
         cfg = ModelConfig(vocab_size=SHAPE["vocab"], hidden_size=SHAPE["hidden"], intermediate_size=f,
                           num_layers=SHAPE["layers"], num_heads=q, num_kv_heads=k, head_dim=SHAPE["head_dim"],
                           max_position_embeddings=4096)
-        model = init_model(cfg)
+        model = unstacked(init_model(cfg))  # as the commands load a target (no weight slicing)
         runs[(q, k, f, n)] = lambda m=model, n=n: gen(m, [prompt], max_new_tokens=n,
                                                       block_size=SHAPE["block_size"])[0].metrics
         runs[(q, k, f, n)]()  # compiles

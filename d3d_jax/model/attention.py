@@ -42,9 +42,12 @@ _BIG_NEG = -1e30
 # calling a dot, on accelerators: a dot's batch dims must be major, so XLA would copy every
 # layer's cache span into [b, k, s, h] first (a whole-cache copy per decode step: 288 MB at
 # Qwen3-8B, cache 2048).  Below a tensor-core tile (16 rows) the products cost less than that copy.
-# One row on CPU gets the dot: XLA's CPU library fusion (YNNPACK) runs the multiply-and-sum
-# 10-25x slower when the cache operand needs no broadcast (one query row per kv head: no GQA,
-# T = 1), which made plain decoding 4.5x slower at 4 / 4 heads than at 4 / 2.
+# One row on CPU gets all pairs instead: XLA's CPU library fusion (YNNPACK) runs the
+# multiply-and-sum 10-25x slower when the cache operand needs no broadcast (one query row per kv
+# head: no GQA, T = 1), and a dot copies the span into [b, k, s, h] (K) and [b, k, h, s] (V) per
+# layer and step.  Every query head against every kv head is one plain matmul of the span as it
+# lies ([s·k, h] and [s, k·h]); the diagonal is kept.  K-fold products, yet 2-2.5x faster than the
+# dot at 4 and 8 heads, 672 slots.
 _IN_PLACE_ROWS = 8
 
 
@@ -166,29 +169,33 @@ def _xla(q: jax.Array, q_meta: TokenMeta, segments: Sequence[Segment]) -> jax.Ar
     """The reference: dense scores per segment, concatenated, one softmax.
 
     Few query rows per kv head read the cache span in place by products summed, except one row
-    on CPU (``_IN_PLACE_ROWS``); the platform is the one the program is lowered for (a
-    compile-only GPU program built on a CPU host gets the GPU's choice)."""
+    on CPU, which takes all head pairs (``_IN_PLACE_ROWS``); the platform is the one the program
+    is lowered for (a compile-only GPU program built on a CPU host gets the GPU's choice)."""
     _, t, n, _ = q.shape
     rows = t * (n // segments[-1][0].shape[2])
     if rows > 1:
         return _xla_dense(q, q_meta, segments, in_place=rows <= _IN_PLACE_ROWS)
     return jax.lax.platform_dependent(
-        q, q_meta, tuple(segments), cpu=functools.partial(_xla_dense, in_place=False),
+        q, q_meta, tuple(segments), cpu=functools.partial(_xla_dense, in_place=False, all_pairs=True),
         default=functools.partial(_xla_dense, in_place=True))
 
 
-def _xla_dense(q: jax.Array, q_meta: TokenMeta, segments: Sequence[Segment], *, in_place: bool
-               ) -> jax.Array:
+def _xla_dense(q: jax.Array, q_meta: TokenMeta, segments: Sequence[Segment], *, in_place: bool,
+               all_pairs: bool = False) -> jax.Array:
     b, t, n, h = q.shape
     dt = q.dtype
     kh = segments[-1][0].shape[2]
     q = q.reshape(b, t, kh, n // kh, h) * jnp.asarray(h ** -0.5, dt)
+    same = jnp.eye(kh, dtype=bool)  # query heads' kv head == key head (all_pairs)
     big_neg = jnp.float32(_BIG_NEG)
     scores = []
     for k, _, k_meta in segments:
         if in_place:  # products summed in f32 read the cache span where it lies
             s = jnp.sum(q.astype(jnp.float32)[:, :, None] * k.astype(jnp.float32)[:, None, :, :, None], -1)
             s = jnp.transpose(s, (0, 3, 4, 1, 2))
+        elif all_pairs:  # [s·j, h] x [h, t·k·g] as the span lies; the pairs j == k are kept
+            s = jnp.einsum("bsjh,btkgh->bsjtkg", k.astype(dt), q, preferred_element_type=jnp.float32)
+            s = jnp.transpose(jnp.sum(jnp.where(same[:, None, :, None], s, 0.0), axis=2), (0, 3, 4, 2, 1))
         else:  # a dot: XLA first copies K into [b, k, s, h] (batch dims major)
             s = jnp.einsum("btkgh,bskh->bkgts", q, k.astype(dt), preferred_element_type=jnp.float32)
         scores.append(jnp.where(attention_mask(q_meta, k_meta)[:, None, None], s, big_neg))
@@ -201,6 +208,11 @@ def _xla_dense(q: jax.Array, q_meta: TokenMeta, segments: Sequence[Segment], *, 
         p32 = jnp.transpose(probs.astype(dt).astype(jnp.float32), (0, 3, 4, 1, 2))[..., None]
         pv = lambda p, v: jnp.sum(p * v.astype(jnp.float32)[:, None, :, :, None], axis=2)  # noqa: E731
         probs = p32
+    elif all_pairs:  # [k·g·t, s] x [s, j·h], the pairs j == k kept
+        probs = probs.astype(dt)
+        pv = lambda p, v: jnp.transpose(jnp.sum(jnp.where(  # noqa: E731
+            same[:, None, None, :, None], jnp.einsum("bkgts,bsjh->bkgtjh", p, v.astype(dt)), 0), axis=4),
+            (0, 3, 1, 2, 4))
     else:
         probs = probs.astype(dt)
         pv = lambda p, v: jnp.einsum("bkgts,bskh->btkgh", p, v.astype(dt))  # noqa: E731

@@ -124,7 +124,10 @@ class Attention(nnx.Module):
         v = shard(v, ("batch", "length", "act_kv_heads", "head_dim"))
 
         out = attend(q, k, v, meta, meta, backend=cfg.attention_backend, prefix=prefix)
-        y = jnp.einsum("btnh,nhd->btd", out, self.o_proj.kernel[...].astype(dt))
+        # one [n·h] contraction of row-major arrays: as two dims, XLA:CPU copied o_proj's kernel
+        # into the attention output's head order at every decode step
+        b, t, n, h = out.shape
+        y = out.reshape(b, t, n * h) @ self.o_proj.kernel[...].astype(dt).reshape(n * h, -1)
         return y, k, v
 
 
@@ -243,9 +246,17 @@ class Qwen3(nnx.Module):
         return self.lm_head.kernel[...]
 
     def logits(self, x_btd: jax.Array, kernel: jax.Array | None = None) -> jax.Array:
-        """``kernel``: the head as :meth:`head_kernel` gives it (default: that)."""
-        w = (self.head_kernel() if kernel is None else kernel).astype(jnp.dtype(self.config.dtype))
-        out = jnp.einsum("btd,dv->btv", x_btd, w, preferred_element_type=jnp.float32)
+        """``kernel``: the head as :meth:`head_kernel` gives it (default: that).
+
+        A tied head is read as the embedding ``[v, d]`` it is: the product through its transpose
+        made XLA:CPU copy the whole embedding into ``[d, v]`` at every decode step."""
+        dt = jnp.dtype(self.config.dtype)
+        if kernel is None and self.config.tie_word_embeddings:
+            out = jnp.einsum("btd,vd->btv", x_btd, self.embed_tokens.embedding[...].astype(dt),
+                             preferred_element_type=jnp.float32)
+        else:
+            w = (self.head_kernel() if kernel is None else kernel).astype(dt)
+            out = jnp.einsum("btd,dv->btv", x_btd, w, preferred_element_type=jnp.float32)
         return shard(out, ("batch", "length", "act_vocab"))
 
     def _run_layers(self, x, meta: TokenMeta, prefix_of, keep_each: bool):
