@@ -9,6 +9,8 @@ Programs (full shapes; ``--small`` gives 2-layer models and a 256-slot cache, as
   plain step, the async round's target side (verify + commit of a 16-token block), the sync round, the async drafter side (branch pack of N_async = 384 tokens,
   and the selection); the branch pack of the drafter-size table's 4B and 31-layer 8B drafters;
   the D3D-1.7B train step on 8 x H200 (``configs/train/d3d-1.7b.yaml``'s mesh and batch);
+  with ``--target-devices N``, the plain step and the async verify round of ``--split-target``
+  (Qwen3-32B) tensor-parallel over N H200s, ``--split-rows`` x ``--cache-len``;
 * ``tpu-v5p-128`` (64 chips): the D3D-8B train step with its own mesh (1 x 16 x 4, batch 16 x
   6144), once as XLA compiles it (memory) and once with windowed-einsum collectives off (flops:
   the cost analysis counts a ``while`` body once, and those collective matmuls are loops), with
