@@ -265,6 +265,29 @@ def test_xla_plain_step_does_not_copy_the_cache(h200, tmp_path):
     assert temps[1] - temps[0] < (caches[1] - caches[0]) / 4
 
 
+@pytest.mark.parametrize("width", [1, 16])
+def test_a_target_over_two_h200s_holds_half_its_weights_and_cache_per_device(tmp_path, width):
+    """The plain step and the verify round with the target tensor-parallel over 2 compile-only
+    H200s: each device's arguments are half the weights (the norms whole) and half the KV cache,
+    counted from the config."""
+    _need("h200")
+    from d3d_jax.parallel.sharding import MESH_AXES
+
+    mesh = ct.mesh(ct.topology(ct.device("2xh200")), (1, 1, 2), MESH_AXES)
+    rows, cfg = 2, cp.model_config(TINY, "xla")
+    built = cp.split_target_step(SHAPE, "xla", mesh, rows, width)
+    c = built.fn.trace(*built.args).lower().compile()
+    d, f, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    split = v * d + cfg.num_layers * (2 * d * q + 2 * d * kv + 3 * d * f)  # tied embeddings
+    whole = cfg.num_layers * (2 * d + 2 * cfg.head_dim) + d  # RMSNorm scales, q/k norms, final norm
+    weights = 4 * (split // 2 + whole)  # float32
+    cache = 2 * cfg.num_layers * rows * SHAPE.cache_len * kv * 4 // 2
+    assert built.facts["target_param_bytes_per_device"] == weights
+    arguments = cf.memory(c)["argument"]
+    assert weights + cache <= arguments < weights + cache + 64 * 1024  # + the small per-row state
+
+
 # --------------------------------------------------------------------------------------
 # TPU: the train step on a v5e-8 topology
 # --------------------------------------------------------------------------------------

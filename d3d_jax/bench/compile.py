@@ -9,6 +9,8 @@ Programs (full shapes; ``--small`` gives 2-layer models and a 256-slot cache, as
   plain step, the async round's target side (verify + commit of a 16-token block), the sync round, the async drafter side (branch pack of N_async = 384 tokens,
   and the selection); the branch pack of the drafter-size table's 4B and 31-layer 8B drafters;
   the D3D-1.7B train step on 8 x H200 (``configs/train/d3d-1.7b.yaml``'s mesh and batch);
+  with ``--target-devices N``, the plain step and the async verify round of ``--split-target``
+  (Qwen3-32B) tensor-parallel over N H200s, ``--split-rows`` x ``--cache-len``;
 * ``tpu-v5p-128`` (64 chips): the D3D-8B train step with its own mesh (1 x 16 x 4, batch 16 x
   6144), once as XLA compiles it (memory) and once with windowed-einsum collectives off (flops:
   the cost analysis counts a ``while`` body once, and those collective matmuls are loops), with
@@ -83,6 +85,12 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--kv-page-size", type=int, default=0,
                    help="> 0: also the plain step, verify and sync round over paged KV caches of "
                         "pages this long (named '..., paged N')")
+    p.add_argument("--target-devices", type=int, default=0,
+                   help="> 1: also the plain step and the async verify round of --split-target over that "
+                        "many H200s (tensor parallel, KV cache split over KV heads), --split-rows sequences "
+                        "of --cache-len tokens (named '..., over N devices')")
+    p.add_argument("--split-target", default="qwen3-32b", help="the target model of --target-devices")
+    p.add_argument("--split-rows", type=int, default=16, help="sequences of the --target-devices programs")
     p.add_argument("--keep-dumps", action="store_true", help="keep the XLA dumps under OUT/dumps")
     p.add_argument("--out", default=DEFAULT_OUT, help="folder for bench_compile.json and .md")
     return p
@@ -133,6 +141,20 @@ def paged_programs(backends: list[str], shape: cp.DecodeShape) -> list[Program]:
     return out
 
 
+def split_programs(backends: list[str], args) -> list[Program]:
+    """The target alone over ``args.target_devices`` devices: its plain step and its async
+    verify round, ``args.split_rows`` x ``args.cache_len`` (the drafter's side keeps its own device)."""
+    from d3d_jax.parallel.sharding import MESH_AXES
+
+    n, rows = args.target_devices, args.split_rows
+    shape = cp.DecodeShape(cp.ModelSpec(args.split_target, args.split_target), DRAFTERS[0],
+                           cache_len=args.cache_len)
+    tail, mesh = f", {args.split_target} over {n} devices", (lambda chips: ((1, 1, chips), MESH_AXES))
+    return [Program(name + tail, f"{n}xh200", b,
+                    lambda m, b=b, w=w: cp.split_target_step(shape, b, m, rows, w), "decode", (), mesh)
+            for b in backends for name, w in (("plain step", 1), ("verify round", shape.block_size))]
+
+
 def _train_mesh(config: str):
     def sizes(chips: int):
         from d3d_jax.parallel.sharding import MESH_AXES
@@ -175,7 +197,8 @@ def programs(args) -> list[Program]:
     plat = {
         "h200": [kernel_program(small)] + decode_programs(backends, small, 256 if small else args.cache_len,
                                                          args.kv_page_size)
-        + [train_program("D3D-1.7B train step", c17, "8xh200", tb, small, layers=d) for d in depths],
+        + [train_program("D3D-1.7B train step", c17, "8xh200", tb, small, layers=d) for d in depths]
+        + (split_programs(backends, args) if args.target_devices > 1 else []),
         "tpu-v5p-128": pod,
         "tpu-v5e-8": [train_program("D3D-1.7B train step", c17, "tpu-v5e-8", tb, small, layers=d)
                       for d in depths],

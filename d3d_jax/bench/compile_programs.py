@@ -202,6 +202,49 @@ def select_step(shape: DecodeShape, backend: str, mesh) -> Built:
     return Built(fn, args, {**facts, "rows": shape.block_size})
 
 
+def split_shardings(tree, mesh, params: bool):
+    """The decoder's placement on a slice (:func:`~d3d_jax.parallel.sharding.placer`) for abstract
+    leaves: parameters by their logical axes, a state replicated but its KV cache over KV heads."""
+    from d3d_jax.parallel.sharding import slice_shardings
+
+    shardings = slice_shardings(tree, mesh, params=params)
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree,
+                        shardings)
+
+
+def split_target_step(shape: DecodeShape, backend: str, mesh, rows: int, width: int) -> Built:
+    """One round of the target alone over a tensor-parallel slice (``mesh``: its devices on a
+    ``tensor`` axis): ``width`` 1 is the plain step, ``shape.block_size`` the async round's verify
+    and commit; ``rows`` sequences of ``shape.cache_len`` tokens, the state donated."""
+    from d3d_jax.decoding.async_core import AsyncCore
+    from d3d_jax.decoding.core import DecodeCore
+
+    model, facts = _target(shape, backend)
+    gd, params = nnx.split(model)
+    core = DecodeCore(gd, model.config, None, width=width, cache_len=shape.cache_len, **shape.paging())
+    state = split_shardings(jax.eval_shape(lambda: core.init_state(rows)), mesh, params=False)
+    params = split_shardings(params, mesh, params=True)
+    keep = jax.tree.map(lambda x: x.sharding, state)
+    if width == 1:
+        fn = jax.jit(lambda p, s: core.round(p, None, s), donate_argnums=1, out_shardings=(keep, None))
+        args = (params, state)
+    else:
+        drafter, _ = _drafter(shape.drafter, backend, shape)
+        acore = AsyncCore(core, drafter, shape.layout)
+        hand = split_shardings(jax.ShapeDtypeStruct((rows, shape.block_size + 1), jnp.int32), mesh, False)
+        fn = jax.jit(acore.target_step, donate_argnums=1, out_shardings=(keep, None, None))
+        args = (params, state, hand)
+    facts.update(target_cache_bytes=cache_bytes(model.config, shape.cache_len, rows), rows=rows * width,
+                 target_param_bytes_per_device=per_device_bytes(params, mesh))
+    return Built(fn, args, facts)
+
+
+def per_device_bytes(tree, mesh) -> int:
+    """The bytes of ``tree``'s abstract leaves that one device holds (its shards)."""
+    return int(sum(int(np.prod(x.sharding.shard_shape(x.shape))) * jnp.dtype(x.dtype).itemsize
+                   for x in jax.tree.leaves(tree)))
+
+
 @dataclasses.dataclass(frozen=True)
 class KernelShape:
     """One training pack through the fused kernels alone (the D3D-8B drafter's heads)."""

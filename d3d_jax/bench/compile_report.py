@@ -43,8 +43,26 @@ def checks(progs: list[dict]) -> list[dict]:
             ratio = pack["roofline"]["flops_s"] / verify["roofline"]["bytes_s"]
             what = f"{pack['program']} flops / peak  over  8B verify bytes / bandwidth"
             out.append(_check(what, ratio, PACK_BAR) if pack["program"] == PACK_WITH_BAR else _shown(what, ratio))
-    out += train_checks(progs)
+    out += train_checks(progs) + split_checks(progs)
     return out + _ptx_program_checks(progs)
+
+
+SPLIT_DEVICE_BAR = 80e9  # an H100's memory: the split must fit the smaller card
+SPLIT_PARAMS_BAR = 0.6  # the target's parameter bytes on one device / the whole (half + norms)
+
+
+def split_checks(progs: list[dict]) -> list[dict]:
+    """A target over several devices: its peak per device against an H100 and its parameter
+    bytes per device against the whole (the one-device plan's weights)."""
+    out = []
+    for r in progs:
+        per = r.get("compiled") and r["facts"].get("target_param_bytes_per_device")
+        if per:
+            out.append(_check(f"{r['program']} ({r['backend']}): peak GB per device, of an 80 GB H100",
+                              r["memory"]["peak"] / 1e9, SPLIT_DEVICE_BAR / 1e9))
+            out.append(_check(f"{r['program']}: target parameter bytes per device / whole",
+                              per / r["facts"]["target_weights_bytes"], SPLIT_PARAMS_BAR))
+    return out
 
 
 # What the PTX of the new kernels must show: pipelined loads in all three training kernels,

@@ -58,6 +58,10 @@ DEVICES: dict[str, Device] = {
 
 
 def device(name: str) -> Device:
+    """A device of :data:`DEVICES`, or ``Nxh200``: N H200s on one host (a tensor-parallel slice)."""
+    count, _, base = name.partition("xh200")
+    if name not in DEVICES and count.isdigit() and int(count) >= 1 and not base:
+        return Device(topology=f"1x1x{int(count)}", **_H200)
     if name not in DEVICES:
         raise ConfigError(f"--platform: unknown device {name!r} (known: {', '.join(DEVICES)})")
     return DEVICES[name]

@@ -344,6 +344,12 @@ def placer(devices: list[jax.Device], mesh: bool = False) -> tuple[Callable, Cal
             (lambda tree: jax.device_put(tree, _put_shardings(tree, m))))
 
 
+def slice_shardings(tree: Any, mesh: Mesh, *, params: bool) -> Any:
+    """The shardings :func:`placer` gives ``tree`` on a slice's mesh (``params``: by the logical
+    rules; else replicated, a KV cache over KV heads); abstract trees too, for a compile-only plan."""
+    return (_param_shardings if params else _put_shardings)(tree, mesh)
+
+
 @dataclasses.dataclass(frozen=True)
 class Slices:
     """Where each side of a decoder lives, and how its trees get there."""
