@@ -80,19 +80,6 @@ def environment() -> dict[str, Any]:
                 platform=devs[0].platform, devices=[(d.id, d.device_kind) for d in devs])
 
 
-CPU_LLVM_LEVEL = 1  # LLVM's optimization level for a decoder's programs on a CPU
-
-
-def compiler_options() -> dict[str, Any] | None:
-    """XLA options for a decoder's programs: on a CPU, LLVM at -O1 rather than -O2.  The demo
-    sync decoder's on-device loop compiled 23 % faster and decoded at the same ms/token
-    (docs/results/compile.md; -O0 halves the compile but decodes 50 % slower).  A level in the
-    user's ``XLA_FLAGS`` wins."""
-    if jax.default_backend() != "cpu" or "xla_backend_optimization_level" in os.environ.get("XLA_FLAGS", ""):
-        return None
-    return {"xla_backend_optimization_level": CPU_LLVM_LEVEL}
-
-
 def decoder_salt(config, target_graphdef, target_config, drafter) -> dict | None:
     """What a decoder's programs close over, as text; None when something has no stable text (an
     acceptance override or rule, a drafter that is not a model), so nothing is kept on disk."""
@@ -194,7 +181,7 @@ class ProgramStore:
         """``jax.jit(fn, ...)``, or with a directory, a :class:`Program` kept in the store."""
         if not self.enabled:
             return jax.jit(fn, static_argnames=static_argnames, static_argnums=static_argnums,
-                           donate_argnums=donate_argnums, compiler_options=compiler_options())
+                           donate_argnums=donate_argnums)
         name = name or getattr(fn, "__qualname__", getattr(fn, "__name__", "program"))
         return Program(self, fn, name, _tuple(static_argnames), _tuple(static_argnums),
                        donate_argnums)
@@ -379,7 +366,7 @@ class Program:
         self._fn = fn
         self._last: dict = {}  # (static values, tree) -> the last program called with them
         self._options = dict(static_argnames=static_argnames, static_argnums=static_argnums,
-                             donate_argnums=donate_argnums, compiler_options=compiler_options())
+                             donate_argnums=donate_argnums)
         # JAX's cache key holds the module name: never the key of a plain jit of the same code
         self._jit = self._rename(store.salt_hash[:12])
 
