@@ -336,12 +336,19 @@ def _rewrite(path, change):
     path.write_bytes(len(blob).to_bytes(8, "little") + blob + bytes(data))
 
 
+@pytest.mark.parametrize("on_host", [True, False], ids=["read-on-host", "device-program"])
 @pytest.mark.parametrize("stacked", [True, False], ids=["stacked", "per-layer"])
 @pytest.mark.parametrize("name,value", [("model.norm.weight", np.nan),
                                         ("model.layers.1.self_attn.k_norm.weight", np.inf),
                                         ("model.layers.0.mlp.down_proj.weight", -np.inf)])
-def test_a_non_finite_weight_is_refused_naming_file_and_tensor(good_dir, stacked, name, value):
-    """Was: a NaN in one element of a norm weight loaded and decoded to token 0, exit 0."""
+def test_a_non_finite_weight_is_refused_naming_file_and_tensor(good_dir, stacked, name, value, on_host,
+                                                                 monkeypatch):
+    """Was: a NaN in one element of a norm weight loaded and decoded to token 0, exit 0.  Both
+    ways of looking: weights in host memory read there, elsewhere by one device program."""
+    from d3d_jax.io import weight_checks
+
+    monkeypatch.setattr(weight_checks, "_on_host", lambda x: on_host)
+    monkeypatch.setattr(weight_checks, "HOST_CHUNK", 3)  # the bad fourth element in a later chunk
     path = good_dir / "model.safetensors"
 
     def poison(header, data):

@@ -333,3 +333,40 @@ def test_a_warm_up_compiles_every_program_ahead_off_the_calling_thread_then_runs
     assert dec.programs.stored() == after  # each kept on disk too
     tokens, _ = serve(dec, [Request(p, k) for p, k in zip(PROMPTS, MAX_NEW)], [0, 0, 2])
     assert [tokens[i] for i in range(len(PROMPTS))] == solo
+
+
+def test_loading_and_a_sync_decoders_first_generate_compile_only_the_decoders_programs(tmp_path):
+    """Two models read from disk and a sync decoder's first ``generate``, in a process that has
+    compiled nothing (JAX's caches cleared and its disk cache off for the test): every program
+    XLA compiles is the decoder's own (state, admission, on-device loop, results) or JAX's
+    staging copies.  Was: loading each model compiled a weight-check program as well."""
+    import jax
+
+    from d3d_jax.decoding import engine
+    from d3d_jax.io.checkpoint import load_decoding_model
+    from d3d_jax.io.hf import save_qwen3
+
+    for name, model in zip(("target", "drafter"), tiny_pair(VOCAB, MASK)):
+        save_qwen3(model, tmp_path / name)
+    compiled = []
+
+    def on_event(event, duration, fun_name=None, **_):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiled.append(re.sub(r"^jit\((.*)\)$", r"\1", str(fun_name)))
+
+    was = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    jax.clear_caches()
+    jax.monitoring.register_event_duration_secs_listener(on_event)
+    try:
+        target, drafter = (load_decoding_model(tmp_path / n) for n in ("target", "drafter"))
+        dec = engine.make_decoder(target, drafter, mode="sync", max_cache_len=CACHE, block_size=BLOCK,
+                                  mask_token_id=MASK)
+        out = engine.generate(dec, PROMPTS[:1], max_new_tokens=MAX_NEW[0])
+    finally:
+        jax.monitoring.unregister_event_duration_listener(on_event)
+        jax.config.update("jax_enable_compilation_cache", was)
+    assert len(out[0].token_ids) == MAX_NEW[0]
+    own = sorted(n for n in compiled if n != "stage")
+    assert own == sorted(["init_state", "_admit_fn", "_loop_fn", "<lambda>"]), compiled
+    assert len(compiled) <= 30

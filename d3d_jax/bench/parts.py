@@ -40,7 +40,7 @@ def fixed_inputs(cfg, shape, seed):
 def draft_seconds(drafter, ctx: int, cache_len: int, block: int, iters: int, repeats: int,
                   uncached: tuple[int, ...]) -> list[float]:
     """One sync draft (``ModelDrafter.propose``) from an anchor at ``ctx``, per count of
-    committed tokens not yet in the drafter cache (it picks the narrow or wide variant)."""
+    committed tokens not yet in the drafter cache."""
     from d3d_jax.decoding.drafting import ModelDrafter
     from d3d_jax.decoding.verify import GREEDY, SamplingParams
 

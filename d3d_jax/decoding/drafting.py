@@ -145,7 +145,6 @@ def prefill_scored(drafter, params, data, prompt_bt: jax.Array, prefill_len: jax
             jnp.full((prompt_bt.shape[0],), jnp.nan, jnp.float32))
 
 
-UNCACHED_NARROW = 4  # uncached committed tokens fed by the drafter's narrow variant
 CATCH_UP_CHUNK = 16  # committed tokens a catch-up forward caches per row
 
 
@@ -235,17 +234,11 @@ class ModelDrafter:
                 block_size: int, sample_drafts: bool, fanout: int = 0):
         model = nnx.merge(self.graphdef, params)
         bs = block_size
-        # Most rounds commit a few tokens: padding the uncached part to B would spend most of
-        # the drafter's layer work on padding, so a narrow variant serves rounds that fit it.
-        if bs > UNCACHED_NARROW:
-            wide = jnp.max(anchor_pos - state.lengths) > UNCACHED_NARROW
-            slot_logits, write = jax.lax.switch(
-                wide.astype(jnp.int32),
-                [lambda st: self._block_forward(model, UNCACHED_NARROW, st, seq, anchor_pos, bs),
-                 lambda st: self._block_forward(model, bs, st, seq, anchor_pos, bs)], state)
-        else:
-            slot_logits, write = self._block_forward(model, bs, state, seq, anchor_pos, bs)
-        cache = write.apply(state)  # outside the switches: in place, no cache copy
+        # One forward, the uncached part padded to B.  A narrow variant for rounds that commit
+        # few tokens (switched on the device) doubled the drafter in every round program, a third
+        # of a sync loop's compile, and decoded no faster on CPU (docs/results/compile.md).
+        slot_logits, write = self._block_forward(model, bs, state, seq, anchor_pos, bs)
+        cache = write.apply(state)  # in place, no cache copy
         argmax = jnp.argmax(slot_logits, axis=-1).astype(jnp.int32)
         drafts, probs = argmax, None  # q is needed only to verify sampled drafts
         if sample_drafts:
