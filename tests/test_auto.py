@@ -742,7 +742,10 @@ class AllowedSet:
             bits[t // WORD] |= np.uint32(1 << (t % WORD))
         self.bits = bits.view(np.int32)
 
-    def block(self, drafts, width, candidates=None):
+    def mask_into(self, out):
+        out[:] = self.bits
+
+    def block(self, drafts, width, candidates=None, first=None):
         from d3d_jax.decoding.grammar import allowed_choice
 
         drafts = np.array(drafts, np.int32)

@@ -167,3 +167,6 @@ def test_a_drafter_blind_to_the_grammar_proposes_the_masked_greedy_block(vocab):
     drafts, masks = _walk(vocab, spec, (), raw, ranking)
     assert drafts.tolist() == greedy
     assert (masks == _block(vocab, spec, (), drafts)).all()  # the masks along the chosen drafts
+    m = vocab.matcher(spec)  # slot 0's mask built beforehand (while the drafter runs): the same walk
+    again, masks2 = m.block(raw, WIDTH, ranking, first=masks[0].copy())
+    assert again.tolist() == greedy and (masks2 == masks).all()

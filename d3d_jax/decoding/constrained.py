@@ -7,7 +7,8 @@ for a ``[rows, W, words]`` bitmask (each draft first replaced by the best of the
 top-K that the grammar allows there), then the target's verify and commit with that mask.  Rows
 without a grammar ride along unmasked (all bits set) and decode exactly as in any other round.
 No round is dispatched ahead while a grammar is live: the next round's masks need this one's
-committed tokens.  Plain rounds (W = 1) skip the drafter.  Auto runs each placement class in
+committed tokens; within a round only slot 0's masks depend on no draft, and they are built
+while the drafter's program runs.  Plain rounds (W = 1) skip the drafter.  Auto runs each placement class in
 its own part: the rows it speculates on in its widest sync geometry, the rows it set aside
 (constrained requests by default: their drafts are mostly rejected) in plain rounds
 (:meth:`~d3d_jax.decoding.auto.AutoStrategy.masked_label`).  Async rounds have no grammar path
@@ -137,11 +138,14 @@ class MaskedGeometry:
         else:
             state, (drafts, probs, cands) = self._draft(params[1], state, start, lo, hi, rows=rows)
         t0 = time.perf_counter()
-        drafts, cands = (np.array(a) for a in jax.device_get((drafts, cands)))
         mask = np.full((rows, width, self.words), -1, np.int32)
+        for row, matcher in matchers.items():  # slot 0's masks while the drafter runs
+            matcher.mask_into(mask[row - start, 0])
+        drafts, cands = (np.array(a) for a in jax.device_get((drafts, cands)))
         masked_rows = np.zeros(rows, bool)
         for row, matcher in matchers.items():
-            drafts[row - start], mask[row - start] = matcher.block(drafts[row - start], width, cands[row - start])
+            drafts[row - start], mask[row - start] = matcher.block(drafts[row - start], width, cands[row - start],
+                                                                   first=mask[row - start, 0].copy())
             masked_rows[row - start] = True
         self.host_seconds.append(time.perf_counter() - t0)
         state, res = self._verify(params[0], state, jnp.asarray(drafts), probs, jnp.asarray(mask),

@@ -115,11 +115,12 @@ class Matcher:
         back after); slots past a draft the grammar refuses allow everything (never reached)."""
         return self.block(drafts, width)[1]
 
-    def block(self, drafts, width: int, candidates=None) -> tuple[np.ndarray, np.ndarray]:
+    def block(self, drafts, width: int, candidates=None, first=None) -> tuple[np.ndarray, np.ndarray]:
         """(drafts, ``[width, words]`` masks) as :meth:`block_bitmask`; with ``candidates
         [width-1, K]`` (the drafter's own ranking) each draft is first replaced by
         :func:`allowed_choice` under its slot's mask, so the walk goes on where a raw draft
-        would have been refused and rejected."""
+        would have been refused and rejected.  ``first``: slot 0's mask, built beforehand
+        (it depends on no draft, so it is built while the drafter runs)."""
         drafts = np.array(drafts, np.int32)
         out = np.full((width, words(self.vocab.size)), -1, np.int32)
         consumed = 0
@@ -128,7 +129,10 @@ class Matcher:
             if k and (self.ll.is_stopped() or self.ll.try_consume_tokens([int(drafts[k - 1])]) != 1):
                 break
             consumed += bool(k)
-            self.mask_into(out[k])
+            if k == 0 and first is not None:
+                out[0] = first
+            else:
+                self.mask_into(out[k])
             if candidates is not None and k < width - 1:
                 drafts[k] = allowed_choice(out[k], candidates[k], drafts[k])
         if consumed:
