@@ -372,3 +372,16 @@ def test_a_float_tensor_relabelled_as_integers_is_refused_not_cast(tmp_path, sto
         load_qwen3(tmp_path / "m")
     assert str(e.value).startswith(f"{path}: tensor {name} is stored as int{8 * st._DTYPES[label].itemsize}, "
                                    "not a floating-point type"), str(e.value)
+
+
+def test_weights_gathered_into_numpy_are_checked_on_the_host():
+    """An export checks the copy it gathered from the devices, numpy arrays: read where they lie
+    (was: an AttributeError on ``is_fully_addressable`` ended a two-process export)."""
+    from d3d_jax.io.weight_checks import first_nonfinite
+
+    bad = np.ones((2, 5), np.float32)
+    bad[1, 3] = np.nan
+    pure = {"embed": np.zeros((4, 3), np.float32), "layers": {"w": bad}}
+    found = first_nonfinite(pure)
+    assert found is not None and found[0][-1] == "w" and found[2:] == (1, 5)
+    assert first_nonfinite({"a": np.zeros(3, np.float32)}) is None

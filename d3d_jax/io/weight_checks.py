@@ -70,7 +70,11 @@ def _host_finite(stacked: bool, x) -> np.ndarray:
 
 
 def _on_host(x) -> bool:
-    return all(d.platform == "cpu" for d in getattr(x, "devices", lambda: ())()) and x.is_fully_addressable
+    """In this process's memory: numpy (an export's gathered copy), or a jax array on CPU
+    devices that are all this process's."""
+    if not isinstance(x, jax.Array):
+        return True
+    return all(d.platform == "cpu" for d in x.devices()) and x.is_fully_addressable
 
 
 def finite_flags(stacked: tuple[bool, ...], xs: list) -> list:
