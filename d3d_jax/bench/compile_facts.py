@@ -125,6 +125,8 @@ def _kernel_call(line: str, out_type: str) -> dict:
     if len(shapes) > 2 and shapes[2] == ("s32", (1,)):
         # a stacked cache's layer index (the layer scan's step), after the live tiles and count
         shapes = shapes[:2] + shapes[3:]
+        if len(shapes) > 2 and shapes[2][0] == "s32":  # a paged pool's page table (q is never s32)
+            shapes = shapes[:2] + shapes[3:]
     return {"name": name.group(1) if name else target, "target": target, "operands": shapes,
             "results": shapes_in(out_type), "grid": grid}
 

@@ -14,8 +14,9 @@ rows, ``N`` query heads over ``K`` kv heads (``g = N/K``), ``T`` queries, ``S`` 
   training pack has ~0.35 live, :func:`live_fraction` measures a layout).
 * **bytes** (the roofline's): every operand read once and every result written once, K/V
   counted over the ``S`` keys the kernel may read.  The decode kernel's K/V operands are the
-  whole stacked cache ``[L, B, S_max, K, H]`` (read in place): it reads one layer's first ``S``
-  slots, ``B·S·K·H·e`` each, which is what is counted.  This is the traffic when the re-reads
+  whole stacked cache ``[L, B, S_max, K, H]`` or paged pool (read in place; a page table's
+  operand is left out): it reads one layer's first ``S`` slots of each row, ``B·S·K·H·e`` each,
+  which is what is counted.  This is the traffic when the re-reads
   (one per query head of a group and per query tile) hit L2.
 * **issued_bytes**: what the CTAs load with no L2 reuse.  Forward / dQ: every (row, head, query
   tile) reads its live K/V tiles, ``B·N·(T/bq)·f·S·2H·e``; dK/dV: every (row, kv head, key
@@ -28,6 +29,8 @@ estimate: ``estimated`` is False and the report lists them.
 """
 
 from __future__ import annotations
+
+import math
 
 FLOPS_PER_PAIR = {"d3d_flash_fwd": 4, "d3d_flash_dq": 6, "d3d_flash_dkv": 8, "d3d_flash_decode": 4}
 _NONE = {"flops": 0.0, "transcendentals": 0.0, "bytes": 0.0, "issued_bytes": 0.0, "estimated": False}
@@ -59,7 +62,8 @@ def dims(call: dict) -> dict:
     """Attention dims of one call from its operand/result shapes."""
     name, ops, res = call["name"], call["operands"], call["results"]
     (_, q), (kdt, k) = ops[2], ops[3]
-    if name == "d3d_flash_decode":  # q [B, K, R, H] (a group's heads stacked), k [L, B, S_max, K, H], kpos [B, S]
+    # q [B, K, R, H] (a group's heads stacked), k [L, B, S_max, K, H] or a pool [L, pages, page_size, K, H]
+    if name == "d3d_flash_decode":
         b, kh, rows, h = q
         return dict(b=b, n=kh, t=rows, h=h, kh=kh, s=ops[7][1][-1], dt=kdt, g=1, layered=True)
     if len(q) == 4:  # GPU: q [B, T, N, H], k [B, S, K, H]
@@ -70,8 +74,10 @@ def dims(call: dict) -> dict:
     b, t, nh = q
     n = stats[1]
     h = nh // n
-    layered = len(k) == 4  # a stacked cache [L, B, S_max, K*H]: the keys are kpos's [B, 1, S]
-    s = ops[7][1][-1] if layered else k[-2]
+    # a stacked cache [L, B, S_max, K*H] (the keys are kpos's [B, 1, S]) or a paged pool
+    # [L, pages, page_size, K*H] (kpos [B, S / bk, 1, bk])
+    layered = len(k) == 4
+    s = math.prod(ops[7][1][1:]) if layered else k[-2]
     return dict(b=b, t=t, n=n, h=h, s=s, kh=k[-1] // h, dt=kdt, g=n // (k[-1] // h), layered=layered)
 
 

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from d3d_jax.config import check_attention_backend
-from d3d_jax.model.flash_attention import flash_attention, flash_decode_cache
+from d3d_jax.model.flash_attention import flash_attention, flash_decode_cache, reads_pages
 from d3d_jax.model.masks import TokenMeta, attention_mask
 from d3d_jax.parallel import sharding as shd
 
@@ -94,8 +94,9 @@ class CacheSpans:
 @dataclasses.dataclass
 class PagedLayer:
     """The first ``span`` positions of layer ``layer`` of a paged KV cache
-    (:mod:`~d3d_jax.model.paged_kv`), as an attention prefix: every backend reads it as the
-    segment one gather through the rows' page tables makes (the span's pages, in row order)."""
+    (:mod:`~d3d_jax.model.paged_kv`), as an attention prefix: the fused decode kernel reads the
+    pool through the rows' page tables in place (:func:`kernel_reads_pages`); other backends read
+    the segment one gather through the tables makes (the span's pages, in row order)."""
 
     k_lpskh: jax.Array  # [L, num_pages, page_size, K, H]
     v_lpskh: jax.Array
@@ -151,7 +152,7 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, q_meta: TokenMeta, k_meta: 
         branches = [lambda q, k, v, j=j: attend(q, k, v, q_meta, k_meta, backend=backend, prefix=prefix.at(j),
                                                 tiles=tiles) for j in range(len(prefix.metas))]
         return jax.lax.switch(prefix.index, branches, q, k, v)
-    if isinstance(prefix, PagedLayer):  # the fused kernels do not read through page tables yet
+    if isinstance(prefix, PagedLayer) and not kernel_reads_pages(backend, prefix.k_lpskh.shape[2]):
         prefix = prefix.segment()
     if backend in ("pallas", "pallas_interpret"):
         run = functools.partial(_pallas, platform=kernel_platform(backend), tiles=tiles)
@@ -228,6 +229,12 @@ def _xla_dense(q: jax.Array, q_meta: TokenMeta, segments: Sequence[Segment], *, 
     return out.astype(dt).reshape(b, t, n, h)
 
 
+def kernel_reads_pages(backend: str, page_size: int) -> bool:
+    """Whether ``backend``'s fused decode kernel reads a paged prefix through its page table
+    (else every backend reads the gathered span, :meth:`PagedLayer.segment`)."""
+    return backend in ("pallas", "pallas_interpret") and reads_pages(page_size, kernel_platform(backend))
+
+
 def kernel_platform(backend: str) -> str:
     """The platform the fused kernel lowers for: the active mesh's devices (a compile-only
     topology on a CPU host included), else the default backend; ``interpret`` for the test path."""
@@ -252,6 +259,10 @@ def _pallas(q: jax.Array, q_meta: TokenMeta, own: Segment, prefix: Prefix | None
         cached = flash_decode_cache(q, prefix.k_lbskh.astype(dt), prefix.v_lbskh.astype(dt), prefix.layer,
                                     q_meta, prefix.meta, platform=platform, out_dtype=jnp.float32,
                                     block_k=tiles[1])
+    elif isinstance(prefix, PagedLayer):  # read through the page table, as the dense cache in place
+        cached = flash_decode_cache(q, prefix.k_lpskh.astype(dt), prefix.v_lpskh.astype(dt), prefix.layer,
+                                    q_meta, prefix.meta, platform=platform, out_dtype=jnp.float32,
+                                    block_k=tiles[1], page_table=prefix.page_table)
     else:
         pk, pv, p_meta = prefix
         cached = flash_attention(q, pk.astype(dt), pv.astype(dt), q_meta, p_meta, out_dtype=jnp.float32,
@@ -289,6 +300,9 @@ def _per_shard(fn, q: jax.Array, q_meta: TokenMeta, own: Segment, prefix: Prefix
     if isinstance(prefix, CacheLayer):
         cache_spec = P(None, rows, None, kv_heads, None)
         prefix_spec = CacheLayer(cache_spec, cache_spec, meta_spec, P())
+    elif isinstance(prefix, PagedLayer):  # the pool is every row's: split by heads only
+        pool_spec = P(None, None, None, kv_heads, None)
+        prefix_spec = PagedLayer(pool_spec, pool_spec, P(rows, None), meta_spec, P())
     else:
         prefix_spec = None if prefix is None else seg_spec
         prefix = None if prefix is None else tuple(prefix)

@@ -203,19 +203,40 @@ def flash_attention(q, k, v, q_meta: TokenMeta, k_meta: TokenMeta, *, platform: 
 
 
 def flash_decode_cache(q, k_lbskh, v_lbskh, layer, q_meta: TokenMeta, k_meta: TokenMeta, *,
-                       platform: str, out_dtype=None, block_k: int = 64) -> tuple[jax.Array, jax.Array]:
+                       platform: str, out_dtype=None, block_k: int = 64, page_table=None
+                       ) -> tuple[jax.Array, jax.Array]:
     """``(out, lse)`` of ``q`` over layer ``layer`` (int32 scalar) of a stacked cache ``[L, B, S_max, K, H]``,
-    read in place: only the ``S = k_meta.shape[1]`` first slots, no slice copy (forward only)."""
+    read in place: only the ``S = k_meta.shape[1]`` first slots, no slice copy (forward only).
+
+    With ``page_table [B, max_pages]``, K/V are a paged pool ``[L, num_pages, page_size, K, H]``
+    (:func:`reads_pages` says which page sizes) and each key tile is read from its row's page;
+    entries outside the pool (unmapped pages) are clipped to some page, whose keys ``k_meta`` masks."""
     out_dtype = jnp.dtype(out_dtype or q.dtype)
     qctx, qbid = encode_queries(q_meta)
     kpos, kbid = encode_keys(k_meta)
+    if page_table is not None:
+        if not reads_pages(k_lbskh.shape[2], platform):
+            raise ValueError(f"flash_decode_cache: the {platform} kernel reads no page of {k_lbskh.shape[2]} tokens")
+        page_table = jnp.clip(page_table, 0, k_lbskh.shape[1] - 1).astype(jnp.int32)
     if platform.startswith("tpu"):
         from d3d_jax.model import flash_tpu
 
         return flash_tpu.cache_forward(q, k_lbskh, v_lbskh, layer, qctx, qbid, kpos, kbid, live_tiles,
                                        _encoded_visibility, out_dtype=out_dtype,
-                                       interpret=platform == "tpu_interpret")
+                                       interpret=platform == "tpu_interpret", page_table=page_table)
     if platform == "gpu":
         block_k = min(block_k, fk.GPU_TILE_CAP.get(jnp.dtype(q.dtype).name, 32))
     return flash_decode.decode_forward(q, k_lbskh, v_lbskh, layer, qctx, qbid, kpos, kbid, _encoded_visibility,
-                                       block_k=block_k, out_dtype=out_dtype, interpret=platform == "interpret")
+                                       block_k=block_k, out_dtype=out_dtype, interpret=platform == "interpret",
+                                       page_table=page_table)
+
+
+def reads_pages(page_size: int, platform: str) -> bool:
+    """Whether the decode kernel for ``platform`` reads a paged pool of ``page_size``-token pages
+    itself: a key tile is a page or a power-of-two part of one (GPU: a tile >= 16 rows, Triton's
+    smallest dot; TPU: a page of whole sublane groups, 16 rows of bfloat16)."""
+    if platform.startswith("tpu"):
+        from d3d_jax.model.flash_tpu import page_tile
+
+        return page_size % 16 == 0 and page_size % page_tile(page_size) == 0
+    return page_size >= 16 and page_size & (page_size - 1) == 0

@@ -120,16 +120,19 @@ def forward(q, k, v, qctx, qbid, kpos, kbid, tiles, count, *, bq, bk, out_dtype,
 
 
 def cache_forward(q, k_lbskh, v_lbskh, layer, qctx, qbid, kpos, kbid, live_tiles, visibility, *, out_dtype,
-                  interpret=False):
+                  interpret=False, page_table=None):
     """``(out, lse)`` of ``q [B,T,N,H]`` over the first ``kpos.shape[1]`` slots of a stacked cache,
-    read in place through the ``[L, B, S, K*H]`` view."""
+    read in place through the ``[L, B, S, K*H]`` view; with ``page_table`` over a paged pool
+    ``[L, num_pages, page_size, K, H]`` (:func:`paged_forward`)."""
     from d3d_jax.model.flash_kernels import pad_rows, tile_size
 
     b, t, n, h = q.shape
     l_, _, s_max, kh, _ = k_lbskh.shape
     s = kpos.shape[1]
     bq, bk = tile_size(t, TPU_TILE, LANES), tile_size(s, TPU_TILE, LANES)
-    if s_max % bk:  # the view must be whole tiles: a copy, only for a cache length off the tile
+    if page_table is not None:
+        bk = page_tile(k_lbskh.shape[2])
+    elif s_max % bk:  # the view must be whole tiles: a copy, only for a cache length off the tile
         k_lbskh, v_lbskh = _pad_keys(k_lbskh.reshape(l_ * b, s_max, kh, h), bk), _pad_keys(
             v_lbskh.reshape(l_ * b, s_max, kh, h), bk)
         s_max = k_lbskh.shape[1]
@@ -137,11 +140,57 @@ def cache_forward(q, k_lbskh, v_lbskh, layer, qctx, qbid, kpos, kbid, live_tiles
     tp = -(-t // bq) * bq
     qctx, qbid = pad_rows(qctx, tp, fk.INT_MIN), pad_rows(qbid, tp, fk.Q_NO_BLOCK)
     tiles, count = live_tiles(visibility(qctx, qbid, kpos, kbid, bq, bk))
-    view = lambda x: x.reshape(l_, b, s_max, kh * h)
-    out, lse = _forward_call(pad_rows(q, tp).reshape(b, tp, n * h), view(k_lbskh), view(v_lbskh), layer, qctx,
-                             qbid, kpos, kbid, tiles, count, bq=bq, bk=bk, h=h, out_dtype=out_dtype,
-                             interpret=interpret)
+    kw = dict(bq=bq, bk=bk, h=h, out_dtype=out_dtype, interpret=interpret)
+    q_flat = pad_rows(q, tp).reshape(b, tp, n * h)
+    if page_table is not None:
+        out, lse = paged_forward(q_flat, k_lbskh, v_lbskh, layer, page_table, qctx, qbid, kpos, kbid, tiles,
+                                 count, **kw)
+    else:
+        view = lambda x: x.reshape(l_, b, s_max, kh * h)
+        out, lse = _forward_call(q_flat, view(k_lbskh), view(v_lbskh), layer, qctx, qbid, kpos, kbid, tiles,
+                                 count, **kw)
     return out.reshape(b, tp, n, h)[:, :t], lse[:, :, :t]
+
+
+def page_tile(page_size: int) -> int:
+    """The key tile over pages of ``page_size`` tokens: the page, or the largest tile that divides it."""
+    return page_size if page_size <= TPU_TILE else TPU_TILE
+
+
+def paged_forward(q, k_pool, v_pool, layer, table, qctx, qbid, kpos, kbid, tiles, count, *, bq, bk, h,
+                  out_dtype, interpret):
+    """The forward kernel over a paged pool ``[L, num_pages, page_size, K, H]``: the page table
+    ``[B, max_pages]`` is scalar prefetch beside the tile list, so key tile ``j`` of row ``b`` is
+    fetched from page ``table[b, j*bk // page_size]`` (a key tile lies in one page).  The keys'
+    metadata is viewed ``[B, tiles, 1, bk]``, one tile a whole block whatever ``bk``."""
+    b, t, nh = q.shape
+    l_, pages, ps, kh, _ = k_pool.shape
+    n, g, nk = nh // h, nh // h // kh, tiles.shape[-1]
+    per = ps // bk  # key tiles per page
+
+    def kv_at(b, n, i, j, tl, c, lay, tab):
+        tile = tl[b, i, j]
+        return lay[0], tab[b, tile // per], tile % per, n // g
+
+    kv = pl.BlockSpec((None, None, bk, h), kv_at)
+    krow = pl.BlockSpec((None, None, 1, bk), lambda b, n, i, j, tl, *_: (b, tl[b, i, j], 0, 0))
+    qcol = pl.BlockSpec((None, bq, 1), lambda b, n, i, j, *_: (b, i, 0))
+    q_tile = pl.BlockSpec((None, bq, h), lambda b, n, i, j, *_: (b, i, n))
+    spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=4, grid=(b, n, t // bq, nk),
+        in_specs=[q_tile, kv, kv, qcol, qcol, krow, krow],
+        out_specs=[q_tile, pl.BlockSpec((None, None, bq, 1), lambda b, n, i, j, *_: (b, n, i, 0))],
+        scratch_shapes=[pltpu.VMEM((bq, h), jnp.float32), pltpu.VMEM((bq, 1), jnp.float32),
+                        pltpu.VMEM((bq, 1), jnp.float32)])
+    pool = lambda x: x.reshape(l_, pages, ps, kh * h)  # noqa: E731
+    meta = lambda x: x.reshape(b, -1, 1, bk)  # noqa: E731
+    out, lse = pl.pallas_call(
+        lambda tl, c, _layer, _table, *refs: _fwd_kernel(tl, c, *refs), grid_spec=spec, name="d3d_flash_fwd",
+        out_shape=[jax.ShapeDtypeStruct((b, t, nh), out_dtype), jax.ShapeDtypeStruct((b, n, t, 1), jnp.float32)],
+        **_call_kw(interpret, "parallel", "parallel", "parallel", "arbitrary"),
+    )(tiles, count, jnp.reshape(layer, (1,)).astype(jnp.int32), table, q, pool(k_pool), pool(v_pool), _col(qctx),
+      _col(qbid), meta(kpos), meta(kbid))
+    return out, lse[..., 0]
 
 
 # --------------------------------------------------------------------------------------

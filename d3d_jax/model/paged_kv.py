@@ -15,7 +15,9 @@ free or finished row with an unmapped table can therefore keep computing (masks,
 without touching another row's pages.
 
 The model sees "a cache" (``lengths``, ``max_len``, ``written``); only the attention prefix
-differs: a :class:`~d3d_jax.model.attention.PagedLayer` gathers a row's span through its table.
+differs: a :class:`~d3d_jax.model.attention.PagedLayer`, which the fused decode kernels read
+through the table in place (a key tile is a page or part of one) and the ``xla`` reference
+reads as a gather of the row's span.
 """
 
 from __future__ import annotations

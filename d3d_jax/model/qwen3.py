@@ -43,7 +43,7 @@ from flax import nnx
 
 from d3d_jax.config import ModelConfig
 from d3d_jax.model import kv_cache as kvc
-from d3d_jax.model.attention import CacheLayer, CacheSpans, attend
+from d3d_jax.model.attention import CacheLayer, CacheSpans, attend, kernel_reads_pages
 from d3d_jax.model.flash_attention import save_flash_forward
 from d3d_jax.model.masks import TokenMeta, cache_key_meta, default_meta
 from d3d_jax.model.paged_kv import PagedKVCache
@@ -295,9 +295,13 @@ class Qwen3(nnx.Module):
     def _cache_prefix(self, cache, cache_span):
         """``i -> `` layer ``i``'s attention prefix: the whole stacked cache and the layer index
         (a fused kernel reads the span in place), at one span or a device-chosen one of several."""
-        paged = isinstance(cache, PagedKVCache)  # read by a gather whose cost follows the span
-        if isinstance(cache_span, kvc.SpanChoice) and self.config.attention_backend != "xla" and not paged:
-            cache_span = max(cache_span.spans)  # the kernels skip dead key tiles themselves
+        paged = isinstance(cache, PagedKVCache)
+        # the kernels skip dead key tiles themselves; a paged span they cannot read through its
+        # table is a gather whose cost follows the span, so it keeps the buckets
+        fused = self.config.attention_backend != "xla" and (
+            not paged or kernel_reads_pages(self.config.attention_backend, cache.page_size))
+        if isinstance(cache_span, kvc.SpanChoice) and fused:
+            cache_span = max(cache_span.spans)
         spans = cache_span.spans if isinstance(cache_span, kvc.SpanChoice) else (
             cache.max_len if cache_span is None else int(cache_span),)
         if not 0 < max(spans) <= cache.max_len:
