@@ -84,7 +84,7 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--cache-len", type=int, default=2048)
     p.add_argument("--kv-page-size", type=int, default=0,
                    help="> 0: also the plain step, verify and sync round over paged KV caches of "
-                        "pages this long (named '..., paged N')")
+                        "pages this long (named '..., paged N'; on tpu-v5e-8 the plain step and verify)")
     p.add_argument("--target-devices", type=int, default=0,
                    help="> 1: also the plain step and the async verify round of --split-target over that "
                         "many H200s (tensor parallel, KV cache split over KV heads), --split-rows sequences "
@@ -139,6 +139,20 @@ def paged_programs(backends: list[str], shape: cp.DecodeShape) -> list[Program]:
                 Program("verify round" + tail, "h200", b, lambda m, b=b: cp.verify_round(shape, b, m), "decode"),
                 Program("sync round" + tail, "h200", b, lambda m, b=b: cp.sync_round(shape, b, m), "decode")]
     return out
+
+
+def tpu_paged_programs(small: bool, cache_len: int, page_size: int) -> list[Program]:
+    """The plain step and the verify round over paged caches on a TPU v5e-8 (the target over its
+    8 chips, KV heads split; under its mesh, so the Mosaic decode kernel reads the pages)."""
+    from d3d_jax.parallel.sharding import MESH_AXES
+
+    shape = cp.DecodeShape(_spec(TARGET, small), _spec(DRAFTERS[0], small), cache_len=cache_len,
+                           page_size=page_size)
+    mesh = lambda chips: ((1, 1, chips), MESH_AXES)  # noqa: E731
+    return [Program(f"{name}, paged {page_size}", "tpu-v5e-8", "pallas",
+                    lambda m, w=w: cp.under_mesh(cp.split_target_step(shape, "pallas", m, 1, w), m), "decode",
+                    (), mesh)
+            for name, w in (("plain step", 1), ("verify round", shape.block_size))]
 
 
 def split_programs(backends: list[str], args) -> list[Program]:
@@ -201,7 +215,9 @@ def programs(args) -> list[Program]:
         + (split_programs(backends, args) if args.target_devices > 1 else []),
         "tpu-v5p-128": pod,
         "tpu-v5e-8": [train_program("D3D-1.7B train step", c17, "tpu-v5e-8", tb, small, layers=d)
-                      for d in depths],
+                      for d in depths]
+        + (tpu_paged_programs(small, 256 if small else args.cache_len, args.kv_page_size)
+           if args.kv_page_size else []),
     }
     chosen = [p for k, ps in plat.items() if args.platform in (k, "all") for p in ps]
     only = [o.strip().lower() for o in args.only.split(",")]

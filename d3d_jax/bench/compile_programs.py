@@ -140,6 +140,14 @@ def plain_step(shape: DecodeShape, backend: str, mesh) -> Built:
     return Built(fn, (on_mesh(params, mesh), on_mesh(state, mesh)), {**facts, "rows": 1})
 
 
+def under_mesh(built: Built, mesh) -> Built:
+    """``built`` traced under ``mesh``: the fused kernels lower for its devices (a TPU's Mosaic
+    kernels rather than the GPU's), split by ``shard_map`` over its axes."""
+    from d3d_jax.parallel import sharding as shd
+
+    return dataclasses.replace(built, mesh_context=lambda: shd.use_mesh(mesh))
+
+
 def verify_round(shape: DecodeShape, backend: str, mesh) -> Built:
     """The async round's target side: verify and commit of a handed-over B-token block."""
     from d3d_jax.decoding.async_core import AsyncCore
