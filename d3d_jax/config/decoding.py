@@ -36,6 +36,9 @@ AUTO_ONLY = ("auto_sync_blocks", "auto_async", "prior_tau")
 # (the server's) is gated, so a mode that learns paging is added here and nowhere else.
 PAGED_MODES = ("plain", "sync", "auto")
 DEFAULT_KV_PAGE_SIZE = 16  # tokens per page where a command pages by default (vLLM's block size)
+# on a GPU/TPU: a page is the fused decode kernel's key tile (bfloat16 on an H200: 64 rows), so
+# paged decoding compiles to the dense kernel's tiles, PTX and bytes
+ACCELERATOR_KV_PAGE_SIZE = 64
 MAX_KV_CACHE_TOKENS = 1 << 40
 # set by programs only (EOS ids from the tokenizer, benchmark objects): refused in YAML and flags
 PROGRAM_ONLY = ("eos_token_ids", "acceptance_override", "acceptance_rule")

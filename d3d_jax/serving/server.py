@@ -31,7 +31,7 @@ from d3d_jax import compile_cache
 from d3d_jax.config import ConfigError
 from d3d_jax.config.flags import (add_auto_flags, add_config_arguments, add_device_flags, add_kv_flags, add_model_flags,
                                   config_flag, declared, load_command_config)
-from d3d_jax.config.decoding import DEFAULT_KV_PAGE_SIZE
+from d3d_jax.config.decoding import ACCELERATOR_KV_PAGE_SIZE, DEFAULT_KV_PAGE_SIZE
 from d3d_jax.config.serve import MAX_CACHE_LEN, NUM_SLOTS, ServeConfig
 from d3d_jax.decoding.contract import Decoder
 from d3d_jax.serving import protocol as P
@@ -124,12 +124,12 @@ def _tokenizer_dir(models) -> str:
 
 
 def default_kv_page_size() -> int:
-    """The server's page size when none is given: paged on a CPU; an accelerator keeps dense
-    caches until the fused kernels read through the page table (their paged twin gathers the
-    span's pages first, and the compile-only H200 plain step moves 1.67x the bytes)."""
+    """The server's page size when none is given: 16 tokens on a CPU; on a GPU/TPU a page is the
+    fused decode kernel's key tile (it reads K/V through the page table, and the compile-only
+    H200 plain step and verify round move the dense caches' bytes)."""
     import jax
 
-    return DEFAULT_KV_PAGE_SIZE if jax.default_backend() == "cpu" else 0
+    return DEFAULT_KV_PAGE_SIZE if jax.default_backend() == "cpu" else ACCELERATOR_KV_PAGE_SIZE
 
 
 def decoder_config(cfg: ServeConfig, target_cfg, drafter_cfg):
