@@ -51,6 +51,13 @@ LONG_FILES = ("test_readme.py", "test_serve_e2e.py", "test_eval_cli.py", "test_p
               "test_attention.py", "test_multiprocess.py", "test_simulate.py", "test_engine.py")
 
 
+def pytest_configure(config):
+    # pytest-xdist orders --dist loadfile's files by their number of tests unless told not to,
+    # which put the one-test README file last and left the other worker idle for its minutes
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
+
+
 def pytest_collection_modifyitems(items):
     rank = {name: i for i, name in enumerate(LONG_FILES)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
