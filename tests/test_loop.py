@@ -143,21 +143,18 @@ def test_adamw8bit_tracks_fp32_on_small_lm(tmp_path):
 
 @pytest.mark.slow
 def test_tiny_drafter_reaches_offline_tau(corpus, tmp_path):
-    taus = {}
-    for lam in (1.0, 0.0):
-        tr = Trainer(_cfg(corpus, tmp_path / f"lam{lam}", "train.steps=100", f"objective.ar_weight={lam}",
-                          "train.log_every=40", "train.checkpoint_every=0"))
-        if lam == 1.0:
-            untrained = tr.evaluate()["eval/tau"]
-        tr.fit()
-        ev = tr.evaluate()
-        taus[lam] = ev["eval/tau"]
-        print(f"lambda={lam}: offline tau {ev['eval/tau']:.3f} of 16, slot accuracy "
-              f"{[round(a, 2) for a in ev['eval/slot_accuracy']]}")
-        tr.close()
-    print(f"offline tau: untrained {untrained:.3f}, lambda=1 {taus[1.0]:.3f}, lambda=0 {taus[0.0]:.3f}")
+    # λ = 1 (the AR term on) is the run whose τ is bounded; λ = 0 training is the mini pipeline's
+    # small_l0 drafter (tests/test_pipeline.py), whose online τ is checked there
+    tr = Trainer(_cfg(corpus, tmp_path / "lam1", "train.steps=100", "objective.ar_weight=1.0",
+                      "train.log_every=40", "train.checkpoint_every=0"))
+    untrained = tr.evaluate()["eval/tau"]
+    tr.fit()
+    ev = tr.evaluate()
+    tr.close()
+    print(f"offline tau: untrained {untrained:.3f}, lambda=1 {ev['eval/tau']:.3f} of 16, slot accuracy "
+          f"{[round(a, 2) for a in ev['eval/slot_accuracy']]}")
     assert untrained < 2.0
-    assert taus[1.0] >= 8.0
+    assert ev["eval/tau"] >= 8.0
 
 
 def test_cli_trains_and_exports(corpus, tmp_path, capsys):
