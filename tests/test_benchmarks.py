@@ -339,7 +339,11 @@ def test_serve_bench_runs_modes_side_by_side_and_pools_the_repeats():
     assert report["speedup_runs"]["sync"]["1"] == pytest.approx([1.5, 1.0])
     table = S.tables(report, [1])
     assert "| auto ÷ best fixed | 1.07 [1.00–1.17] (sync) |" in table
-    assert "| auto ÷ best fixed | 1.00 [0.95–1.05] (plain) | | | |" in table
+    assert "| auto ÷ best fixed | 1.00 [0.95–1.05] (plain) | | | | | |" in table
+    # a request's text against plain mode's for the same prompt
+    run = lambda *texts: {"reqs": [{"prompt": i % 2, "text": x} for i, x in enumerate(texts)]}  # noqa: E731
+    assert S.texts_differ([run("a", "b", "a", "c")], [run("a", "b")]) == 1
+    assert S.texts_differ([run("a")], None) is None
 
 
 def test_serve_bench_without_a_mixed_level_runs(monkeypatch, capsys):
@@ -351,8 +355,8 @@ def test_serve_bench_without_a_mixed_level_runs(monkeypatch, capsys):
 
     seen = {}
 
-    def measure(args, modes, levels, prompts, mixed):
-        seen.update(levels=levels, n=len(prompts), mixed=mixed)
+    def measure(args, modes, levels, prompts, special):
+        seen.update(levels=levels, n=len(prompts), mixed=special)
         lv = {"tokens_per_s": 1.0, "tokens_per_s_runs": [1.0], "ttft_ms_p50": 1.0, "tpot_ms_p50": None,
               "tau": None, "hit_rate": None, "rounds": {}, "mode_mix_by_kind": {}}
         return {m: {"levels": {str(c): lv for c in levels}} for m in modes}
@@ -361,8 +365,8 @@ def test_serve_bench_without_a_mixed_level_runs(monkeypatch, capsys):
     monkeypatch.setattr(S, "_prompts", lambda args, n: ["p"] * n)
     args = S.add_arguments(argparse.ArgumentParser()).parse_args(
         ["--modes", "plain,sync", "--concurrency", "1,4", "--min-requests", "12"])
-    assert args.mixed == 0 and S.main(args) == 0
-    assert seen == {"levels": [1, 4], "n": 12, "mixed": None}  # 1 client x 12 requests
+    assert args.mixed == "" and S.main(args) == 0
+    assert seen == {"levels": [1, 4], "n": 12, "mixed": {}}  # 1 client x 12 requests
     assert "| sync |" in capsys.readouterr().out
 
 

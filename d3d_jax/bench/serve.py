@@ -26,7 +26,10 @@ request.  Sampled, because greedy the drafter is not useless on them: the demo t
 greedy continuation of random ids falls into a repeated phrase that drafter ``small`` predicts
 (1.94 tokens a row per sync/4 round, against 2.27 for the Shakespeare prompts and 1.03 for the
 same ids sampled at temperature 1; 48 tokens each, 16 rows).  ``--mixed-temperature 0`` gives
-the greedy level.
+the greedy level.  ``--random N``: a level at N clients of random token ids only (same sampling).
+Every request's text is compared with plain mode's for the same prompt (``texts_differ``).
+``--baseline DIR``: one more server, ``auto-base``, in auto mode from the checkout ``DIR`` (its
+code, the same models), side by side with the others: a change to auto against the code before it.
 
     python infer/bench.py --cpu-threads 2 serve                      # demo target + drafter `small`
     python infer/bench.py serve --target T --drafter D --tokenizer T --max-tokens 256 --num-slots 32
@@ -54,6 +57,9 @@ from d3d_jax.errors import UsageError
 ROOT = Path(__file__).resolve().parents[2]
 DEMO = ROOT / "artifacts" / "demo"
 MODES = ("plain", "sync", "async", "auto")
+FIXED = ("plain", "sync", "async")
+AUTO = "auto"
+BASE = "auto-base"  # auto from --baseline's checkout
 COUNTERS = ("rounds", "tokens", "predicted_tokens", "timed_rounds", "seconds", "predicted_seconds")
 
 
@@ -83,10 +89,14 @@ def add_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
     ap.add_argument("--dtype", default="float32", help="server --dtype (the demo models run in float32 on a CPU)")
     ap.add_argument("--prompts", default="shakespeare", help="benchmark whose first turns are the prompts")
     ap.add_argument("--passage-chars", type=int, default=300, help="prompt size for shakespeare/stdlib")
-    ap.add_argument("--mixed", type=int, default=0, metavar="N",
-                    help="also a level at N clients, half of the requests random token ids")
+    ap.add_argument("--mixed", default="", metavar="N[,N...]",
+                    help="also a level at N clients (each N), half of the requests random token ids")
     ap.add_argument("--mixed-temperature", type=float, default=1.0, metavar="T",
                     help="sampling temperature of the mixed level's random-id requests (0: greedy)")
+    ap.add_argument("--random", default="", metavar="N[,N...]",
+                    help="also a level at N clients (each N), every request random token ids")
+    ap.add_argument("--baseline", default=None, metavar="DIR",
+                    help=f"also run auto from the checkout DIR (mode {BASE!r}), side by side")
     ap.add_argument("--server-arg", action="append", default=[], metavar="ARG",
                     help="extra infer/serve.py argument (repeatable), e.g. --server-arg=--max-model-len=2048")
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds per mode (server start + load)")
@@ -112,12 +122,12 @@ def _prompts(args, n: int) -> list[str]:
 class ServerProcess:
     """``infer/serve.py`` in a subprocess; ``url`` once it printed its READY line."""
 
-    def __init__(self, argv: list[str], timeout_s: float, env: dict | None = None):
+    def __init__(self, argv: list[str], timeout_s: float, env: dict | None = None, root: Path = ROOT):
         self.log = tempfile.NamedTemporaryFile("w+", prefix="d3d-serve-", suffix=".log", delete=False)
         env = dict(os.environ if env is None else env)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
-        self.proc = subprocess.Popen([sys.executable, str(ROOT / "infer" / "serve.py"), "--port", "0", *argv],
-                                     stdout=subprocess.PIPE, stderr=self.log, text=True, env=env, cwd=ROOT)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(root), env.get("PYTHONPATH")) if p)
+        self.proc = subprocess.Popen([sys.executable, str(Path(root) / "infer" / "serve.py"), "--port", "0", *argv],
+                                     stdout=subprocess.PIPE, stderr=self.log, text=True, env=env, cwd=root)
         self.url = self._wait_ready(timeout_s)
 
     def _wait_ready(self, timeout_s: float) -> str:
@@ -173,6 +183,7 @@ async def _one(client, model: str, prompt, max_tokens: int) -> dict:
     t0 = time.perf_counter()
     first = last = None
     usage = spec = None
+    pieces = []
     common = dict(model=model, max_tokens=max_tokens, temperature=0, stream=True,
                   stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
     if isinstance(prompt, str):
@@ -184,6 +195,7 @@ async def _one(client, model: str, prompt, max_tokens: int) -> dict:
         text = (ch.choices[0].delta.content if hasattr(ch.choices[0], "delta") else ch.choices[0].text) \
             if ch.choices else None
         if text:
+            pieces.append(text)
             last = time.perf_counter()
             first = first or last
         if ch.usage is not None:
@@ -192,7 +204,19 @@ async def _one(client, model: str, prompt, max_tokens: int) -> dict:
     return {"tokens": n, "ttft_s": (first or time.perf_counter()) - t0,
             "tpot_s": (last - first) / (n - 1) if first is not None and n > 1 else None,
             "tau": spec.get("tau") if spec else None, "hit_rate": spec.get("hit_rate") if spec else None,
-            "modes": (spec or {}).get("modes") or {}, "kind": "text" if isinstance(prompt, str) else "ids"}
+            "modes": (spec or {}).get("modes") or {}, "kind": "text" if isinstance(prompt, str) else "ids",
+            "text": "".join(pieces)}
+
+
+def _reasons(url: str) -> collections.Counter:
+    """auto's row-rounds by ``geometry: reason`` (``d3d_mode_row_rounds_total``)."""
+    out: collections.Counter = collections.Counter()
+    for line in urllib.request.urlopen(url + "/metrics", timeout=30).read().decode().splitlines():
+        if line.startswith("d3d_mode_row_rounds_total{"):
+            labels, _, value = line[len("d3d_mode_row_rounds_total{"):].rpartition("} ")
+            f = {k: v.strip('"') for k, v in (kv.split("=") for kv in labels.split(","))}
+            out[f["mode"] + ("" if f["geometry"] == "-" else "/" + f["geometry"]) + ": " + f["reason"]] += float(value)
+    return out
 
 
 def _scrape(url: str) -> dict:
@@ -244,8 +268,8 @@ async def run_level(url: str, model: str, prompts: list, clients: int, per_clien
     client = AsyncOpenAI(base_url=url + "/v1", api_key=api_key, max_retries=0, timeout=timeout_s)
 
     async def worker(w: int) -> list[dict]:
-        return [await _one(client, model, prompts[(w * per_client + k) % len(prompts)], max_tokens)
-                for k in range(per_client)]
+        idx = [(w * per_client + k) % len(prompts) for k in range(per_client)]
+        return [dict(await _one(client, model, prompts[i], max_tokens), prompt=i) for i in idx]
 
     t0 = time.perf_counter()
     per_worker = await asyncio.wait_for(asyncio.gather(*(worker(w) for w in range(clients))), timeout_s)
@@ -276,22 +300,24 @@ def summarize(runs: list[dict]) -> dict:
             "tpot_ms_p50": 1e3 * statistics.median(tpots) if tpots else None,
             "tau": statistics.mean(taus) if taus else None,
             "hit_rate": statistics.mean(hits) if hits else None, "mode_mix": _mix(reqs),
-            "mode_mix_by_kind": by_kind, "rounds": _delta({}, {g: dict(c) for g, c in rounds.items()})}
+            "mode_mix_by_kind": by_kind, "rounds": _delta({}, {g: dict(c) for g, c in rounds.items()}),
+            "reasons": _mix([{"modes": run.get("reasons", {})} for run in runs])}
 
 
 def _server_argv(args, mode: str, slots: int) -> list[str]:
     # --warmup-wait: every prefill bucket compiled before READY, so no level shares the CPU with
     # the server's background warm-up (it did: plain at 4 clients ran at 1/3 of its 8-client rate)
-    argv = ["--target", args.target, "--mode", mode, "--num-slots", str(slots), "--tokenizer", args.tokenizer,
+    argv = ["--target", args.target, "--mode", "auto" if mode == BASE else mode, "--num-slots", str(slots), "--tokenizer", args.tokenizer,
             "--served-model-name", "bench", "--dtype", args.dtype, "--warmup-wait"]
     return argv + (["--drafter", args.drafter] if mode != "plain" else []) + list(args.server_arg)
 
 
 def _level(server, args, prompts, clients: int, max_tokens: int) -> dict:
-    before = _scrape(server.url)
+    before, why = _scrape(server.url), _reasons(server.url)
     res = asyncio.run(run_level(server.url, "bench", prompts, clients, per_client(args, clients),
                                 max_tokens, timeout_s=args.timeout))
     res["rounds"] = _delta(before, _scrape(server.url))
+    res["reasons"] = dict(_reasons(server.url) - why)
     return res
 
 
@@ -319,7 +345,8 @@ def start_servers(args, modes: list[str], slots: int, prompts: list[str], levels
     try:
         for mode in modes:
             t0 = time.perf_counter()
-            servers[mode] = ServerProcess(_server_argv(args, mode, slots), args.timeout)
+            root = Path(args.baseline) if mode == BASE else ROOT
+            servers[mode] = ServerProcess(_server_argv(args, mode, slots), args.timeout, root=root)
             servers[mode].start_s = time.perf_counter() - t0
             print(f"[serve] {mode} server ready in {servers[mode].start_s:.0f} s", flush=True)
             asyncio.run(run_level(servers[mode].url, "bench", prompts, max(levels), args.requests_per_client, 2,
@@ -331,15 +358,16 @@ def start_servers(args, modes: list[str], slots: int, prompts: list[str], levels
     return servers
 
 
-def measure(args, modes: list[str], levels: list[int], prompts: list[str], mixed: list | None) -> dict:
-    """Every mode at every level (and the mixed level), interleaved by :func:`schedule`."""
-    slots = args.num_slots or max(levels + [args.mixed])
+def measure(args, modes: list[str], levels: list[int], prompts: list[str], special: dict) -> dict:
+    """Every mode at every level (and each ``special`` level: key -> (clients, prompts), the mixed
+    and random-id ones), interleaved by :func:`schedule`."""
+    slots = args.num_slots or max(levels + [c for c, _ in special.values()])
     servers = start_servers(args, modes, slots, prompts, levels)
     runs: dict = collections.defaultdict(list)
     try:
-        keys = levels + (["mixed"] if mixed else [])
+        keys = levels + list(special)
         for level, rep, mode in schedule(modes, keys, args.repeats):
-            clients, texts = (args.mixed, mixed) if level == "mixed" else (level, prompts)
+            clients, texts = special[level] if level in special else (level, prompts)
             res = _level(servers[mode], args, texts, clients, args.max_tokens)
             runs[(mode, level)].append(res)
             tps = sum(r["tokens"] for r in res["reqs"]) / res["wall_s"]
@@ -352,9 +380,21 @@ def measure(args, modes: list[str], levels: list[int], prompts: list[str], mixed
     for mode in modes:
         out[mode] = {"server_start_s": servers[mode].start_s, "slots": slots,
                      "levels": {str(c): summarize(runs[(mode, c)]) for c in levels}}
-        if mixed:
-            out[mode]["mixed"] = summarize(runs[(mode, "mixed")])
+        for k in special:
+            out[mode][k] = summarize(runs[(mode, k)])
+    for key in keys:
+        for mode in modes:
+            lv = out[mode][key] if key in special else out[mode]["levels"][str(key)]
+            lv["texts_differ"] = texts_differ(runs[(mode, key)], runs.get(("plain", key)))
     return out
+
+
+def texts_differ(runs: list[dict], plain: list[dict] | None) -> int | None:
+    """Requests whose text is not plain mode's for the same prompt (None without plain)."""
+    if not plain:
+        return None
+    ref = {r["prompt"]: r["text"] for run in plain for r in run["reqs"]}
+    return sum(r["text"] != ref.get(r["prompt"], r["text"]) for run in runs for r in run["reqs"])
 
 
 def _fmt_rounds(geom: str, d: dict) -> str:
@@ -399,34 +439,42 @@ def tables(report: dict, levels: list[int]) -> str:
     for mode, sp in report["speedup"].items():
         rows.append(f"| {mode} | " + " | ".join(spread(sp[str(c)], report["speedup_runs"][mode][str(c)]) + "×"
                                               for c in levels) + " |")
-    if "auto_vs_best_fixed" in report:
-        rows.append("| auto ÷ best fixed | " + " | ".join(
-            spread(report["auto_vs_best_fixed"][str(c)], report["auto_vs_best_fixed_runs"][str(c)])
+    for auto in [m for m in (AUTO, BASE) if f"{m}_vs_best_fixed" in report]:
+        rows.append(f"| {auto} ÷ best fixed | " + " | ".join(
+            spread(report[f"{auto}_vs_best_fixed"][str(c)], report[f"{auto}_vs_best_fixed_runs"][str(c)])
             + f" ({report['best_fixed'][str(c)]})" for c in levels) + " |")
     rows.append("")
     rows.append("(all repeats pooled; [min–max] of the same ratio within each repeat)")
-    if any("mixed" in m for m in report["modes"].values()):
-        rows += ["", "Mixed quality (half benchmark prompts, half random token ids):", "",
-                 "| mode | tokens/s | mode mix: text prompts | mode mix: random ids | rounds |", "|---|---|---|---|---|"]
+    titles = {"mixed": "half benchmark prompts, half random token ids", "random": "random token ids"}
+    for key in _special_keys(report):
+        rows += ["", f"Level {key} ({titles[key.split('@')[0]]}):", "", "| mode | tokens/s | mode mix: text prompts | "
+                 "mode mix: random ids | texts ≠ plain's | rounds | rows by reason |", "|---|---|---|---|---|---|---|"]
         for mode, m in report["modes"].items():
-            r = m.get("mixed")
+            r = m.get(key)
             if r:
                 k = r["mode_mix_by_kind"]
                 rows.append(f"| {mode} | {r['tokens_per_s']:.1f} | {_fmt_mix(k.get('text', {}))} | "
-                            f"{_fmt_mix(k.get('ids', {}))} | "
-                            + "; ".join(_fmt_rounds(g, d) for g, d in r.get("rounds", {}).items()) + " |")
-        if "mixed" in report.get("auto_vs_best_fixed", {}):
-            rows.append(f"| auto ÷ best fixed | {spread(report['auto_vs_best_fixed']['mixed'], report['auto_vs_best_fixed_runs']['mixed'])}"
-                        f" ({report['best_fixed']['mixed']}) | | | |")
+                            f"{_fmt_mix(k.get('ids', {}))} | {fmt(r.get('texts_differ'), 'd')} | "
+                            + "; ".join(_fmt_rounds(g, d) for g, d in r.get("rounds", {}).items()) + " | "
+                            + _fmt_mix(r.get("reasons", {})) + " |")
+        for auto in [m for m in (AUTO, BASE) if key in report.get(f"{m}_vs_best_fixed", {})]:
+            rows.append(f"| {auto} ÷ best fixed | {spread(report[f'{auto}_vs_best_fixed'][key], report[f'{auto}_vs_best_fixed_runs'][key])}"
+                        f" ({report['best_fixed'][key]}) | | | | | |")
     return "\n".join(rows)
+
+
+def _special_keys(report: dict) -> list[str]:
+    """The mixed and random-id levels every mode ran (``mixed@8``; ``mixed`` in older reports)."""
+    modes = list(report["modes"].values())
+    return [k for k in (modes[0] if modes else {}) if k.split("@")[0] in ("mixed", "random")
+            and all(k in m for m in modes)]
 
 
 def _ratios(report: dict, levels: list[int]) -> None:
     """Speedups over plain and auto ÷ the best fixed mode, from each level's tokens/s over all its
     repeats; ``*_runs``: the same ratio within each repeat (the spread the table shows)."""
-    keys = [str(c) for c in levels] + (["mixed"] if all("mixed" in m for m in report["modes"].values())
-                                       and report["modes"] else [])
-    lv = lambda m, k: report["modes"][m]["mixed"] if k == "mixed" else report["modes"][m]["levels"][k]  # noqa: E731
+    keys = [str(c) for c in levels] + _special_keys(report)
+    lv = lambda m, k: report["modes"][m]["levels"][k] if k.isdigit() else report["modes"][m][k]  # noqa: E731
     tps = {m: {k: lv(m, k)["tokens_per_s"] for k in keys} for m in report["modes"]}
     runs = {m: {k: lv(m, k).get("tokens_per_s_runs", [tps[m][k]]) for k in keys} for m in report["modes"]}
     per_run = lambda a, b, k: [x / y for x, y in zip(runs[a][k], runs[b][k])]  # noqa: E731
@@ -435,11 +483,12 @@ def _ratios(report: dict, levels: list[int]) -> None:
                          if "plain" in tps else {})
     report["speedup_runs"] = ({m: {k: per_run(m, "plain", k) for k in keys} for m in tps if m != "plain"}
                               if "plain" in tps else {})
-    fixed = [m for m in tps if m != "auto"]
-    if "auto" in tps and fixed:
+    fixed = [m for m in tps if m in FIXED]
+    if fixed:
         report["best_fixed"] = {k: max(fixed, key=lambda m: tps[m][k]) for k in keys}
-        report["auto_vs_best_fixed"] = {k: tps["auto"][k] / tps[report["best_fixed"][k]][k] for k in keys}
-        report["auto_vs_best_fixed_runs"] = {k: per_run("auto", report["best_fixed"][k], k) for k in keys}
+    for auto in [m for m in (AUTO, BASE) if m in tps and fixed]:
+        report[f"{auto}_vs_best_fixed"] = {k: tps[auto][k] / tps[report["best_fixed"][k]][k] for k in keys}
+        report[f"{auto}_vs_best_fixed_runs"] = {k: per_run(auto, report["best_fixed"][k], k) for k in keys}
 
 
 def _projection(args, levels: list[int]) -> int:
@@ -463,15 +512,26 @@ def main(args) -> int:
         raise UsageError("--concurrency, --requests-per-client and --max-tokens must be >= 1")
     if any(m not in MODES for m in modes):
         raise UsageError(f"--modes: {', '.join(MODES)}, got {args.modes!r}")
+    if args.baseline:
+        if not (Path(args.baseline) / "infer" / "serve.py").is_file():
+            raise UsageError(f"--baseline {args.baseline!r}: no infer/serve.py there (a checkout of this project)")
+        modes.append(BASE)
     if args.repeats < 1 or args.min_requests < 0:
         raise UsageError("--repeats must be >= 1 and --min-requests >= 0")
     if not 0.0 <= args.mixed_temperature <= 2.0:
         raise UsageError(f"--mixed-temperature must be in [0, 2] (the API's range), got {args.mixed_temperature}")
-    prompts = _prompts(args, max(c * per_client(args, c) for c in levels + ([args.mixed] if args.mixed else [])))
-    mixed = _mixed_prompts(args, prompts[: max(args.mixed * per_client(args, args.mixed) // 2, 1)]) if args.mixed else None
+    mixed, rand = (sorted({int(c) for c in v.split(",") if c}) for v in (args.mixed, args.random))
+    if min(mixed + rand, default=1) < 1:
+        raise UsageError(f"--mixed and --random are client counts >= 1, got {args.mixed!r} and {args.random!r}")
+    prompts = _prompts(args, max(c * per_client(args, c) for c in levels + mixed + rand))
+    special = {f"mixed@{c}": (c, _mixed_prompts(args, prompts[: max(c * per_client(args, c) // 2, 1)]))
+               for c in mixed}
+    # every other one of as many mixed prompts as the level sends: the random ids only
+    special.update({f"random@{c}": (c, _mixed_prompts(args, prompts[: c * per_client(args, c)])[1::2])
+                    for c in rand})
     report: dict = {"settings": {k: v for k, v in vars(args).items() if k != "func"}, "modes": {},
                     "load_avg_start": os.getloadavg()}
-    report["modes"] = measure(args, modes, levels, prompts, mixed)
+    report["modes"] = measure(args, modes, levels, prompts, special)
     report["load_avg_end"] = os.getloadavg()
     _ratios(report, levels)
     print(tables(report, levels))
