@@ -296,6 +296,7 @@ def test_serve_bench_runs_modes_side_by_side_and_pools_the_repeats():
     from types import SimpleNamespace
 
     from d3d_jax.bench import serve as S
+    from d3d_jax.bench import serve_report as R
 
     assert S.schedule(["plain", "sync", "auto"], [1, 4], 2) == [
         (1, 0, "plain"), (1, 0, "sync"), (1, 0, "auto"), (1, 1, "auto"), (1, 1, "sync"), (1, 1, "plain"),
@@ -322,7 +323,7 @@ def test_serve_bench_runs_modes_side_by_side_and_pools_the_repeats():
     assert lv["rounds"]["sync/16"]["ms_per_round"] == pytest.approx(100.0)  # timed rounds only
     assert lv["rounds"]["sync/16"]["predicted_ms_per_round"] == pytest.approx(80.0)
     assert "ms_per_round" not in lv["rounds"]["plain"]
-    assert S._fmt_rounds("sync/16", lv["rounds"]["sync/16"]) == "sync/16 6 (5.00 / 5.00; 100.0 / 80.0 ms)"
+    assert R.fmt_rounds("sync/16", lv["rounds"]["sync/16"]) == "sync/16 6 (5.00 / 5.00; 100.0 / 80.0 ms)"
     assert lv["mode_mix_by_kind"] == {"ids": {"plain": 1.0}, "text": {"sync/16": 1.0}}
 
     level = lambda runs_: {"tokens_per_s": sum(runs_) / len(runs_), "tokens_per_s_runs": runs_,  # noqa: E731
@@ -331,13 +332,13 @@ def test_serve_bench_runs_modes_side_by_side_and_pools_the_repeats():
     report = {"modes": {"plain": {"levels": {"1": level([10.0, 12.0])}, "mixed": level([20.0, 20.0])},
                         "sync": {"levels": {"1": level([15.0, 12.0])}, "mixed": level([10.0, 10.0])},
                         "auto": {"levels": {"1": level([15.0, 14.0])}, "mixed": level([19.0, 21.0])}}}
-    S._ratios(report, [1])
+    R.ratios(report, [1])
     assert report["best_fixed"] == {"1": "sync", "mixed": "plain"}
     assert report["auto_vs_best_fixed"]["1"] == pytest.approx(14.5 / 13.5)
     assert report["auto_vs_best_fixed_runs"]["1"] == pytest.approx([1.0, 14 / 12])
     assert report["auto_vs_best_fixed_runs"]["mixed"] == pytest.approx([0.95, 1.05])
     assert report["speedup_runs"]["sync"]["1"] == pytest.approx([1.5, 1.0])
-    table = S.tables(report, [1])
+    table = R.tables(report, [1])
     assert "| auto ÷ best fixed | 1.07 [1.00–1.17] (sync) |" in table
     assert "| auto ÷ best fixed | 1.00 [0.95–1.05] (plain) | | | | | |" in table
     # a request's text against plain mode's for the same prompt
