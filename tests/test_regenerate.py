@@ -364,9 +364,11 @@ def test_continuous_batching_refills_finished_rows_with_each_prompts_own_tokens(
     stop = max(sorted({t for o in alone for t in o}), key=lambda t: len({len(cut(o, t)) for o in alone}))
     want = [cut(o, stop) for o in alone]
     assert len({len(w) for w in want}) >= 2
+    from d3d_jax.decoding.decoder import running_slots
+
     dec = engine.make_decoder(target, mode="plain", num_slots=3, max_cache_len=128)
     inserts, insert = [], dec.insert
-    dec.insert = lambda prefix, slots: inserts.append(len(dec.running())) or insert(prefix, slots)
+    dec.insert = lambda prefix, slots: inserts.append(len(running_slots(dec))) or insert(prefix, slots)
     got = {}
     for finished in engine.generate_stream(dec, prompts, max_new_tokens=12, eos_token_ids=(stop,), refill=1):
         got.update({i: o.token_ids for i, o in finished})

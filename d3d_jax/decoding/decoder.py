@@ -284,10 +284,6 @@ class SpecDecoder:
             raise SlotError(f"slot {bad[0]} is out of range [0, {self.config.num_slots})")
         return slots
 
-    def running(self) -> list[int]:
-        """The slots whose request is still decoding (one small read after an on-device loop)."""
-        return self._running()
-
     def _running(self) -> list[int]:
         if self._stale:
             self._refresh()
@@ -626,3 +622,9 @@ def load_weights(decoder: SpecDecoder, target, drafter=None) -> None:
 def slots_in_use(decoder: SpecDecoder) -> list[int]:
     """The slots holding a request.  A caller that inserts knows its own; tools and tests ask."""
     return sorted(decoder._slots)
+
+
+def running_slots(decoder: SpecDecoder) -> list[int]:
+    """The slots whose request still decodes (one small read after an on-device loop): what a
+    caller refilling finished slots between loops asks (:func:`~d3d_jax.decoding.engine.generate_stream`)."""
+    return decoder._running()

@@ -24,7 +24,7 @@ from typing import Callable, Iterator, Sequence
 from d3d_jax.config.decoding import DEFAULT_BLOCK_SIZE, MODES
 from d3d_jax.decoding import metrics as M
 from d3d_jax.decoding.core import MAX_STOP_IDS
-from d3d_jax.decoding.decoder import SpecDecoder
+from d3d_jax.decoding.decoder import SpecDecoder, running_slots
 from d3d_jax.decoding.decoder_config import DecoderConfig, Request, decoder_config, prompt_problem
 from d3d_jax.decoding.drafting import ModelDrafter, ReplayDrafter, as_drafter
 from d3d_jax.decoding.verify import SamplingParams
@@ -203,7 +203,7 @@ def generate_stream(decoder: SpecDecoder, prompts: Sequence[Sequence[int]], *,
         floor = max(len(held) - refill, 0) if waiting else max(
             [b for b in decoder.config.buckets if b <= len(held) // 4], default=0)
         decoder.run_until_done(live_floor=floor)
-        running = set(decoder.running())
+        running = set(running_slots(decoder))
         finished = [s for s in sorted(held) if s not in running]
         results = decoder.results(finished) if finished else []
         decoder.free(finished)
