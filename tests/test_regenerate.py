@@ -334,8 +334,9 @@ def test_greedy_regeneration_equals_engine_plain_greedy(target, tokenizer, promp
         assert seq[len(r["prompt_token_ids"]):] == r["response_token_ids"]
 
 
-def _argmax_loop(target, prompt, n, stop):
-    """Brute-force greedy: full (uncached) causal forwards, the row right-padded to 96 tokens."""
+def _argmax_loop(target, prompts, n):
+    """Brute-force greedy, ``n`` tokens per prompt: full (uncached) causal forwards, each row
+    right-padded to 96 tokens (causal: padding after position t cannot change logit t)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -343,22 +344,25 @@ def _argmax_loop(target, prompt, n, stop):
 
     graphdef, params = nnx.split(target)
     forward = jax.jit(lambda p, x: nnx.merge(graphdef, p)(x))
-    seq = list(prompt)
-    while len(seq) < len(prompt) + n and (len(seq) == len(prompt) or seq[-1] != stop):
-        row = np.zeros((1, 96), np.int32)
-        row[0, :len(seq)] = seq
-        seq.append(int(jnp.argmax(forward(params, row)[0, len(seq) - 1])))
-    return seq[len(prompt):]
+    outs = []
+    for prompt in prompts:
+        seq = list(prompt)
+        for _ in range(n):
+            row = np.zeros((1, 96), np.int32)
+            row[0, :len(seq)] = seq
+            seq.append(int(jnp.argmax(forward(params, row)[0, len(seq) - 1])))
+        outs.append(seq[len(prompt):])
+    return outs
 
 
-def test_continuous_batching_refills_finished_rows_with_each_prompts_own_tokens(target, tokenizer,
-                                                                                prompts_file):
+def test_continuous_batching_refills_finished_rows_with_each_prompts_own_tokens(target):
     """11 prompts through 3 rows, responses of mixed lengths: a finished row takes the next prompt
     while the others still run, and every output is the prompt's brute-force greedy decode alone."""
     from d3d_jax.decoding import engine
 
-    prompts = [rg.render_prompt(tokenizer, p.messages) for p in rg.read_prompts(prompts_file)[0]]
-    alone = [_argmax_loop(target, p, 12, stop=-1) for p in prompts]
+    rng = random.Random(5)  # random ids: this random model answers every chat prompt alike
+    prompts = [[rng.randrange(3, 300) for _ in range(rng.randint(3, 20))] for _ in range(11)]
+    alone = _argmax_loop(target, prompts, 12)
     # the stop token that cuts the responses to the most different lengths: rows finish apart
     cut = lambda o, t: o[:o.index(t) + 1] if t in o else o  # noqa: E731
     stop = max(sorted({t for o in alone for t in o}), key=lambda t: len({len(cut(o, t)) for o in alone}))
