@@ -126,8 +126,9 @@ def test_length_buckets_cover_everything_and_cut_padding():
     # Sorted buckets: no batch's length range overlaps another's.
     spans = [(min(lengths[i] for i in b), max(lengths[i] for i in b)) for b in batches]
     assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
-    in_file_order = [list(range(i, min(i + 8, len(lengths)))) for i in range(0, len(lengths), 8)]
-    assert rg.padding_waste(lengths, batches) < 0.1 < rg.padding_waste(lengths, in_file_order)
+    # Each prompt is prefilled alone at its power-of-two bucket: 16 -> 0 waste, 17 -> 15 of 32.
+    assert rg.padding_waste([16, 64], 512) == 0.0 and rg.padding_waste([17], 512) == 15 / 32
+    assert rg.padding_waste([500], 512) == 12 / 512  # the last bucket is the cache length
 
 
 def test_record_seed_depends_only_on_seed_and_id():
@@ -331,6 +332,56 @@ def test_greedy_regeneration_equals_engine_plain_greedy(target, tokenizer, promp
             if nxt == eos:
                 break
         assert seq[len(r["prompt_token_ids"]):] == r["response_token_ids"]
+
+
+def _argmax_loop(target, prompts, n):
+    """Brute-force greedy, ``n`` tokens per prompt: full (uncached) causal forwards, each row
+    right-padded to 96 tokens (causal: padding after position t cannot change logit t)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+
+    graphdef, params = nnx.split(target)
+    forward = jax.jit(lambda p, x: nnx.merge(graphdef, p)(x))
+    outs = []
+    for prompt in prompts:
+        seq = list(prompt)
+        for _ in range(n):
+            row = np.zeros((1, 96), np.int32)
+            row[0, :len(seq)] = seq
+            seq.append(int(jnp.argmax(forward(params, row)[0, len(seq) - 1])))
+        outs.append(seq[len(prompt):])
+    return outs
+
+
+def test_continuous_batching_refills_finished_rows_with_each_prompts_own_tokens(target):
+    """11 prompts through 3 rows, responses of mixed lengths: a finished row takes the next prompt
+    while the others still run, and every output is the prompt's brute-force greedy decode alone."""
+    from d3d_jax.decoding import engine
+
+    rng = random.Random(5)  # random ids: this random model answers every chat prompt alike
+    prompts = [[rng.randrange(3, 300) for _ in range(rng.randint(3, 20))] for _ in range(11)]
+    alone = _argmax_loop(target, prompts, 12)
+    # the stop token that cuts the responses to the most different lengths: rows finish apart
+    cut = lambda o, t: o[:o.index(t) + 1] if t in o else o  # noqa: E731
+    stop = max(sorted({t for o in alone for t in o}), key=lambda t: len({len(cut(o, t)) for o in alone}))
+    want = [cut(o, stop) for o in alone]
+    assert len({len(w) for w in want}) >= 2
+    # the shortest response beside the longest in the first rows: one finishes while one runs
+    order = sorted(range(len(prompts)), key=lambda i: len(want[i]))
+    order = [order[0], order[-1]] + order[1:-1]
+    prompts, want = [prompts[i] for i in order], [want[i] for i in order]
+    from d3d_jax.decoding.decoder import running_slots
+
+    dec = engine.make_decoder(target, mode="plain", num_slots=3, max_cache_len=128)
+    inserts, insert = [], dec.insert
+    dec.insert = lambda prefix, slots: inserts.append(len(running_slots(dec))) or insert(prefix, slots)
+    got = {}
+    for finished in engine.generate_stream(dec, prompts, max_new_tokens=12, eos_token_ids=(stop,), refill=1):
+        got.update({i: o.token_ids for i, o in finished})
+    assert [got[i] for i in range(len(prompts))] == want
+    assert max(inserts) > 0  # some row was admitted while another one still ran
 
 
 def test_one_decoder_reads_the_target_in_place_for_every_prompt_length(target, tokenizer, prompts_file,

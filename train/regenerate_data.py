@@ -1,4 +1,4 @@
-r"""Regenerate every response with the target (spec §2.1): resumable, batched, multi-host.
+r"""Regenerate every response with the target (spec §2.1): resumable, continuously batched, multi-host.
 
     python train/regenerate_data.py --target PATH --prompts prompts.jsonl --out data.jsonl \
         [--config regen.yaml] [--greedy] [--max-new-tokens N] [--batch-size N] [--seed N] \
@@ -55,7 +55,7 @@ def main(argv=None) -> int:
     ap.add_argument("--enable-thinking", action="store_true", default=None,
                     help="render prompts with the chat template's enable_thinking (thinking-mode responses)")
     ap.add_argument("--max-new-tokens", type=int)
-    ap.add_argument("--batch-size", type=int)
+    ap.add_argument("--batch-size", type=int, help="rows decoded together (a finished row takes the next prompt)")
     ap.add_argument("--seed", type=int)
     ap.add_argument("--attention", choices=ATTENTION_CHOICES,
                     help="attention backend: auto (default: the fused kernels on GPU and TPU, xla on a CPU), xla or pallas")

@@ -27,7 +27,7 @@ class RegenerateConfig:
     greedy: bool = False  # overrides temperature/top_p/top_k with argmax decoding
     max_new_tokens: int = 512
     seed: int = 0
-    batch_size: int = 8
+    batch_size: int = 8  # rows decoded together (continuous batching: a finished row takes the next prompt)
     max_records: int | None = None  # stop after this many new records (rerun resumes)
     max_prompt_tokens: int | None = None  # None: max_position_embeddings - max_new_tokens
     cache_multiple: int = 64  # the run's one KV cache length (longest prompt + max_new_tokens) is rounded up to this

@@ -379,14 +379,16 @@ class DecodeCore:
         return self.commit(state, draft.drafts, accepted, next_token, cache, logprobs)
 
     def run_until_done(self, target_params, drafter_params, state: DecodeState,
-                       sampling: SamplingParams | None = None) -> DecodeState:
-        """Rounds in a ``lax.while_loop`` on the device until every row is done."""
+                       sampling: SamplingParams | None = None, live_floor=0) -> DecodeState:
+        """Rounds in a ``lax.while_loop`` on the device until every row is done, or (``live_floor``,
+        traced) until no more than ``live_floor`` rows run: a caller with prompts waiting then
+        refills the finished rows, and one program serves every floor."""
         # every round commits >= 1 token per active row, so this many rounds always suffice
         limit = jnp.max(jnp.where(state.done, 0, state.max_new - state.n_out))
 
         def cond(carry):
             i, st = carry
-            return (i < limit) & ~jnp.all(st.done)
+            return (i < limit) & (jnp.sum(~st.done) > live_floor)
 
         def body(carry):
             i, st = carry

@@ -489,32 +489,35 @@ class SpecDecoder:
         while self._pending:
             self._read(self._pending.popleft())
 
-    def run_until_done(self, hook=None, loop=None) -> dict:
+    def run_until_done(self, hook=None, loop=None, live_floor: int = 0) -> dict:
         """Decode every active slot to the end and wait for it: plain/sync in one on-device
         loop, async by rounds that only dispatch (``hook`` sees each), auto by :meth:`step` (it
         picks each round's geometry on the host).  ``loop(strategy, carry, params, lo, hi,
         max_rounds) -> (carry, timings)`` replaces a plain/sync strategy's own loop (the
-        benchmarks' phase-timed one, :mod:`d3d_jax.bench.phased`).  Returns the timings."""
+        benchmarks' phase-timed one, :mod:`d3d_jax.bench.phased`).  ``live_floor``: stop as soon
+        as no more than that many slots run (plain/sync's loop and rounds by :meth:`step`; async
+        runs to the end), so a caller with requests waiting refills the finished slots.
+        Returns the timings."""
         self._drain()
         self._flush(everything=True)
-        if not self._running():
+        if len(self._running()) <= live_floor:
             return {}
         if not self._grow_pages(full=True):  # the loop maps no page: rounds by step() instead
             self._set_tables()
-            while self._running():
+            while len(self._running()) > live_floor:
                 self.step()
             return {}
         self._set_tables()
         if not self.strategy.loops or self._grammar_live():  # a grammar needs the host every round
-            while self._running():
+            while len(self._running()) > live_floor:
                 self.step()
             return {}
-        self.carry, timings = self._loop_to_end(hook, loop)
+        self.carry, timings = self._loop_to_end(hook, loop, live_floor)
         self._stale = True  # which slots finished: read when next needed
         jax.block_until_ready(self.carry)
         return timings
 
-    def _loop_to_end(self, hook, loop):
+    def _loop_to_end(self, hook, loop, live_floor: int = 0):
         """``(carry, timings)`` of the strategy's loop (or ``loop``) over the live rows' window."""
         running = self._running()
         rows = np.asarray([self.placement.row_of[s] for s in running])
@@ -527,7 +530,7 @@ class SpecDecoder:
             return loop(self.strategy, self.carry, self._params, 0, self.placement.size, bound)
         greedy = all(i.request.sampling == GREEDY for i in infos)  # the loop without sampling code
         return self.strategy.run_until_done(self.carry, self._params, 0, self.placement.size, live=live,
-                                            max_rounds=bound, hook=hook, greedy=greedy)
+                                            max_rounds=bound, hook=hook, greedy=greedy, live_floor=live_floor)
 
     def warm_up(self, widths: Sequence[int] | None = None, run: bool = True) -> float:
         """Compile (or read from the program store; auto also times) the admission, row-ops and
@@ -619,3 +622,9 @@ def load_weights(decoder: SpecDecoder, target, drafter=None) -> None:
 def slots_in_use(decoder: SpecDecoder) -> list[int]:
     """The slots holding a request.  A caller that inserts knows its own; tools and tests ask."""
     return sorted(decoder._slots)
+
+
+def running_slots(decoder: SpecDecoder) -> list[int]:
+    """The slots whose request still decodes (one small read after an on-device loop): what a
+    caller refilling finished slots between loops asks (:func:`~d3d_jax.decoding.engine.generate_stream`)."""
+    return decoder._running()

@@ -8,24 +8,29 @@ Prompts are cut into batches of the decoder's ``num_slots``; each batch is admit
 dispatch) and decoded to the end: plain and sync rounds in one on-device ``lax.while_loop``,
 async rounds by a host loop that only dispatches, auto by rounds it picks one at a time.  The
 caller keeps the decoder (and so its compiled programs) for as long as it generates.
+
+:func:`generate_stream` batches continuously instead: every prompt queued, the on-device loop run
+until a few rows finish, their outputs handed out and the next prompts admitted into those rows.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import time
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 from d3d_jax.config.decoding import DEFAULT_BLOCK_SIZE, MODES
 from d3d_jax.decoding import metrics as M
 from d3d_jax.decoding.core import MAX_STOP_IDS
-from d3d_jax.decoding.decoder import SpecDecoder
+from d3d_jax.decoding.decoder import SpecDecoder, running_slots
 from d3d_jax.decoding.decoder_config import DecoderConfig, Request, decoder_config, prompt_problem
 from d3d_jax.decoding.drafting import ModelDrafter, ReplayDrafter, as_drafter
 from d3d_jax.decoding.verify import SamplingParams
 
-__all__ = ["SamplingParams", "GenerationOutput", "generate", "make_decoder", "cache_len_for", "decoding_layout",
+__all__ = ["SamplingParams", "GenerationOutput", "generate", "generate_stream", "make_decoder", "cache_len_for",
+           "decoding_layout",
            "summarize_outputs", "ModelDrafter", "ReplayDrafter", "MODES"]
 
 
@@ -127,6 +132,16 @@ def _check_call(dec: SpecDecoder, prompts, sampling, max_new_tokens, eos_token_i
     return prompts
 
 
+def _requests(dec: SpecDecoder, prompts, sampling, max_new_tokens, eos_token_ids, stop_token_ids, seed,
+              row_seeds) -> list[Request]:
+    """The call's checked prompts as requests; prompt i's key is ``fold_in(key(seed), row_seeds[i])``
+    (default: ``i``)."""
+    prompts = _check_call(dec, prompts, sampling, max_new_tokens, eos_token_ids, stop_token_ids, row_seeds)
+    index = list(range(len(prompts))) if row_seeds is None else [int(s) for s in row_seeds]
+    return [Request(p, int(max_new_tokens), sampling, tuple(stop_token_ids), int(seed), index[i],
+                    tuple(eos_token_ids)) for i, p in enumerate(prompts)]
+
+
 def generate(decoder: SpecDecoder, prompts: Sequence[Sequence[int]], *,
              sampling: SamplingParams = SamplingParams(), max_new_tokens: int = 128,
              eos_token_ids: Sequence[int] = (), stop_token_ids: Sequence[int] = (),
@@ -144,17 +159,57 @@ def generate(decoder: SpecDecoder, prompts: Sequence[Sequence[int]], *,
     apart).  ``clock``: a context manager factory whose
     ``.seconds`` is compile time to leave out of the decode time
     (``d3d_jax.bench.clock.CompileClock``)."""
-    prompts = _check_call(decoder, prompts, sampling, max_new_tokens, eos_token_ids,
-                          stop_token_ids, row_seeds)
-    index = list(range(len(prompts))) if row_seeds is None else [int(s) for s in row_seeds]
-    requests = [Request(p, int(max_new_tokens), sampling, tuple(stop_token_ids), int(seed),
-                        index[i], tuple(eos_token_ids)) for i, p in enumerate(prompts)]
+    requests = _requests(decoder, prompts, sampling, max_new_tokens, eos_token_ids, stop_token_ids, seed,
+                         row_seeds)
     decoder.free(range(decoder.config.num_slots))  # a failed earlier call may have left some
     bsz, outputs, sync_before = decoder.config.num_slots, [], [0]
     for bi, start in enumerate(range(0, len(requests), bsz)):
         outputs += _run_batch(decoder, requests[start: start + bsz], bi, hook, loop, clock,
                               sync_before)
     return outputs
+
+
+def generate_stream(decoder: SpecDecoder, prompts: Sequence[Sequence[int]], *,
+                    sampling: SamplingParams = SamplingParams(), max_new_tokens: int = 128,
+                    eos_token_ids: Sequence[int] = (), stop_token_ids: Sequence[int] = (),
+                    seed: int = 0, row_seeds: Sequence[int] | None = None,
+                    refill: int | None = None) -> Iterator[list[tuple[int, GenerationOutput]]]:
+    """Continuous batching: yields ``[(prompt index, output), ...]`` as rows finish.
+
+    Every prompt is queued; the decoder's slots take the first ones, and its on-device loop runs
+    until ``refill`` rows (default: an eighth of the slots, at least 1) have finished.  Those
+    rows' outputs are yielded and the next prompts admitted into them, so no row idles behind a
+    batch's longest response.  Once no prompt waits, the last rows move to narrower windows of
+    the decoder's row buckets as they thin out.  Arguments as :func:`generate`;
+    ``row_seeds`` keep each prompt's samples independent of which rows it shared.  A plain or
+    sync decoder (async runs each loop to its end: it still finishes, with fewer refills)."""
+    requests = _requests(decoder, prompts, sampling, max_new_tokens, eos_token_ids, stop_token_ids, seed,
+                         row_seeds)
+    slots = decoder.config.num_slots
+    refill = max(1, slots // 8) if refill is None else int(refill)
+    if refill < 1:
+        raise ValueError(f"refill must be >= 1, got {refill}")
+    decoder.free(range(slots))  # a failed earlier call may have left some
+    waiting, held = collections.deque(range(len(requests))), {}  # held: slot -> prompt index
+    while waiting or held:
+        free = [s for s in range(slots) if s not in held][: len(waiting)]
+        if free:
+            taken = [waiting.popleft() for _ in free]
+            decoder.insert(decoder.prefill([requests[i] for i in taken]), free)
+            held.update(zip(free, taken))
+        t0 = time.perf_counter()
+        # with nothing waiting, the loop stops once the rows fit a quarter of its window, and the
+        # rest run in a narrower one (a round costs every row of its window, finished or not)
+        floor = max(len(held) - refill, 0) if waiting else max(
+            [b for b in decoder.config.buckets if b <= len(held) // 4], default=0)
+        decoder.run_until_done(live_floor=floor)
+        running = set(running_slots(decoder))
+        finished = [s for s in sorted(held) if s not in running]
+        results = decoder.results(finished) if finished else []
+        decoder.free(finished)
+        wall = time.perf_counter() - t0
+        yield [(held.pop(s), _output(r, decoder.config.mode, 0, wall, None, 0.0, {}, {}))
+               for s, r in zip(finished, results)]
 
 
 def _run_batch(dec: SpecDecoder, requests: list[Request], batch_index: int, hook, loop, clock,

@@ -326,12 +326,12 @@ class CoreStrategy(Strategy):
         tp, dp = self.ctx.tp(t_leaves), self.ctx.dp(d_leaves)
         return windowed(lambda v: self.core.round(tp, dp, v), rows, state, start, lo, hi)
 
-    def _loop_fn(self, t_leaves, d_leaves, state, start, lo, hi, *, rows, greedy):
+    def _loop_fn(self, t_leaves, d_leaves, state, start, lo, hi, live_floor, *, rows, greedy):
         """``greedy``: every row is greedy with no logit processor nor logprobs, and the loop
         holds no sampling code (a third of a small model's loop compile)."""
         tp, dp = self.ctx.tp(t_leaves), self.ctx.dp(d_leaves)
         sampling = GREEDY if greedy else None
-        return windowed(lambda v: (self.core.run_until_done(tp, dp, v, sampling), None), rows,
+        return windowed(lambda v: (self.core.run_until_done(tp, dp, v, sampling, live_floor), None), rows,
                         state, start, lo, hi)[0]
 
     def dispatch(self, carry, params, groups, rows_info):
@@ -348,13 +348,13 @@ class CoreStrategy(Strategy):
         return dataclasses.replace(carry, state=state)
 
     def run_until_done(self, carry: Carry, params, lo: int, hi: int, *, greedy: bool = False,
-                       **_) -> tuple[Carry, dict]:
+                       live_floor: int = 0, **_) -> tuple[Carry, dict]:
         """The core's on-device loop over the window; ``greedy``: its rows are all plain greedy
-        requests (:meth:`_loop_fn`)."""
+        requests (:meth:`_loop_fn`); ``live_floor``: it stops once no more rows than that run."""
         start, rows = self.ctx.window(lo, hi)
         self.note((self.label + ("/loop/greedy" if greedy else "/loop"), rows))
         return dataclasses.replace(carry, state=self._loop(*params, carry.state, start, lo, hi,
-                                                           rows=rows, greedy=greedy)), {}
+                                                           int(live_floor), rows=rows, greedy=greedy)), {}
 
     def _draft_fn(self, d_leaves, state, start, lo, hi, *, rows):
         dp = self.ctx.dp(d_leaves)

@@ -1,16 +1,21 @@
 """Target-aligned data regeneration (spec §2.1): the target rewrites every response.
 
 Pipeline: read prompt lines in the common chat formats -> keep the user side -> render with the
-target's chat template (generation prompt; thinking disabled unless ``enable_thinking``) -> length-bucketed batches -> the
-engine's plain sampling -> one JSONL record per prompt, appended and fsynced so that an
+target's chat template (generation prompt; thinking disabled unless ``enable_thinking``) -> the
+engine's plain sampling, batched continuously -> one JSONL record per prompt, appended and fsynced so that an
 interrupted run resumes exactly where it stopped.
 
 Choices worth knowing (prompt formats, the user side and ids: :mod:`d3d_jax.io.chat`):
 
-* **Determinism**: each row samples from its own key derived from ``(seed, id)``, and batches are
-  planned from *all* prompts of a shard (sorted by prompt length, then id) before resumption
-  filters anything; a partially written batch is regenerated whole and only its missing ids
-  are written.  So a resumed run writes exactly the records an uninterrupted one would.
+* **Continuous batching**: every prompt of the shard not yet done is queued (by length, then
+  id) into one plain decoder of ``batch_size`` rows; its on-device loop runs until a few rows
+  finish, their records are appended, and the next prompts take those rows
+  (:func:`d3d_jax.decoding.engine.generate_stream`), so no row idles behind a batch's longest
+  response.
+* **Determinism**: each row samples from its own key derived from ``(seed, id)`` and the
+  position, never from its row or neighbours, so a resumed run writes the records an
+  uninterrupted one would (in float32; a bfloat16 target's matmuls round differently with the
+  batch's shape, docs/results/data.md).
 * **Shards**: prompt ``id`` goes to process ``sha256(id) mod process_count`` (stable when the
   prompt file grows); each process writes its own file ``<stem>-<i>-of-<n><suffix>``, and
   :func:`merge_shards` joins them into the one file the training data pipeline reads.
@@ -127,9 +132,12 @@ def plan_batches(ids: Sequence[str], lengths: Sequence[int], batch_size: int) ->
     return [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
 
 
-def padding_waste(lengths: Sequence[int], batches: Sequence[Sequence[int]]) -> float:
-    """Fraction of prompt slots that are padding when each batch pads to its longest prompt."""
-    padded = sum(len(b) * max(lengths[i] for i in b) for b in batches)
+def padding_waste(lengths: Sequence[int], cache_len: int) -> float:
+    """Fraction of prefilled prompt positions that are padding: each prompt is prefilled alone,
+    padded to its length bucket (:func:`~d3d_jax.config.decoding.prompt_bucket`)."""
+    from d3d_jax.config.decoding import prompt_bucket
+
+    padded = sum(prompt_bucket(n, cache_len) for n in lengths)
     return 1.0 - sum(lengths) / padded if padded else 0.0
 
 
@@ -300,14 +308,14 @@ def regenerate(target, tokenizer, prompts_path: str | os.PathLike, out_path: str
         raise DataError(f"{prompts_path}: none of this shard's {len(mine)} prompts is usable "
                         f"(first: line {summary.skipped[0][0]}: {summary.skipped[0][1]})")
     lengths = [len(t) for t in token_ids]
-    batches = plan_batches([p.id for p in usable], lengths, batch_size)
-    summary.padding_waste = padding_waste(lengths, batches)
-    todo_total = sum(p.id not in done for p in usable)
-    if max_records is not None:
-        todo_total = min(todo_total, max_records)
-    _write_batches(target, tokenizer, out, usable, token_ids, batches, done, run, summary,
-                   batch_size=batch_size, cache_multiple=cache_multiple, max_records=max_records,
-                   total=todo_total, progress=progress)
+    cache_len = run_cache_len(lengths, settings.max_new_tokens, cache_multiple)
+    summary.padding_waste = padding_waste(lengths, cache_len)
+    # queued by length, then id: neighbours in the queue are admitted together, one program a bucket
+    todo = [i for b in plan_batches([p.id for p in usable], lengths, batch_size) for i in b
+            if usable[i].id not in done][:max_records]
+    if todo:
+        _write_records(_decoder(target, batch_size, cache_len), tokenizer, out, [usable[i] for i in todo],
+                       [token_ids[i] for i in todo], run, summary, progress=progress)
     return summary
 
 
@@ -354,39 +362,29 @@ def _resume(out: Path, run: _Run, vocab_size: int, summary: RegenerationSummary)
     return {r["id"] for r in valid}
 
 
-def _write_batches(target, tokenizer, out: Path, usable, token_ids, batches, done: set[str], run: _Run,
-                   summary: RegenerationSummary, *, batch_size: int, cache_multiple: int,
-                   max_records: int | None, total: int, progress: bool) -> None:
+def _write_records(decoder, tokenizer, out: Path, prompts: Sequence[Prompt], token_ids, run: _Run,
+                   summary: RegenerationSummary, *, progress: bool) -> None:
+    """Every prompt through the engine's continuous batching; each record appended (whole, fsynced)
+    as its row finishes.  A record depends on its prompt, the settings and its own seed only, so
+    a resumed run writes what an uninterrupted one would, in whatever order rows finish."""
     from tqdm.auto import tqdm
 
+    from d3d_jax.decoding import engine
     from d3d_jax.io.atomic import writing
 
     with writing(out):
         out.parent.mkdir(parents=True, exist_ok=True)
-    bar = tqdm(total=total, unit="prompt", desc=f"regenerate {out.name}", disable=not progress)
+    bar = tqdm(total=len(prompts), unit="prompt", desc=f"regenerate {out.name}", disable=not progress)
     start, cpu_start = time.perf_counter(), time.process_time()
-    # one decoder for every prompt length, built when the first batch needs it: its cache fits
-    # the longest prompt, and it reads the target's arrays (one copy of the weights, however
-    # many length buckets the prompts span)
-    cache_len = run_cache_len([len(t) for t in token_ids], run.settings.max_new_tokens, cache_multiple)
-    decoder = None
+    settings = run.settings
+    sampling = engine.SamplingParams(temperature=settings.temperature, top_p=settings.top_p, top_k=settings.top_k)
+    stream = engine.generate_stream(decoder, token_ids, sampling=sampling, max_new_tokens=settings.max_new_tokens,
+                                    eos_token_ids=run.eos_ids, seed=settings.seed,
+                                    row_seeds=[record_seed(settings.seed, p.id) for p in prompts])
     with writing(out), open(out, "ab") as f:
-        for batch in batches:
-            if max_records is not None and summary.written >= max_records:
-                break
-            todo = [i for i in batch if usable[i].id not in done]
-            if not todo:
-                continue
-            if decoder is None:
-                decoder = _decoder(target, batch_size, cache_len)
-            # The whole planned batch is regenerated (same rows as an uninterrupted run).
-            outputs = _generate_batch(decoder, [token_ids[i] for i in batch],
-                                      [record_seed(run.settings.seed, usable[i].id) for i in batch],
-                                      run.settings, run.eos_ids)
-            records = [_record(usable[i], token_ids[i], o, tokenizer, run.generation, run.template, run.target_id)
-                       for i, o in zip(batch, outputs) if i in todo]
-            if max_records is not None:
-                records = records[: max_records - summary.written]
+        for finished in stream:
+            records = [_record(prompts[i], token_ids[i], o, tokenizer, run.generation, run.template, run.target_id)
+                       for i, o in finished]
             append_records(f, records)
             summary.written += len(records)
             summary.generated_tokens += sum(len(r["response_token_ids"]) for r in records)
@@ -462,19 +460,9 @@ def run_cache_len(prompt_lengths: Sequence[int], max_new_tokens: int, cache_mult
 
 
 def _decoder(target, batch_size: int, cache_len: int):
-    """The run's plain decoder (``batch_size`` slots).  Prompts are admitted by the decoder's own
-    prompt-length buckets, one program each, so one decoder serves every length."""
+    """The run's plain decoder (``batch_size`` slots, rows decoded together).  Prompts are admitted
+    by the decoder's own prompt-length buckets, one program each, so one decoder serves every
+    length."""
     from d3d_jax.decoding import engine
 
     return engine.make_decoder(target, mode="plain", num_slots=batch_size, max_cache_len=cache_len)
-
-
-def _generate_batch(decoder, prompt_ids: Sequence[Sequence[int]], row_seeds: list[int], settings: GenerationSettings,
-                    eos_ids: Sequence[int]):
-    """One planned batch through the engine's plain sampling."""
-    from d3d_jax.decoding import engine
-
-    sampling = engine.SamplingParams(temperature=settings.temperature, top_p=settings.top_p,
-                                     top_k=settings.top_k)
-    return engine.generate(decoder, prompt_ids, sampling=sampling, max_new_tokens=settings.max_new_tokens,
-                           eos_token_ids=tuple(eos_ids), seed=settings.seed, row_seeds=row_seeds)
