@@ -370,3 +370,19 @@ def test_loading_and_a_sync_decoders_first_generate_compile_only_the_decoders_pr
     own = sorted(n for n in compiled if n != "stage")
     assert own == sorted(["init_state", "_admit_fn", "_loop_fn", "<lambda>"]), compiled
     assert len(compiled) <= 30
+    # The layers are compiled once, in the loop: the admission holds no matmul (a prompt is
+    # prefilled by the round's own forward) and the loop one round's.  A round's matmuls, counted
+    # from the architecture: per layer q, k, v, o, gate, up, down, and the block's attention
+    # scores and values against the cache and against the block itself (the cache is written
+    # after the forward); then the target's and the drafter's LM heads.  A second copy of the
+    # round or of a model (a first round peeled off the loop, a drafter variant) adds its own.
+    layers = sum(m.config.num_layers for m in (target, drafter))
+    assert _matmuls(dec, "_admit_fn") == 0
+    assert _matmuls(dec, "_loop_fn") == layers * (7 + 4) + 2
+
+
+def _matmuls(dec, program: str) -> int:
+    """``dot`` instructions in the optimized HLO of the decoder's one compiled ``program``."""
+    texts = [c.as_text() for (name, _), c in dec.programs._memory.items() if name.endswith("." + program)]
+    assert len(texts) == 1, (program, [name for name, _ in dec.programs._memory])
+    return len(re.findall(r"\bdot\(", texts[0]))

@@ -97,6 +97,7 @@ class TargetRows:
     stop_is_eos: jax.Array
     sampling: SamplingParams
     pages: Any = None  # [n, max_pages] (a paged target cache only)
+    anchor: Any = None  # [n] the first anchor (None: prompt_len - 1, the prompt cached)
 
 
 @jax.tree_util.register_dataclass
@@ -164,7 +165,8 @@ class DecodeCore:
 
     def __init__(self, target_graphdef, target_config, drafter, *, width: int, cache_len: int,
                  sample_drafts: bool = False, acceptance_rule: Callable | None = None,
-                 override: Any = None, page_size: int = 0, num_pages: int = 0):
+                 override: Any = None, page_size: int = 0, num_pages: int = 0,
+                 prefill_rounds: bool = False):
         self.target_graphdef = target_graphdef
         self.target_config = target_config
         self.drafter = drafter
@@ -174,6 +176,8 @@ class DecodeCore:
         self.rule = acceptance_rule or V.default_rule(self.sample_drafts)
         self.override = override
         self.page_size, self.num_pages = int(page_size), int(num_pages)
+        # rows may join with their prompts uncached and prefill W tokens a round (prefilling)
+        self.prefill_rounds = bool(prefill_rounds)
 
     @property
     def paging(self) -> tuple[int, int] | None:
@@ -266,7 +270,7 @@ class DecodeCore:
         return DecodeState(
             target_cache=insert_target_rows(state.target_cache, rows, slots),
             drafter_state=dstate, seq=put(state.seq, rows.seq),
-            anchor_pos=put(state.anchor_pos, rows.prompt_len - 1),
+            anchor_pos=put(state.anchor_pos, rows.prompt_len - 1 if rows.anchor is None else rows.anchor),
             prompt_len=put(state.prompt_len, rows.prompt_len), n_out=put(state.n_out, zeros),
             done=put(state.done, jnp.zeros((n,), bool)), finish=put(state.finish, zeros),
             key_data=put(state.key_data, rows.key_data),
@@ -279,6 +283,15 @@ class DecodeCore:
         return dataclasses.replace(state, done=_insert(state.done, True, slots))
 
     # ---------------------------------------------------------------- one round
+    def prefilling(self, state: DecodeState):
+        """``[b]``: running rows whose prompt is not all cached yet (``prefill_rounds`` only; None
+        otherwise).  Such a round feeds the next W prompt tokens in place of ``[anchor, drafts]``
+        and commits them to the cache, emitting nothing: the round's own forward is the prefill,
+        so a decoder's admission holds no layers (most of a sync decoder's first compile)."""
+        if not self.prefill_rounds:
+            return None
+        return ~state.done & (state.anchor_pos < state.prompt_len - 1)
+
     def draft(self, drafter_params, state: DecodeState) -> tuple[DraftOutput, DecodeState]:
         """One drafter forward: drafts for positions s+1..s+W-1 of every row."""
         # inactive rows draft from position 0: their stale lengths must not widen the
@@ -304,6 +317,10 @@ class DecodeCore:
         anchor = jnp.take_along_axis(state.seq, s[:, None], axis=1)
         pos = s[:, None] + jnp.arange(self.width, dtype=jnp.int32)[None]
         cache_in = state.target_cache
+        prefilling = self.prefilling(state)
+        if prefilling is not None:  # the prompt's next tokens, all kept (written to the cache)
+            prompt = jnp.take_along_axis(state.seq, jnp.minimum(pos[:, 1:], state.seq.shape[1] - 1), axis=1)
+            fed = jnp.where(prefilling[:, None], prompt, fed)
 
         def forward(span, cache, tokens, pos):
             return target(tokens, causal_meta(pos), cache=cache, cache_span=span,
@@ -324,6 +341,9 @@ class DecodeCore:
         if self.override is not None:
             accepted, next_token = self.override.accept(accepted, next_token, s, state.row_keys,
                                                         self.width)
+        if prefilling is not None:  # commit keeps positions s .. s + accepted, emits nothing
+            kept = jnp.minimum(self.width, state.prompt_len - 1 - s) - 1
+            accepted = jnp.where(prefilling, kept, accepted)
         logprobs = V.emitted_logprobs(logits, emitted_tokens(fed, accepted, next_token),
                                       sampling)
         return accepted, next_token, cache, logprobs
@@ -341,6 +361,9 @@ class DecodeCore:
         is_stop = jnp.any(_match(emitted, state.stop_ids), axis=-1) & (idx < count[:, None])
         first_stop = jnp.where(jnp.any(is_stop, axis=1), jnp.argmax(is_stop, axis=1), w)
         active = ~state.done
+        prefilling = self.prefilling(state)
+        if prefilling is not None:  # its prompt's tokens cached, nothing emitted (verify)
+            active = active & ~prefilling
         n_emit = jnp.where(active, jnp.minimum(jnp.minimum(count, first_stop + 1),
                                                state.max_new - state.n_out), 0)
         write_pos = jnp.where(idx < n_emit[:, None], state.anchor_pos[:, None] + 1 + idx,
@@ -355,6 +378,8 @@ class DecodeCore:
         finish = jnp.where(hit_stop, jnp.where(is_eos, FINISH_EOS, FINISH_STOP), state.finish)
         finish = jnp.where(out_of_room, FINISH_LENGTH, finish).astype(jnp.int32)
         anchor_pos = state.anchor_pos + n_emit
+        if prefilling is not None:
+            anchor_pos = jnp.where(prefilling, state.anchor_pos + count, anchor_pos)
         # the histogram may be wider than this round (auto mixes widths in one state)
         hist = state.accept_hist + jax.nn.one_hot(accepted, state.accept_hist.shape[1],
                                                   dtype=jnp.int32) * active[:, None]
@@ -384,7 +409,10 @@ class DecodeCore:
         traced) until no more than ``live_floor`` rows run: a caller with prompts waiting then
         refills the finished rows, and one program serves every floor."""
         # every round commits >= 1 token per active row, so this many rounds always suffice
-        limit = jnp.max(jnp.where(state.done, 0, state.max_new - state.n_out))
+        todo = state.max_new - state.n_out
+        if self.prefill_rounds:  # and a round per W uncached prompt tokens
+            todo = todo + jnp.maximum(state.prompt_len - 1 - state.anchor_pos + self.width - 1, 0) // self.width
+        limit = jnp.max(jnp.where(state.done, 0, todo))
 
         def cond(carry):
             i, st = carry

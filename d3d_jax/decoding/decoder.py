@@ -452,12 +452,14 @@ class SpecDecoder:
         # all the time since the last read while requests ran (host work, admissions, row ops)
         wall = now - (self._last_read if self._busy else rnd.t_start)
         self._last_read = now
-        outs = {}
+        outs, prefills = {}, self.strategy.prefill_rounds
         for part, h in zip(rnd.parts, host):
             M.tally_round(self._tally.setdefault(part.label, collections.Counter()), part,
                           int(np.sum(h["count"])), seconds if len(rnd.parts) == 1 else None)
             for i, row in enumerate(range(part.start, part.start + part.rows)):
                 slot, info = rnd.snapshot[row]
+                if prefills and h["count"][i] == 0 and h["finish"][i] == 0:
+                    continue  # a row caching its prompt: nothing for it yet (core.prefilling)
                 if part.lo <= row < part.hi and info is not None and self._slots.get(slot) is info \
                         and info.finish_reason is None:
                     outs[slot] = self._count(info, part.label, {k: v[i] for k, v in h.items()})

@@ -32,6 +32,7 @@ from d3d_jax.decoding.core import MAX_STOP_IDS, DecodeCore, DecodeState, RoundRe
 from d3d_jax.decoding.decoder_config import Request
 from d3d_jax.decoding.programs import ProgramStore
 from d3d_jax.decoding.verify import GREEDY, SamplingParams
+from d3d_jax.model import kv_cache as kvc
 from d3d_jax.model.paged_kv import UNMAPPED, PagedKVCache
 
 
@@ -80,13 +81,14 @@ class Context:
     shared: bool = True  # one slice: nothing moves between sides
     programs: ProgramStore = dataclasses.field(default_factory=lambda: ProgramStore(None))
 
-    def core(self, width: int, with_drafter: bool) -> DecodeCore:
+    def core(self, width: int, with_drafter: bool, prefill_rounds: bool = False) -> DecodeCore:
         cfg = self.config
         return DecodeCore(self.target_graphdef, self.target_config,
                           self.drafter if with_drafter else None, width=width,
                           cache_len=cfg.max_cache_len, sample_drafts=cfg.sample_drafts,
                           acceptance_rule=cfg.acceptance_rule, override=cfg.acceptance_override,
-                          page_size=cfg.kv_page_size, num_pages=cfg.kv_num_pages)
+                          page_size=cfg.kv_page_size, num_pages=cfg.kv_num_pages,
+                          prefill_rounds=prefill_rounds)
 
     def window(self, lo: int, hi: int) -> tuple[int, int]:
         """``(start, rows)``: the smallest bucketed window holding rows ``lo … hi-1``."""
@@ -129,13 +131,14 @@ class Strategy:
 
     mode = "?"
     drafter_in_state = False  # sync/auto: the drafter's state rides in DecodeState
+    prefill_rounds = False  # sync: a prompt is prefilled by its first rounds (DecodeCore.prefilling)
     # has run_until_done; auto does not: it picks each round on the host (the decoder steps it)
     loops = True
 
     def __init__(self, ctx: Context):
         self.ctx = ctx
         cfg = ctx.config
-        self.home = ctx.core(cfg.width, self.drafter_in_state)
+        self.home = ctx.core(cfg.width, self.drafter_in_state, self.prefill_rounds)
         self.compiled: set[tuple[str, int]] = set()  # (program, rows): a program each
         self._typed = threading.local()  # .on: this thread runs a compile-ahead pass (nothing runs)
         self._init = self.jit(self.home.init_state, static_argnums=0)
@@ -382,5 +385,20 @@ class PlainStrategy(CoreStrategy):
 
 
 class SyncStrategy(CoreStrategy):
+    """Its admission only inserts a row, its prompt uncached: the row's first rounds feed the
+    prompt W tokens at a time through the round's own forward (the drafter's uncached tokens
+    follow a round behind, at most B), so the layers are compiled once, in the round program.
+    A paged cache's chunked prefill (``prefill_piece``) still prefills as before."""
+
     mode = "sync"
     drafter_in_state = True
+    prefill_rounds = True
+
+    def _prefill_parts(self, t_leaves, d_leaves, row: RowInput):
+        n, p = row.prompt.shape
+        cache = kvc.init_cache(self.ctx.target_config, n, p)  # holds nothing: lengths 0
+        target = dataclasses.replace(self.home.target_rows(row, cache), anchor=jnp.zeros((n,), jnp.int32))
+        drafter = self.ctx.drafter
+        if drafter.chunk_model(self.ctx.dp(d_leaves)) is None:  # no KV cache (a replay): its data
+            return target, self.home.prefill_drafter(self.ctx.dp(d_leaves), row)
+        return target, drafter.init_state(n, p)
