@@ -354,7 +354,7 @@ def test_loading_and_a_sync_decoders_first_generate_compile_only_the_decoders_pr
         if event == "/jax/core/compile/backend_compile_duration":
             compiled.append(re.sub(r"^jit\((.*)\)$", r"\1", str(fun_name)))
 
-    was, dump = jax.config.jax_enable_compilation_cache, jax.config.jax_dump_ir_to
+    was, dump = jax.config.jax_enable_compilation_cache, jax.config._read("jax_dump_ir_to")
     jax.config.update("jax_enable_compilation_cache", False)
     jax.config.update("jax_dump_ir_to", str(tmp_path / "ir"))  # the modules JAX compiles
     jax.clear_caches()
