@@ -406,3 +406,23 @@ def test_cached_step_reads_head_and_output_projection_in_place(kv_heads):
               if (m := re.search(r"= f32\[([0-9,]+)\]\{[0-9,]*\} (copy|transpose)\(", ln))
               and int(np.prod([int(x) for x in m.group(1).split(",")])) in sizes]
     assert not copied, copied
+
+
+def test_cached_step_takes_equal_heads_pairs_by_a_slice():
+    """With equal heads a one-token step on CPU multiplies the span against every query head as it
+    lies and keeps each head's own pairs by a strided slice: nothing reduces an array of all the
+    pairs (a masked sum over them selected and reduced one per layer, for scores and values)."""
+    from d3d_jax.config import ModelConfig
+    from d3d_jax.model.qwen3 import init_model, unstacked
+
+    span, heads, head_dim = 40, 4, 32
+    cfg = ModelConfig(vocab_size=384, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=heads,
+                      num_kv_heads=heads, head_dim=head_dim, tie_word_embeddings=True)
+    graphdef, state = nnx.split(unstacked(init_model(cfg, seed=0)))
+    meta = causal_meta(jnp.full((1, 1), 5, jnp.int32))
+    fn = jax.jit(lambda s, c: nnx.merge(graphdef, s)(jnp.zeros((1, 1), jnp.int32), meta, cache=c))
+    text = fn.lower(state, kvc.init_cache(cfg, 1, span)).as_text()
+    pairs = {span * heads * heads, heads * heads * head_dim}
+    reduced = [m.group(0) for m in re.finditer(r"stablehlo\.reduce\(%[^)]*\)[^\n]*?: \(tensor<([0-9x]+)xf32>", text)
+               if int(np.prod([int(x) for x in m.group(1).split("x")])) in pairs]
+    assert not reduced, reduced

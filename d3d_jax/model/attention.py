@@ -187,16 +187,16 @@ def _xla_dense(q: jax.Array, q_meta: TokenMeta, segments: Sequence[Segment], *, 
     dt = q.dtype
     kh = segments[-1][0].shape[2]
     q = q.reshape(b, t, kh, n // kh, h) * jnp.asarray(h ** -0.5, dt)
-    same = jnp.eye(kh, dtype=bool)  # query heads' kv head == key head (all_pairs)
     big_neg = jnp.float32(_BIG_NEG)
     scores = []
     for k, _, k_meta in segments:
         if in_place:  # products summed in f32 read the cache span where it lies
             s = jnp.sum(q.astype(jnp.float32)[:, :, None] * k.astype(jnp.float32)[:, None, :, :, None], -1)
             s = jnp.transpose(s, (0, 3, 4, 1, 2))
-        elif all_pairs:  # [s·j, h] x [h, t·k·g] as the span lies; the pairs j == k are kept
+        elif all_pairs:  # [s·j, h] x [h, k·t·g] as the span lies; the pairs j == k are sliced out
             s = jnp.einsum("bsjh,btkgh->bsjtkg", k.astype(dt), q, preferred_element_type=jnp.float32)
-            s = jnp.transpose(jnp.sum(jnp.where(same[:, None, :, None], s, 0.0), axis=2), (0, 3, 4, 2, 1))
+            s = jnp.transpose(s, (0, 1, 2, 4, 3, 5)).reshape(b, -1, kh * kh, t, n // kh)  # j, k adjacent
+            s = jnp.transpose(_diagonal(s, kh, axis=2), (0, 2, 4, 3, 1))
         else:  # a dot: XLA first copies K into [b, k, s, h] (batch dims major)
             s = jnp.einsum("btkgh,bskh->bkgts", q, k.astype(dt), preferred_element_type=jnp.float32)
         scores.append(jnp.where(attention_mask(q_meta, k_meta)[:, None, None], s, big_neg))
@@ -209,11 +209,11 @@ def _xla_dense(q: jax.Array, q_meta: TokenMeta, segments: Sequence[Segment], *, 
         p32 = jnp.transpose(probs.astype(dt).astype(jnp.float32), (0, 3, 4, 1, 2))[..., None]
         pv = lambda p, v: jnp.sum(p * v.astype(jnp.float32)[:, None, :, :, None], axis=2)  # noqa: E731
         probs = p32
-    elif all_pairs:  # [k·g·t, s] x [s, j·h], the pairs j == k kept
+    elif all_pairs:  # [g·t·k, s] x [s, j·h], the pairs j == k sliced out
         probs = probs.astype(dt)
-        pv = lambda p, v: jnp.transpose(jnp.sum(jnp.where(  # noqa: E731
-            same[:, None, None, :, None], jnp.einsum("bkgts,bsjh->bkgtjh", p, v.astype(dt)), 0), axis=4),
-            (0, 3, 1, 2, 4))
+        pv = lambda p, v: jnp.transpose(_diagonal(jnp.transpose(jnp.einsum(  # noqa: E731
+            "bkgts,bsjh->bkgtjh", p, v.astype(dt)), (0, 2, 3, 1, 4, 5)).reshape(b, n // kh, t, kh * kh, h),
+            kh, axis=3), (0, 2, 3, 1, 4))
     else:
         probs = probs.astype(dt)
         pv = lambda p, v: jnp.einsum("bkgts,bskh->btkgh", p, v.astype(dt))  # noqa: E731
@@ -227,6 +227,13 @@ def _xla_dense(q: jax.Array, q_meta: TokenMeta, segments: Sequence[Segment], *, 
             out = part if out is None else out + part
             start += v.shape[1]
     return out.astype(dt).reshape(b, t, n, h)
+
+
+def _diagonal(x: jax.Array, k: int, axis: int = -1) -> jax.Array:
+    """The pairs ``(i, i)`` of an axis holding ``k × k`` pairs ``(i, j)``: a strided slice.  A
+    masked sum over ``j`` selected an array as large as the products and reduced it (XLA:CPU gave
+    the reduce to YNNPACK): 0.4 ms more per step at 8 / 8 heads and 576 slots."""
+    return jax.lax.slice_in_dim(x, 0, k * k, k + 1, axis)
 
 
 def kernel_reads_pages(backend: str, page_size: int) -> bool:
