@@ -379,7 +379,7 @@ def test_span_buckets_add_an_attention_only_where_they_save_a_third():
                 cache_span=span, defer_cache_write=True)
             return kvc.call_with_span(forward, jnp.max(cache.lengths), cache, tokens)[0]
         text = str(jax.make_jaxpr(step)(state, kvc.init_cache(cfg, 1, cache_len)))
-        return text.count(" cond[")
+        return text.count(" cond[") - text.count("platform_index")  # a platform's choice is no switch
 
     assert switches(176) == 0
     assert switches(256) == cfg.num_layers

@@ -555,3 +555,47 @@ def test_thinking_mode_renders_the_templates_thinking_prompt(target, tokenizer, 
         text = tokenizer.apply_chat_template(r["messages"], tokenize=False, add_generation_prompt=True)
         assert r["prompt_token_ids"] == tokenizer(text, add_special_tokens=False)["input_ids"]
         assert "<think>" not in text and r["template"]["enable_thinking"] is True
+
+
+def test_a_cpu_decodes_in_float32_unless_a_dtype_is_given():
+    """XLA:CPU computes bfloat16 through float32 conversions (the KV cache's every round): a CPU
+    regenerates in float32 by default; an accelerator keeps the stored dtype; a given one wins."""
+    assert rg.compute_dtype(None, "cpu") == "float32"
+    assert rg.compute_dtype(None, "gpu") is None and rg.compute_dtype(None, "tpu") is None
+    assert rg.compute_dtype("bfloat16", "cpu") == "bfloat16"
+
+
+def test_sigkill_mid_run_then_rerun_leaves_every_id_once(target, tokenizer, prompts_file, tmp_path):
+    """The command SIGKILLed once some records are written (one row: records come one by one),
+    then run again: every usable prompt's id is in the file exactly once, every record whole."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    from d3d_jax.io.hf import save_qwen3
+
+    target_dir = save_qwen3(target, tmp_path / "target")
+    tokenizer.save_pretrained(target_dir)
+    root = Path(__file__).resolve().parent.parent
+    out = tmp_path / "out.jsonl"
+    cmd = [sys.executable, str(root / "train" / "regenerate_data.py"), "--target", str(target_dir), "--prompts",
+           str(prompts_file), "--out", str(out), "--batch-size", "1", "--max-new-tokens", "150",
+           "--process-count", "1", "--process-index", "0", "--no-progress", "max_skipped_fraction=0.1"]
+    env = dict(os.environ, PYTHONPATH=str(root), JAX_PLATFORMS="cpu")
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        while proc.poll() is None and not (out.exists() and out.read_bytes().count(b"\n") >= 2):
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.wait()
+    written = out.read_bytes().count(b"\n")
+    assert proc.returncode == -signal.SIGKILL and 2 <= written < 11  # killed mid-run, not after the end
+    subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    records = _lines(out)
+    ids = [r["id"] for r in records]
+    assert len(ids) == len(set(ids)) == 11
+    assert all(rg.record_problem(r, target.config.vocab_size) is None for r in records)

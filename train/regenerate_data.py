@@ -73,6 +73,9 @@ def main(argv=None) -> int:
     ap.add_argument("--api-key", default=None, help="the server's API key (default: $OPENAI_API_KEY)")
     ap.add_argument("--concurrency", type=int, help="--endpoint: requests in flight per process")
     ap.add_argument("--model", help="--endpoint: the served model's name (default: the server's first)")
+    from d3d_jax import compile_cache
+
+    compile_cache.add_flag(ap)
     ap.add_argument("overrides", nargs="*", help="key=value RegenerateConfig overrides")
     args = ap.parse_intermixed_args(argv)  # key=value before and after each --config
 
@@ -105,24 +108,28 @@ def main(argv=None) -> int:
 
     import jax
 
+    from d3d_jax import compile_cache
     from d3d_jax.io.checkpoint import load_decoding_model
     from d3d_jax.parallel.sharding import make_mesh
     from d3d_jax.training import regenerate as rg
 
+    programs = compile_cache.enable(args.compile_cache)  # before anything compiles: a rerun compiles nothing
     # This process's own devices only: other processes regenerate other prompts.
     devices = jax.local_devices()
     if cfg.num_devices > len(devices):
         raise UsageError(f"num_devices={cfg.num_devices} but this process has {len(devices)} devices")
     mesh = make_mesh(cfg.mesh, devices[: cfg.num_devices or len(devices)])
     # one module per layer, as the decoder runs it: the decoder reads these arrays, no copy
-    target = load_decoding_model(args.target, mesh=mesh, dtype=cfg.dtype, attention=cfg.attention)
+    dtype = rg.compute_dtype(cfg.dtype, mesh.devices.flat[0].platform)
+    target = load_decoding_model(args.target, mesh=mesh, dtype=dtype, attention=cfg.attention)
     summary = rg.regenerate(target, tokenizer, args.prompts, args.out,
                             settings=rg.settings_from_config(cfg, args.target), batch_size=cfg.batch_size,
                             process_index=cfg.process_index,
                             process_count=cfg.process_count, target_path=args.target,
                             max_records=cfg.max_records, max_prompt_tokens=cfg.max_prompt_tokens,
                             cache_multiple=cfg.cache_multiple, progress=not args.no_progress,
-                            max_skipped_fraction=cfg.max_skipped_fraction, enable_thinking=cfg.enable_thinking)
+                            max_skipped_fraction=cfg.max_skipped_fraction, enable_thinking=cfg.enable_thinking,
+                            program_dir=programs)
     print(summary.format())
     return 0
 

@@ -36,7 +36,9 @@ class RegenerateConfig:
     max_skipped_fraction: float = 0.01
     process_index: int | None = None  # None: jax.process_index()
     process_count: int | None = None  # None: jax.process_count()
-    dtype: str | None = None  # cast the target after loading (None: as stored)
+    # cast the target after loading; None: float32 on a CPU (XLA:CPU computes bfloat16 by converting
+    # to float32 around each op, the KV cache's every round), as stored on an accelerator
+    dtype: str | None = None
     # attention backend: auto (the fused kernels on GPU and TPU, xla on a CPU), xla or pallas
     attention: str = "auto"
     # Each process loads the target onto a mesh over its own devices (prompts, not tensors, are

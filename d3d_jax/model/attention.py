@@ -169,13 +169,15 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, q_meta: TokenMeta, k_meta: 
 def _xla(q: jax.Array, q_meta: TokenMeta, segments: Sequence[Segment]) -> jax.Array:
     """The reference: dense scores per segment, concatenated, one softmax.
 
-    Few query rows per kv head read the cache span in place by products summed, except one row
-    on CPU, which takes all head pairs (``_IN_PLACE_ROWS``); the platform is the one the program
+    Few query rows per kv head read the cache span in place by products summed, except on CPU,
+    where they take all head pairs (``_IN_PLACE_ROWS``); the platform is the one the program
     is lowered for (a compile-only GPU program built on a CPU host gets the GPU's choice)."""
     _, t, n, _ = q.shape
     rows = t * (n // segments[-1][0].shape[2])
-    if rows > 1:
-        return _xla_dense(q, q_meta, segments, in_place=rows <= _IN_PLACE_ROWS)
+    if rows > _IN_PLACE_ROWS:
+        return _xla_dense(q, q_meta, segments, in_place=False)
+    # on CPU a few rows per kv head (GQA decode) take all head pairs too: 2.3x the products' speed
+    # at 48 rows x 640 slots (3.6 vs 8.2 ms a layer), no copy of the span
     return jax.lax.platform_dependent(
         q, q_meta, tuple(segments), cpu=functools.partial(_xla_dense, in_place=False, all_pairs=True),
         default=functools.partial(_xla_dense, in_place=True))

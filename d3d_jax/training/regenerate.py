@@ -71,6 +71,16 @@ class GenerationSettings:
             raise UsageError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
 
 
+def compute_dtype(dtype: str | None, platform: str) -> str | None:
+    """The dtype the target decodes in: ``dtype`` if set, else float32 on a CPU and the stored one
+    elsewhere.  XLA:CPU has no bfloat16 arithmetic: it converts operands to float32 around each
+    op, and a bfloat16 KV cache is converted whole, both ways, to write each round's token
+    (docs/results/data.md).  Float32 records are also independent of the batch's shape."""
+    if dtype is not None:
+        return dtype
+    return "float32" if platform == "cpu" else None
+
+
 def settings_from_config(cfg, target_dir: str | os.PathLike | None = None) -> GenerationSettings:
     """The record's sampling settings from a :class:`d3d_jax.config.RegenerateConfig`; a setting
     left unset comes from ``target_dir``'s ``generation_config.json`` (:func:`target_sampling`)."""
@@ -271,7 +281,7 @@ def regenerate(target, tokenizer, prompts_path: str | os.PathLike, out_path: str
                target_path: str | os.PathLike | None = None, max_records: int | None = None,
                max_prompt_tokens: int | None = None, cache_multiple: int = 64,
                progress: bool = True, max_skipped_fraction: float = 0.01,
-               enable_thinking: bool = False) -> RegenerationSummary:
+               enable_thinking: bool = False, program_dir: str | None = None) -> RegenerationSummary:
     """Regenerate responses for every prompt of this process's shard not yet in the output.
 
     ``max_records`` stops after that many new records (a partial run; rerun to continue).
@@ -280,7 +290,8 @@ def regenerate(target, tokenizer, prompts_path: str | os.PathLike, out_path: str
     lines and prompts the template or vocabulary rejects are skipped and listed too; more than
     ``max_skipped_fraction`` of them, or no usable prompt, stop the run before generating.
     Output records that cannot count as done (``response_token_ids`` of ``"oops"``) are set
-    aside, listed, and regenerated.
+    aside, listed, and regenerated.  ``program_dir``: the decoder's compiled programs are kept
+    there across runs (:mod:`d3d_jax.compile_cache`), so a rerun compiles nothing.
     """
     import jax
 
@@ -314,7 +325,7 @@ def regenerate(target, tokenizer, prompts_path: str | os.PathLike, out_path: str
     todo = [i for b in plan_batches([p.id for p in usable], lengths, batch_size) for i in b
             if usable[i].id not in done][:max_records]
     if todo:
-        _write_records(_decoder(target, batch_size, cache_len), tokenizer, out, [usable[i] for i in todo],
+        _write_records(_decoder(target, batch_size, cache_len, program_dir), tokenizer, out, [usable[i] for i in todo],
                        [token_ids[i] for i in todo], run, summary, progress=progress)
     return summary
 
@@ -459,10 +470,11 @@ def run_cache_len(prompt_lengths: Sequence[int], max_new_tokens: int, cache_mult
     return _round_up(prompt_pad + max_new_tokens + ENGINE_BLOCK_SLACK, cache_multiple)
 
 
-def _decoder(target, batch_size: int, cache_len: int):
+def _decoder(target, batch_size: int, cache_len: int, program_dir: str | None = None):
     """The run's plain decoder (``batch_size`` slots, rows decoded together).  Prompts are admitted
     by the decoder's own prompt-length buckets, one program each, so one decoder serves every
     length."""
     from d3d_jax.decoding import engine
 
-    return engine.make_decoder(target, mode="plain", num_slots=batch_size, max_cache_len=cache_len)
+    return engine.make_decoder(target, mode="plain", num_slots=batch_size, max_cache_len=cache_len,
+                               program_dir=program_dir)
