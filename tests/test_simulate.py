@@ -194,6 +194,7 @@ def test_bench_engine_records_the_simulation_in_json_and_table():
     assert "n/a (simulated acceptance)" in table
 
 
+@pytest.mark.slow
 def test_bench_engine_streams_decode_together_as_each_decodes_alone():
     """``--streams 3``: three prompts in one batch give each prompt's tokens from a decoder of its
     own, equal to transformers' greedy; sync (replaying them) equals plain, paged as dense."""
