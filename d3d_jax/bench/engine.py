@@ -38,15 +38,15 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--vocab", type=int, default=4096)
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--streams", type=int, default=1,
-                   help="prompts decoded together as one batch (one slot each); ms/token is the batch's "
-                        "time per token of one stream")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_model_arguments(p)
     p.add_argument("--dtype", default="float32")
     p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--streams", type=int, default=1,
+                   help="prompts decoded together as one batch (one slot each); ms/token is the batch's "
+                        "time per token of one stream")
     p.add_argument("--kv-page-size", type=int, default=0,
                    help="KV cache pages of this many tokens (the server's layout); 0: one dense cache row "
                         "per slot")
