@@ -28,7 +28,7 @@ BLOCK = 6
 N_NEW = 24
 N_PROMPTS = 20
 BATCH = 4
-DRAWS = 8000  # χ² sample size (test_engine uses 20k; pooled cells keep the approximation valid)
+DRAWS = 8000  # χ² sample size, test_engine's (pooled cells keep the approximation valid)
 
 
 @pytest.fixture(scope="module")

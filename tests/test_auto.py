@@ -48,6 +48,24 @@ def setup():
                 drafter=drafter, auto=SpecDecoder(target, drafter, cfg))
 
 
+_FORWARDS: dict = {}
+
+
+def full_logits(model, ids) -> np.ndarray:
+    """``model``'s logits at every position of ``ids``: one uncached causal forward, right-padded
+    to ``CACHE`` tokens (causal: the pad never reaches a real position), so that every length
+    runs one compiled program rather than each length compiling every op again."""
+    from flax import nnx
+
+    if id(model) not in _FORWARDS:
+        graphdef, params = nnx.split(model)
+        _FORWARDS[id(model)] = (model, params, jax.jit(lambda p, x: nnx.merge(graphdef, p)(x)))
+    _, params, forward = _FORWARDS[id(model)]
+    row = np.zeros((1, CACHE), np.int32)
+    row[0, :len(ids)] = ids
+    return np.asarray(forward(params, row))[0, :len(ids)]
+
+
 def ungate(dec, monkeypatch) -> None:
     """The policy's own choice runs (the gate judges by wall time, which tests that set the
     costs or the choice do not control)."""
@@ -622,7 +640,7 @@ def test_the_prompt_score_is_the_share_of_prompt_tokens_the_drafter_predicts(set
     prompts = [p for p in s["prompts"] if len(p) > 1] + [[3]]
     want = []
     for p in prompts:
-        logits = np.asarray(s["drafter_model"](np.asarray([p], np.int32)))[0]
+        logits = full_logits(s["drafter_model"], p)
         hits = [int(np.argmax(logits[t])) == p[t + 1] for t in range(len(p) - 1)]
         want.append(np.mean(hits) if hits else np.nan)
     width = max(len(p) for p in prompts)
@@ -633,7 +651,7 @@ def test_the_prompt_score_is_the_share_of_prompt_tokens_the_drafter_predicts(set
     # predictable prompts: the drafter's own greedy continuation scores 1
     own = [s["prompts"][1][:3]]
     for _ in range(8):
-        own[0].append(int(np.argmax(np.asarray(s["drafter_model"](np.asarray(own, np.int32)))[0, -1])))
+        own[0].append(int(np.argmax(full_logits(s["drafter_model"], own[0])[-1])))
     _, one = md.prefill_scored(md.params, None, np.asarray(own, np.int32), np.asarray([10]))
     assert float(one[0]) >= 0.8 - 1e-6  # of tokens 1..10, 3..10 are its own argmaxes
 
@@ -759,11 +777,9 @@ class AllowedSet:
 
 def masked_greedy(target, prompt, n, allowed) -> list[int]:
     """Brute force: a full forward over the whole sequence per token, argmax over ``allowed``."""
-    import jax.numpy as jnp
-
     ids = list(prompt)
     for _ in range(n):
-        logits = np.asarray(target(jnp.asarray([ids], jnp.int32))[0, -1])
+        logits = full_logits(target, ids)[-1]
         ids.append(max(allowed, key=lambda t: logits[t]))
     return ids[len(prompt):]
 

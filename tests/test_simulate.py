@@ -194,6 +194,28 @@ def test_bench_engine_records_the_simulation_in_json_and_table():
     assert "n/a (simulated acceptance)" in table
 
 
+@pytest.mark.slow
+def test_bench_engine_streams_decode_together_as_each_decodes_alone():
+    """``--streams 3``: three prompts in one batch give each prompt's tokens from a decoder of its
+    own, equal to transformers' greedy; sync (replaying them) equals plain, paged as dense."""
+    from d3d_jax.bench import engine as bench
+    from d3d_jax.bench.generator import Generator
+
+    p = argparse.ArgumentParser()
+    bench.add_arguments(p)
+    args = p.parse_args(["--layers", "1", "--hidden", "64", "--intermediate", "128", "--heads", "2",
+                         "--kv-heads", "1", "--head-dim", "32", "--vocab", "256", "--prompt-len", "8",
+                         "--max-new-tokens", "12", "--block-size", "4", "--streams", "3",
+                         "--kv-page-size", "8"])
+    hf, target = bench._build_models(args)
+    prompts = np.random.default_rng(0).integers(0, 256, (3, 8)).tolist()
+    _, plain, sync, hf_tokens = bench._measures(args, hf, target, prompts, {})
+    alone = [Generator()(target, [q], max_new_tokens=12, block_size=4)[0].token_ids for q in prompts]
+    assert [o.token_ids for o in plain] == alone == hf_tokens
+    assert [o.token_ids for o in sync] == alone
+    assert len({tuple(t) for t in alone}) == 3  # distinct streams: a row mix-up would show
+
+
 def test_the_decoder_config_takes_the_simulation():
     from d3d_jax.decoding.decoder import DecoderConfig
 

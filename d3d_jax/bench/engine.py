@@ -44,6 +44,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_model_arguments(p)
     p.add_argument("--dtype", default="float32")
     p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--streams", type=int, default=1,
+                   help="prompts decoded together as one batch (one slot each); ms/token is the batch's "
+                        "time per token of one stream")
+    p.add_argument("--kv-page-size", type=int, default=0,
+                   help="KV cache pages of this many tokens (the server's layout); 0: one dense cache row "
+                        "per slot")
     p.add_argument("--error-rate", type=float, default=0.0,
                    help="replay drafter's per-token error rate (0: always right)")
     p.add_argument("--repeats", type=int, default=5, help="timed runs per measurement (median)")
@@ -137,28 +143,30 @@ def _best_of_interleaved(measures: dict, repeats: int) -> dict:
     return best
 
 
-def _measures(args, hf, target, prompt, sim_kw: dict):
-    """``(measures, plain output, sync output, transformers tokens or None)``: every timed callable
-    (returning wall and CPU seconds), compiled (and run once) here."""
+def _measures(args, hf, target, prompts, sim_kw: dict):
+    """``(measures, plain outputs, sync outputs, transformers tokens or None)``: every timed
+    callable (returning wall and CPU seconds), compiled (and run once) here.  All ``prompts`` are
+    decoded together, one slot each."""
     import torch
 
-    both = lambda out: (out.metrics["batch_wall_s"], out.metrics["batch_cpu_s"])  # noqa: E731
+    both = lambda outs: (outs[0].metrics["batch_wall_s"], outs[0].metrics["batch_cpu_s"])  # noqa: E731
     n_new, bs = args.max_new_tokens, args.block_size
     cache_len = -(-(args.prompt_len + n_new + bs) // 16) * 16  # one cache length for every run
     generate = Generator()
+    paging = {"kv_page_size": args.kv_page_size} if args.kv_page_size else {}  # older code lacks the field
 
     def decode(n=n_new, **kw):
-        return generate(target, [prompt], max_new_tokens=n, block_size=bs, max_cache_len=cache_len,
-                        **kw)[0]
+        return generate(target, prompts, max_new_tokens=n, block_size=bs, max_cache_len=cache_len,
+                        **paging, **kw)
 
     plain_out = decode()  # compiles
-    drafter = ReplayDrafter([plain_out.token_ids], args.vocab, error_rate=args.error_rate)
+    drafter = ReplayDrafter([o.token_ids for o in plain_out], args.vocab, error_rate=args.error_rate)
     sync_out = decode(mode="sync", drafter=drafter, **sim_kw)
     ctx = args.prompt_len + n_new // 2  # a representative context: halfway through the output
     iters_1, iters_b = 128, 32  # comparable durations, long enough for a steady minimum
     step_1 = target_step_fn(target, 1, ctx, cache_len, iters_1)
     step_b = target_step_fn(target, bs, ctx, cache_len, iters_b)
-    ids = torch.tensor([prompt])
+    ids = torch.tensor(prompts)  # equal lengths: no padding
 
     def hf_generate():
         with torch.no_grad():
@@ -180,7 +188,7 @@ def _measures(args, hf, target, prompt, sim_kw: dict):
     }
     hf_tokens = None
     if not args.skip_transformers:
-        hf_tokens = hf_generate()[0, len(prompt):].tolist()
+        hf_tokens = hf_generate()[:, args.prompt_len:].tolist()
         measures["transformers"] = lambda: timed(hf_generate)
     return measures, plain_out, sync_out, hf_tokens
 
@@ -194,14 +202,16 @@ def _plain_vs_transformers(best: dict, other: dict, n_new: int, hf_tokens, plain
                  transformers_ms_per_token_other_clock=1e3 * other["transformers"] / n_new,
                  speedup_other_clock=other["transformers"] / other["plain"],
                  speedup=best["transformers"] / best["plain"],
-                 same_tokens=hf_tokens == plain_out.token_ids, goal=2.5)
+                 same_tokens=hf_tokens == [o.token_ids for o in plain_out], goal=2.5)
     return a
 
 
 def _sync_efficiency(best: dict, args, sim, sync_out, plain_out) -> dict:
     """(b) sync decoding with a replay drafter: efficiency against τ · t₁ / t_B."""
     n_new, bs = args.max_new_tokens, args.block_size
-    tau, rounds = sync_out.metrics["tau"], sync_out.metrics["rounds"]
+    # the batch runs until its slowest stream is done: its rounds set the time
+    tau = float(np.mean([o.metrics["tau"] for o in sync_out]))
+    rounds = max(o.metrics["rounds"] for o in sync_out)
     ideal = tau * best["t1"] / best["tB"]
     speedup = best["plain"] / best["sync"]
     # τ·t₁/t_B models decoding rounds only; with 128 tokens at τ = 16 there are 8 rounds, and the
@@ -210,9 +220,10 @@ def _sync_efficiency(best: dict, args, sim, sync_out, plain_out) -> dict:
     prefill = max(best["plain_1_token"] - best["t1"], 0.0)
     decode_speedup = (best["plain"] - prefill) / (best["sync"] - prefill)
     return {
-        "block_size": bs, "error_rate": args.error_rate, "tau": tau, "rounds": rounds,
+        "streams": args.streams, "block_size": bs, "error_rate": args.error_rate, "tau": tau,
+        "rounds": rounds,
         # simulated acceptance ignores token values: its output is not comparable
-        "same_tokens_as_plain": None if sim else sync_out.token_ids == plain_out.token_ids,
+        "same_tokens_as_plain": None if sim else [o.token_ids for o in sync_out] == [o.token_ids for o in plain_out],
         "plain_ms_per_token": 1e3 * best["plain"] / n_new, "sync_ms_per_token": 1e3 * best["sync"] / n_new,
         "t1_ms": 1e3 * best["t1"], "tB_ms": 1e3 * best["tB"], "ideal_speedup": ideal,
         "speedup": speedup, "efficiency": speedup / ideal, "goal": 0.85,
@@ -230,10 +241,12 @@ def run(args) -> dict:
         sim.check_block(args.block_size)
     clock = _clock(args)
     hf, target = _build_models(args)
-    prompt = np.random.default_rng(0).integers(0, args.vocab, args.prompt_len).tolist()
+    if args.streams < 1:
+        raise ValueError(f"--streams must be >= 1, got {args.streams}")
+    prompts = np.random.default_rng(0).integers(0, args.vocab, (args.streams, args.prompt_len)).tolist()
     result = _header(args, clock, sim)
     measures, plain_out, sync_out, hf_tokens = _measures(
-        args, hf, target, prompt, {} if sim is None else {"acceptance_override": sim})
+        args, hf, target, prompts, {} if sim is None else {"acceptance_override": sim})
     clocks = _best_of_interleaved(measures, args.repeats)
     best, other = clocks[clock], clocks["cpu" if clock == "wall" else "wall"]
     result["plain_vs_transformers"] = _plain_vs_transformers(best, other, args.max_new_tokens, hf_tokens,
@@ -246,6 +259,7 @@ def format_table(result: dict) -> str:
     a, b = result["plain_vs_transformers"], result["sync_efficiency"]
     other = "CPU" if result["timing"].startswith("wall") else "wall"
     rows = [("acceptance", simulate.header(result["simulated_acceptance"])),
+            ("streams decoded together (ms/token: per stream)", str(b["streams"])),
             (f"(a) ours plain, ms/token ({other})", f"{a['ours_ms_per_token']:.3f} ({a['ours_ms_per_token_other_clock']:.3f})")]
     if "transformers_ms_per_token" in a:
         rows += [(f"(a) transformers greedy, ms/token ({other})",
