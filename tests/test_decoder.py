@@ -378,3 +378,19 @@ def test_the_decoder_and_the_serving_fake_keep_the_contract(setup):
     public = {n for n, _ in inspect.getmembers(SpecDecoder) if not n.startswith("_")}
     assert public == contract - {"config", "vocab_size", "programs"} | {"run_until_done"}
     assert len(public) <= 15  # requests and rounds (10), KV pages and where the weights are (5)
+
+
+def test_sync_prefills_short_prompts_by_rounds_and_long_ones_at_once(setup):
+    """A sync decoder feeds a short prompt's tokens through its first rounds and prefills a prompt
+    longer than its round-prefill limit in one forward; side by side in one batch, each gives
+    its solo greedy tokens."""
+    s = setup
+    dec = _decoder(s, "sync")
+    limit = dec.strategy.round_prefill_blocks * BLOCK
+    rng = np.random.default_rng(8)
+    prompts = [rng.integers(0, MASK, limit + 7).tolist(), s["prompts"][1]]
+    solo = [o.token_ids for o in generate(s["target"], prompts, max_new_tokens=10, batch_size=1,
+                                          block_size=BLOCK, max_cache_len=CACHE)]
+    reqs = [Request(p, max_new_tokens=10, index=i) for i, p in enumerate(prompts)]
+    tokens, _ = serve(dec, reqs, schedule=[0, 0])
+    assert [tokens[0], tokens[1]] == solo

@@ -394,8 +394,14 @@ class SyncStrategy(CoreStrategy):
     drafter_in_state = True
     prefill_rounds = True
 
+    # prompt buckets up to this many blocks prefill by rounds; a longer prompt's first token would
+    # wait a round per block, so its bucket compiles a prefill of its own, as before
+    round_prefill_blocks = 8
+
     def _prefill_parts(self, t_leaves, d_leaves, row: RowInput):
         n, p = row.prompt.shape
+        if p > self.round_prefill_blocks * self.ctx.config.width:
+            return super()._prefill_parts(t_leaves, d_leaves, row)
         cache = kvc.init_cache(self.ctx.target_config, n, p)  # holds nothing: lengths 0
         target = dataclasses.replace(self.home.target_rows(row, cache), anchor=jnp.zeros((n,), jnp.int32))
         drafter = self.ctx.drafter
