@@ -108,7 +108,6 @@ def main(argv=None) -> int:
 
     import jax
 
-    from d3d_jax import compile_cache
     from d3d_jax.io.checkpoint import load_decoding_model
     from d3d_jax.parallel.sharding import make_mesh
     from d3d_jax.training import regenerate as rg
