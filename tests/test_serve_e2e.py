@@ -33,6 +33,9 @@ N_NEW = 20
 # The demo models are stored in bfloat16; in float32 a row's greedy output does not depend on which
 # other rows share its batch (bfloat16 rounds 1- and many-row matmuls differently on a CPU).
 DTYPE = "float32"
+# one decoder shape for the in-process tests (streams, load reference, eval): each later test reads
+# the programs an earlier one compiled from the session's compile cache instead of compiling them
+SLOTS, CACHE, BLOCK = 4, 160, 16
 TEXTS = ["To be, or not to be, that is the question:", "def main():\n    ", "O Romeo, Romeo!",
          "import os\nimport sys\n\n", "Friends, Romans, countrymen, lend me your ears;", "class Stack:",
          "Now is the winter of our discontent", "for i in range(10):", "All the world's a stage,",
@@ -91,7 +94,7 @@ def test_openai_streams_equal_generate_py_alone_and_16_at_once(reference, models
     target, drafter = models
     extra = dict(branch_positions=4, branch_fanout=2) if mode == "async" else {}  # a small pack: CPU
     dec = SpecDecoder(target, None if mode == "plain" else drafter,
-                      DecoderConfig(mode=mode, num_slots=4, max_cache_len=160, block_size=16, **extra))
+                      DecoderConfig(mode=mode, num_slots=SLOTS, max_cache_len=CACHE, block_size=BLOCK, **extra))
     svc = make_service(dec, tok, eos_token_ids(target.config, tok), model_name="demo", mode=mode)
     svc.scheduler.start()
     srv = ServerThread(create_app(svc)).start()
@@ -165,8 +168,10 @@ def test_load_200_requests_with_cancellations(models, tmp_path):
     rng = random.Random(14)
     pool = [[rng.randrange(4, 2048) for _ in range(rng.randrange(3, 60))] for _ in range(40)]
     max_new = 24
+    # the cache length of the streams tests' decoders: the batch-one decoder's programs are then
+    # test_eval_concurrency_equals_batch_one's too (read from the session's compile cache there)
     solo = [o.token_ids for o in generate(target, pool, mode="plain", max_new_tokens=max_new, eos_token_ids=eos,
-                                          batch_size=1, max_cache_len=128)]
+                                          batch_size=1, max_cache_len=CACHE)]
     jobs = []
     for i in range(200):
         k = rng.randrange(len(pool))
@@ -236,7 +241,8 @@ def test_load_200_requests_with_cancellations(models, tmp_path):
 
 @pytest.mark.slow
 def test_eval_concurrency_equals_batch_one(reference, models):
-    """``infer/bench.py eval --concurrency 3``: plain and sync give the batch-1 harness's plain outputs."""
+    """``infer/bench.py eval --concurrency 4``: plain and sync give the batch-1 harness's plain outputs
+    (6 requests over 4 slots: some wait for a slot)."""
     import dataclasses
 
     from d3d_jax.bench.evaluation import benchmarks as B
@@ -251,11 +257,12 @@ def test_eval_concurrency_equals_batch_one(reference, models):
     kw = dict(eos_token_ids=eos_token_ids(target.config, tok), mask_token_id=None, encode_fn=chat_prompt_ids,
               progress=False)
     # async goes through the same code (covered with the toy decoder in test_serve.py): not compiled here
-    base = EvalSettings(max_new_tokens=12, block_size=16, max_cache_len=192, modes=("plain", "sync"))
+    # the streams tests' decoder shape (SLOTS slots): their programs, not compiled again
+    base = EvalSettings(max_new_tokens=12, block_size=BLOCK, max_cache_len=CACHE, modes=("plain", "sync"))
     _, raw_one = R.evaluate(target, drafter, tok, suites, dataclasses.replace(base, modes=("plain",)), **kw)
-    three, raw_three = R.evaluate(target, drafter, tok, suites, dataclasses.replace(base, concurrency=3), **kw)
+    many, raw_many = R.evaluate(target, drafter, tok, suites, dataclasses.replace(base, concurrency=SLOTS), **kw)
     for mode in base.modes:
-        assert raw_three["toy"][mode].outputs == raw_one["toy"]["plain"].outputs, mode
-        assert len(raw_three["toy"][mode].outputs) == 6 and three["toy"][mode]["equals_plain"]
-    assert three["toy"]["sync"]["tau"] > 1.0 and sum(three["toy"]["sync"]["accept_histogram"]) > 0
-    assert "hit_rate" not in three["toy"]["sync"]
+        assert raw_many["toy"][mode].outputs == raw_one["toy"]["plain"].outputs, mode
+        assert len(raw_many["toy"][mode].outputs) == 6 and many["toy"][mode]["equals_plain"]
+    assert many["toy"]["sync"]["tau"] > 1.0 and sum(many["toy"]["sync"]["accept_histogram"]) > 0
+    assert "hit_rate" not in many["toy"]["sync"]
