@@ -107,10 +107,12 @@ def readme_commands(pages: list[Path] | None = None) -> list[tuple[str, str, str
 
 def _env() -> dict:
     """A user's shell: the venv's python first on PATH, none of the test session's JAX flags but
-    its LLVM level (conftest: -O0, compile time; what the commands print is not checked)."""
+    its code generation choices (conftest: LLVM at -O0 and the older fusion emitters, compile
+    time; what the commands print is not checked)."""
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
     env["XLA_FLAGS"] = " ".join(f for f in os.environ.get("XLA_FLAGS", "").split()
-                                if f.startswith("--xla_backend_optimization_level"))
+                                if f.startswith(("--xla_backend_optimization_level",
+                                                 "--xla_cpu_use_fusion_emitters")))
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     return env
 
