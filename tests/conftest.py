@@ -45,19 +45,19 @@ def pytest_unconfigure(config):
         shutil.rmtree(os.environ["D3D_COMPILE_CACHE"], ignore_errors=True)
 
 
-# Files that take minutes, longest first (per-file sums of --durations=0 of a full run, 2026-12-06
-# 15:06 UTC, load average 2.7, less what each file's later changes saved measured alone).  Under
+# Files that take minutes, longest first (each file alone: user + sys of pytest and what it
+# started, 2026-12-06 18:12-18:45 UTC, load average 3-4.7; docs/results/tests.md).  Under
 # pytest-xdist (``make test``: --dist loadfile, one file per worker at a time) they start first, so
 # the two workers end together on the short files instead of one running a long file alone at the
 # end; the order inside a file, and of every other file, is kept.
-LONG_FILES = ("test_serve_e2e.py", "test_programs.py", "test_auto.py", "test_readme.py", "test_async.py",
-              "test_loop.py", "test_paged_decoding.py", "test_attention.py", "test_serve_openai.py",
-              "test_regenerate.py", "test_compile.py", "test_pipeline.py", "test_engine.py", "test_pruning.py",
-              "test_decoder.py", "test_bench_gpu.py", "test_eval_cli.py", "test_regen_endpoint.py",
-              "test_simulate.py", "test_device_split.py", "test_grammar.py", "test_train_checkpoints.py",
-              "test_generate_cli.py", "test_qwen3.py", "test_multiprocess.py", "test_paged_kv.py",
-              "test_branches.py", "test_demo.py", "test_cli_errors.py", "test_serve_shutdown.py",
-              "test_records.py", "test_benchmarks.py")
+LONG_FILES = ("test_serve_e2e.py", "test_readme.py", "test_programs.py", "test_compile.py", "test_loop.py",
+              "test_auto.py", "test_regenerate.py", "test_async.py", "test_paged_decoding.py",
+              "test_serve_openai.py", "test_engine.py", "test_decoder.py", "test_pipeline.py", "test_simulate.py",
+              "test_pruning.py", "test_attention.py", "test_grammar.py", "test_regen_endpoint.py",
+              "test_eval_cli.py", "test_train_checkpoints.py", "test_device_split.py", "test_generate_cli.py",
+              "test_bench_gpu.py", "test_multiprocess.py", "test_auto_gate.py", "test_qwen3.py",
+              "test_cli_errors.py", "test_demo.py", "test_paged_kv.py", "test_benchmarks.py", "test_hf_io.py",
+              "test_config_json.py", "test_branches.py", "test_serve_shutdown.py", "test_records.py")
 
 
 def pytest_configure(config):
