@@ -344,7 +344,6 @@ class DecodeCore:
         if isinstance(cache_in, pkv.PagedKVCache):  # a done row's pages may be another's by now
             write = dataclasses.replace(write, keep_bt=write.keep_bt & ~state.done[:, None])
         cache = write.apply(cache_in)
-
         kept = None if prefilling is None else jnp.minimum(self.width, state.prompt_len - 1 - s) - 1
 
         def decide(logits):
