@@ -20,7 +20,7 @@ from d3d_jax.config import ConfigError
 from d3d_jax.decoding import async_loop
 from d3d_jax.decoding.decoder import (DecoderConfig, Request, RequestError, SlotError, SpecDecoder,
                                      slots_in_use)
-from d3d_jax.decoding.verify import SamplingParams
+from d3d_jax.decoding.verify import SamplingParams, verify_point_mass
 from tiny_models import serve, tiny_pair
 
 generate = Generator()
@@ -378,6 +378,26 @@ def test_the_decoder_and_the_serving_fake_keep_the_contract(setup):
     public = {n for n, _ in inspect.getmembers(SpecDecoder) if not n.startswith("_")}
     assert public == contract - {"config", "vocab_size", "programs"} | {"run_until_done"}
     assert len(public) <= 15  # requests and rounds (10), KV pages and where the weights are (5)
+
+
+def test_sync_prefill_rounds_run_no_acceptance_rule(setup):
+    """A round in which every running row caches prompt tokens skips the LM head and the rule:
+    the rule (counted on the device by a callback) runs once per round that emits tokens, the
+    tokens stay the solo greedy ones.  Was: every prefill round ran the head and the rule."""
+    s = setup
+    calls = []
+
+    def counted(*args):
+        jax.debug.callback(lambda: calls.append(1))
+        return verify_point_mass(*args)
+
+    dec = _decoder(s, "sync", acceptance_rule=counted)
+    metrics = {}
+    # 9 prompt tokens: 8 to cache, two prefill rounds of width 4, then rounds that emit
+    tokens, _ = serve(dec, [Request(s["prompts"][1], max_new_tokens=10)], [0], metrics=metrics)
+    jax.effects_barrier()
+    assert tokens[0] == s["solo"][1][:10]
+    assert len(calls) == metrics[0]["rounds"] > 0
 
 
 def test_sync_prefills_short_prompts_by_rounds_and_long_ones_at_once(setup):

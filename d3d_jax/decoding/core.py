@@ -150,6 +150,18 @@ def _match(tokens: jax.Array, ids: jax.Array) -> jax.Array:
     return (tokens[..., None] == ids) & (ids >= 0)
 
 
+def _unless_all_prefilling(decide: Callable, x: jax.Array, idle: jax.Array, kept: jax.Array):
+    """``decide(x) -> (accepted, next_token, logprobs)``, or, when every row is ``idle`` (caching
+    prompt tokens or done), ``kept`` and zeros without it: such a round needs no LM head, rule
+    nor log-probs, and XLA runs only the branch taken (a prompt's prefill rounds cost its
+    forward alone, about what an admission's prefill cost)."""
+    def skip(x):
+        shapes = jax.eval_shape(decide, x)
+        return (kept,) + jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes[1:])
+
+    return jax.lax.cond(jnp.all(idle), skip, decide, x)
+
+
 class DecodeCore:
     """Prefill / draft / verify / commit on a fixed set of slots.
 
@@ -324,28 +336,38 @@ class DecodeCore:
 
         def forward(span, cache, tokens, pos):
             return target(tokens, causal_meta(pos), cache=cache, cache_span=span,
-                          defer_cache_write=True)
+                          defer_cache_write=True, return_hidden_states=prefilling is not None)
 
         needed = jnp.max(jnp.where(state.done, 0, cache_in.lengths))
-        logits, write = kvc.call_with_span(forward, needed, cache_in,
-                                           jnp.concatenate([anchor, fed], axis=1), pos)
+        out = kvc.call_with_span(forward, needed, cache_in, jnp.concatenate([anchor, fed], axis=1), pos)
+        write = out[1]
         if isinstance(cache_in, pkv.PagedKVCache):  # a done row's pages may be another's by now
             write = dataclasses.replace(write, keep_bt=write.keep_bt & ~state.done[:, None])
         cache = write.apply(cache_in)
-        logits = V.adjust_logits(logits, sampling, state.seq, state.prompt_len, s,
-                                 state.n_out, state.stop_ids, fed)
-        if token_mask is not None:
-            logits = jnp.where(unpack(token_mask, logits.shape[-1]), logits, -jnp.inf)
-        accepted, next_token = self.rule(logits, compared, draft_probs, s, state.row_keys,
-                                         sampling)
-        if self.override is not None:
-            accepted, next_token = self.override.accept(accepted, next_token, s, state.row_keys,
-                                                        self.width)
-        if prefilling is not None:  # commit keeps positions s .. s + accepted, emits nothing
-            kept = jnp.minimum(self.width, state.prompt_len - 1 - s) - 1
-            accepted = jnp.where(prefilling, kept, accepted)
-        logprobs = V.emitted_logprobs(logits, emitted_tokens(fed, accepted, next_token),
-                                      sampling)
+        kept = None if prefilling is None else jnp.minimum(self.width, state.prompt_len - 1 - s) - 1
+
+        def decide(logits):
+            logits = V.adjust_logits(logits, sampling, state.seq, state.prompt_len, s,
+                                     state.n_out, state.stop_ids, fed)
+            if token_mask is not None:
+                logits = jnp.where(unpack(token_mask, logits.shape[-1]), logits, -jnp.inf)
+            accepted, next_token = self.rule(logits, compared, draft_probs, s, state.row_keys,
+                                             sampling)
+            if self.override is not None:
+                accepted, next_token = self.override.accept(accepted, next_token, s,
+                                                            state.row_keys, self.width)
+            if prefilling is not None:  # commit keeps positions s .. s + accepted, emits nothing
+                accepted = jnp.where(prefilling, kept, accepted)
+            logprobs = V.emitted_logprobs(logits, emitted_tokens(fed, accepted, next_token),
+                                          sampling)
+            return accepted, next_token, logprobs
+
+        if prefilling is None:
+            accepted, next_token, logprobs = decide(out[0])
+        else:
+            accepted, next_token, logprobs = _unless_all_prefilling(
+                lambda x: decide(target.logits(target.norm(x))), out[2][-1], prefilling | state.done,
+                jnp.where(prefilling, kept, 0))
         return accepted, next_token, cache, logprobs
 
     def commit(self, state: DecodeState, fed: jax.Array, accepted: jax.Array,
