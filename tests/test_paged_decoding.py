@@ -109,6 +109,13 @@ def test_speculative_decoding_over_pages_equals_solo_greedy(setup, mode, monkeyp
     assert sum(checked) > 20, checked  # generated tokens were cached and checked
 
 
+def test_a_sync_round_over_pages_carries_no_prefill_by_rounds(setup):  # noqa: F811
+    """Chunks prefill a paged row's prompt before it joins, so no row of a paged sync decoder
+    is ever prefilled by its rounds: the round program holds none of that path's selects."""
+    core = _speculative(setup, "sync").strategy.home
+    assert core.prefilling(core.init_state(SLOTS)) is None
+
+
 def test_the_on_device_loop_over_pages_equals_solo_greedy(setup, paged):  # noqa: F811
     s = setup
     out = decode(paged, s["prompts"][:SLOTS], max_new_tokens=8)

@@ -188,8 +188,9 @@ class DecodeCore:
         self.rule = acceptance_rule or V.default_rule(self.sample_drafts)
         self.override = override
         self.page_size, self.num_pages = int(page_size), int(num_pages)
-        # rows may join with their prompts uncached and prefill W tokens a round (prefilling)
-        self.prefill_rounds = bool(prefill_rounds)
+        # rows may join with their prompts uncached and prefill W tokens a round (prefilling);
+        # never over pages (chunks prefill them), so a paged round carries none of it
+        self.prefill_rounds = bool(prefill_rounds) and not self.page_size
 
     @property
     def paging(self) -> tuple[int, int] | None:

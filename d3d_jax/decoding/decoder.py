@@ -452,7 +452,7 @@ class SpecDecoder:
         # all the time since the last read while requests ran (host work, admissions, row ops)
         wall = now - (self._last_read if self._busy else rnd.t_start)
         self._last_read = now
-        outs, prefills = {}, self.strategy.prefill_rounds
+        outs, prefills = {}, self.strategy.home.prefill_rounds
         for part, h in zip(rnd.parts, host):
             M.tally_round(self._tally.setdefault(part.label, collections.Counter()), part,
                           int(np.sum(h["count"])), seconds if len(rnd.parts) == 1 else None)
