@@ -416,8 +416,9 @@ def test_cpu_decode_step_copies_no_cache_span(heads):
     from d3d_jax.model.qwen3 import init_model, unstacked
 
     q, k = heads
+    # a head dim of 64: with tiny spans XLA:CPU emits the dot itself and fuses the slice into it
     cfg = ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=q,
-                      num_kv_heads=k, head_dim=16)
+                      num_kv_heads=k, head_dim=64)
     graphdef, state = nnx.split(unstacked(init_model(cfg, seed=0)))
     cache = kvc.init_cache(cfg, 1, 200)  # spans (128, 200)
 

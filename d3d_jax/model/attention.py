@@ -208,16 +208,24 @@ def _xla_dense(q: jax.Array, q_meta: TokenMeta, segments: Sequence[Segment], *, 
     q = q.reshape(b, t, kh, n // kh, h) * jnp.asarray(h ** -0.5, dt)
     mode = "in_place" if in_place else "all_pairs" if all_pairs else "dot"
     big_neg = jnp.float32(_BIG_NEG)
-    scores = [jnp.where(attention_mask(q_meta, _key_meta(seg))[:, None, None], _scores(q, seg, mode), big_neg)
-              for seg in segments]
+    scores = []
+    for seg in segments:
+        s = _scores(q, seg, mode)
+        scores.append(jnp.where(attention_mask(q_meta, _key_meta(seg))[:, None, None], s, big_neg))
     scores = scores[0] if len(scores) == 1 else jnp.concatenate(scores, axis=-1)
     probs = jax.nn.softmax(scores, axis=-1)
     # A fully masked row (padding) gives a uniform distribution over garbage; zero it.
     probs = jnp.where(jnp.max(scores, axis=-1, keepdims=True) > big_neg / 2, probs, 0.0)
+    # probabilities rounded to the compute dtype as the dot's inputs are (summed in f32 in place)
+    rounded = (jnp.transpose(probs.astype(dt).astype(jnp.float32), (0, 3, 4, 1, 2))[..., None] if in_place
+               else probs.astype(dt))
     out, start = None, 0
     for seg in segments:
         size = _key_meta(seg).shape[1]
-        part = _values(probs if len(segments) == 1 else probs[..., start:start + size], seg, mode, dt)
+        p = probs if isinstance(seg, HeadsFirstLayer) else rounded
+        if len(segments) > 1:
+            p = p[:, :, start:start + size] if p is rounded and in_place else p[..., start:start + size]
+        part = _values(p, seg, mode, dt)
         out = part if out is None else out + part
         start += size
     return out.astype(dt).reshape(b, t, n, h)
@@ -246,21 +254,22 @@ def _scores(q: jax.Array, seg, mode: str) -> jax.Array:
 
 
 def _values(p: jax.Array, seg, mode: str, dt) -> jax.Array:
-    """``[b, t, k, g, h]``: probabilities ``p [b, k, g, t, s]`` (f32) times a segment's values."""
-    b, kh, g, t, _ = p.shape
+    """``[b, t, k, g, h]``: probabilities times a segment's values; ``p`` is ``[b, k, g, t, s]``
+    (f32 for a heads-first segment, else rounded to ``dt``) or, in place, ``[b, t, s, k, g, 1]``."""
     if isinstance(seg, HeadsFirstLayer):  # p the dot's lhs: as an einsum XLA made V the lhs, a copy of V^T
+        b, kh, g, t, _ = p.shape
         out = jax.lax.dot_general(p.astype(dt).reshape(b, kh, g * t, -1), seg.v_bksh.astype(dt),
                                   (((3,), (2,)), ((0, 1), (0, 1))))
         return jnp.transpose(out.reshape(b, kh, g, t, -1), (0, 3, 1, 2, 4))
     v = seg[1]
-    if mode == "in_place":  # probabilities rounded to the compute dtype as the dot's inputs are, summed in f32
-        p32 = jnp.transpose(p.astype(dt).astype(jnp.float32), (0, 3, 4, 1, 2))[..., None]
-        return jnp.sum(p32 * v.astype(jnp.float32)[:, None, :, :, None], axis=2)
+    if mode == "in_place":
+        return jnp.sum(p * v.astype(jnp.float32)[:, None, :, :, None], axis=2)
     if mode == "all_pairs":  # [g·t·k, s] x [s, j·h], the pairs j == k sliced out
-        pv = jnp.einsum("bkgts,bsjh->bkgtjh", p.astype(dt), v.astype(dt))
+        b, kh, g, t, _ = p.shape
+        pv = jnp.einsum("bkgts,bsjh->bkgtjh", p, v.astype(dt))
         pv = jnp.transpose(pv, (0, 2, 3, 1, 4, 5)).reshape(b, g, t, kh * kh, -1)
         return jnp.transpose(_diagonal(pv, kh, axis=3), (0, 2, 3, 1, 4))
-    return jnp.einsum("bkgts,bskh->btkgh", p.astype(dt), v.astype(dt))
+    return jnp.einsum("bkgts,bskh->btkgh", p, v.astype(dt))
 
 
 def _diagonal(x: jax.Array, k: int, axis: int = -1) -> jax.Array:
