@@ -5,8 +5,8 @@ Slot ``j`` of row ``b`` holds the K/V of the causal token at position ``j``; slo
 is just lowering ``lengths``.  Arrays are stacked over layers (``[L, B, S, K, H]``) so a whole
 cache is three leaves that jitted cores can donate.
 
-On CPU the reference attention reads a :class:`LayerKVCache` instead: one heads-first array per
-layer (``[B, K, S, H]``).  XLA:CPU's dot takes whole buffers with the batch (head) dims major, so
+On CPU, for a model with as many KV heads as query heads, the reference attention reads a
+:class:`LayerKVCache` instead: one heads-first array per layer (``[B, K, S, H]``).  XLA:CPU's dot takes whole buffers with the batch (head) dims major, so
 a layer's span sliced out of the stacked arrays was copied per layer and step (8 / 8 heads at 576
 slots: 1.7 ms of attention a step; 0.23 ms read in place).  Both kinds share one interface:
 ``batch``, ``max_len``, ``num_layers``, ``lengths``, ``with_lengths``, ``written``, ``inserted``,
@@ -256,9 +256,12 @@ def caches_for(platform: str):
 
 
 def per_layer(cfg: ModelConfig) -> bool:
-    """Whether ``cfg``'s caches are :class:`LayerKVCache`: the reference attention on CPU (fused
-    kernels and accelerators read the stacked arrays in place)."""
-    return cfg.attention_backend == "xla" and (_PLATFORM.get() or jax.default_backend()) == "cpu"
+    """Whether ``cfg``'s caches are :class:`LayerKVCache`: the reference attention on CPU with as
+    many KV heads as query heads (fused kernels and accelerators read the stacked arrays in place;
+    a GQA model's engine step at two threads was slower per layer, 0.66-0.74 against 0.46-0.48
+    ms/token at 4 / 2 heads, where YNNPACK splits the stacked all-pairs products over threads)."""
+    return (cfg.attention_backend == "xla" and cfg.num_heads == cfg.num_kv_heads
+            and (_PLATFORM.get() or jax.default_backend()) == "cpu")
 
 
 def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype: str | None = None,
