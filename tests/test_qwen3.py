@@ -342,10 +342,11 @@ def test_decoding_reads_unstacked_weights_in_place():
     assert weight_copies(unstacked(model)) == 0
 
 
-def test_cached_step_writes_a_donated_cache_in_place():
+@pytest.mark.parametrize("layered", [False, True])
+def test_cached_step_writes_a_donated_cache_in_place(layered):
     """A one-token step over a donated cache writes the new rows where the cache lies: the
     compiled program (XLA:CPU) makes no copy of a whole cache array (it made two per K and V
-    and step)."""
+    and step), stacked or one per layer."""
     from d3d_jax.config import ModelConfig
     from d3d_jax.model.qwen3 import init_model, unstacked
 
@@ -355,8 +356,9 @@ def test_cached_step_writes_a_donated_cache_in_place():
     meta = causal_meta(jnp.full((1, 1), 5, jnp.int32))
     fn = jax.jit(lambda s, c: nnx.merge(graphdef, s)(jnp.zeros((1, 1), jnp.int32), meta, cache=c),
                  donate_argnums=1)
-    text = fn.lower(state, kvc.init_cache(cfg, 1, 40)).compile().as_text()
-    whole = [ln for ln in text.splitlines() if re.search(r"= f32\[3,1,40,2,16\]\{[0-9,]*\} copy\(", ln)]
+    text = fn.lower(state, kvc.init_cache(cfg, 1, 40, layered=layered)).compile().as_text()
+    shape = r"1,2,40,16" if layered else r"3,1,40,2,16"
+    whole = [ln for ln in text.splitlines() if re.search(r"= f32\[" + shape + r"\]\{[0-9,]*\} copy\(", ln)]
     assert not whole, whole
 
 
@@ -378,11 +380,58 @@ def test_span_buckets_add_an_attention_only_where_they_save_a_third():
                 t, causal_meta(cache.lengths[:, None] + jnp.arange(4)[None]), cache=c,
                 cache_span=span, defer_cache_write=True)
             return kvc.call_with_span(forward, jnp.max(cache.lengths), cache, tokens)[0]
-        text = str(jax.make_jaxpr(step)(state, kvc.init_cache(cfg, 1, cache_len)))
+        text = str(jax.make_jaxpr(step)(state, kvc.init_cache(cfg, 1, cache_len, layered=False)))
         return text.count(" cond[") - text.count("platform_index")  # a platform's choice is no switch
 
     assert switches(176) == 0
     assert switches(256) == cfg.num_layers
+
+
+def _made_arrays(text: str, sizes: set[int]) -> list[str]:
+    """Instructions of a compiled program, outside fusion bodies, that make a new f32 array of
+    one of ``sizes`` elements (copies, transposes, slice fusions); parameters, bitcasts and
+    in-place updates (dynamic-update-slice fusions) make none."""
+    bodies = set(re.findall(r"calls=(%[\w.-]+)", text))
+    made, inside = [], False
+    for ln in text.splitlines():
+        if head := re.match(r"^(?:ENTRY )?(%[\w.-]+) ", ln):
+            inside = head.group(1) in bodies
+            continue
+        m = re.match(r"\s*(?:ROOT )?(%\S+) = f32\[([0-9,]+)\]\{[0-9,]*\} ([\w-]+)\(", ln)
+        if (not inside and m and m.group(3) not in ("parameter", "bitcast", "get-tuple-element")
+                and "dynamic-update-slice" not in m.group(1)
+                and int(np.prod([int(x) for x in m.group(2).split(",")])) in sizes):
+            made.append(ln.strip()[:160])
+    return made
+
+
+@pytest.mark.parametrize("heads", [(4, 4), (8, 8)])
+def test_cpu_decode_step_copies_no_cache_span(heads):
+    """The engine's one-token step on CPU with equal heads (a cache with span buckets,
+    device-chosen span) reads every layer's K and V where they lie: nothing in the compiled
+    program makes an array of a layer's span.  The stacked cache's layer spans were copied out
+    per layer and step (slice fusions: XLA:CPU's dot takes whole buffers), most of the step's
+    time at 8 / 8 heads."""
+    from d3d_jax.config import ModelConfig
+    from d3d_jax.model.qwen3 import init_model, unstacked
+
+    q, k = heads
+    # a head dim of 64: with tiny spans XLA:CPU emits the dot itself and fuses the slice into it
+    cfg = ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=q,
+                      num_kv_heads=k, head_dim=64)
+    graphdef, state = nnx.split(unstacked(init_model(cfg, seed=0)))
+    cache = kvc.init_cache(cfg, 1, 200)  # spans (128, 200)
+
+    def step(s, c):
+        meta = causal_meta(c.lengths[:, None])
+        return nnx.merge(graphdef, s)(jnp.zeros((1, 1), jnp.int32), meta, cache=c,
+                                      cache_span=kvc.SpanChoice.of(jnp.max(c.lengths) + 1, c.max_len))
+
+    text = jax.jit(step, donate_argnums=1).lower(state, cache).compile().as_text()
+    spans = kvc.span_buckets(cache.max_len)
+    assert len(spans) > 1  # buckets in play (what the old cache sliced)
+    made = _made_arrays(text, {s * k * cfg.head_dim for s in spans})
+    assert not made, made
 
 
 @pytest.mark.parametrize("kv_heads", [4, 2])
@@ -421,7 +470,7 @@ def test_cached_step_takes_equal_heads_pairs_by_a_slice():
     graphdef, state = nnx.split(unstacked(init_model(cfg, seed=0)))
     meta = causal_meta(jnp.full((1, 1), 5, jnp.int32))
     fn = jax.jit(lambda s, c: nnx.merge(graphdef, s)(jnp.zeros((1, 1), jnp.int32), meta, cache=c))
-    text = fn.lower(state, kvc.init_cache(cfg, 1, span)).as_text()
+    text = fn.lower(state, kvc.init_cache(cfg, 1, span, layered=False)).as_text()
     pairs = {span * heads * heads, heads * heads * head_dim}
     reduced = [m.group(0) for m in re.finditer(r"stablehlo\.reduce\(%[^)]*\)[^\n]*?: \(tensor<([0-9x]+)xf32>", text)
                if int(np.prod([int(x) for x in m.group(1).split("x")])) in pairs]

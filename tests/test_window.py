@@ -9,16 +9,18 @@ import numpy as np
 import pytest
 
 from d3d_jax.decoding import window as W
-from d3d_jax.model.kv_cache import KVCache
+from d3d_jax.model.kv_cache import KVCache, LayerKVCache
 
 L, B, S, K, H = 2, 8, 48, 2, 16
 
 
-def _tree(seed: int = 0):
+def _tree(seed: int = 0, layered: bool = False):
     rng = np.random.default_rng(seed)
     cache = KVCache(jnp.asarray(rng.normal(size=(L, B, S, K, H)), jnp.float32),
                     jnp.asarray(rng.normal(size=(L, B, S, K, H)), jnp.float32),
                     jnp.asarray(rng.integers(0, S, B), jnp.int32))
+    if layered:  # the same values, one heads-first array per layer (the CPU layout)
+        cache = LayerKVCache((), (), cache.lengths).replaced(cache.k_lbskh, cache.v_lbskh, cache.lengths)
     return {"cache": cache, "seq": jnp.asarray(rng.integers(0, 99, (B, S)), jnp.int32),
             "done": jnp.zeros((B,), bool), "step": jnp.int32(7)}
 
@@ -43,12 +45,12 @@ def _replay(tree, ops):
     return k, v, lengths, seq, done
 
 
-@pytest.mark.parametrize("seed", [0, 1])
-def test_row_ops_swap_and_free_rows_in_order_like_a_numpy_replay(seed):
+@pytest.mark.parametrize("seed,layered", [(0, False), (1, False), (0, True)])
+def test_row_ops_swap_and_free_rows_in_order_like_a_numpy_replay(seed, layered):
     rng = np.random.default_rng(seed)
     ops = [(int(rng.integers(B)), int(rng.integers(B)), int(rng.integers(2))) for _ in range(12)]
     ops[3] = (5, 5, W.OP_SWAP)  # a row swapped with itself stays as it is
-    tree = _tree(seed)
+    tree = _tree(seed, layered)
     want = _replay(tree, ops)
     padded = np.zeros((16, 3), np.int32)
     padded[: len(ops)] = ops
@@ -88,14 +90,15 @@ def test_a_swap_moves_only_the_longer_rows_valid_positions():
     assert np.asarray(got["cache"].lengths)[[1, 6]].tolist() == [20, 5]
 
 
-def test_the_row_ops_program_never_copies_the_whole_cache():
+@pytest.mark.parametrize("layered", [False, True])
+def test_the_row_ops_program_never_copies_the_whole_cache(layered):
     """A swap writes two rows in place.  Written as two slices and two updates, XLA fused the read
     of one row into the other's write and copied all of K and V for every operation (35-90 ms a
     free or swap at 32 slots on a CPU, more than a plain round)."""
-    tree = _tree()
+    tree = _tree(layered=layered)
     fn = jax.jit(lambda t, o, n: W.apply_row_ops(t, o, n, _mark), donate_argnums=0)
     hlo = fn.lower(tree, jnp.zeros((16, 3), jnp.int32), 3).compile().as_text()
-    shape = f"f32[{L},{B},{S},{K},{H}]"
+    shape = f"f32[{B},{K},{S},{H}]" if layered else f"f32[{L},{B},{S},{K},{H}]"
     copies = [line.strip() for line in hlo.splitlines()
               if re.search(r"=\s*" + re.escape(shape) + r"\S*\s+copy\(", line)]
     assert "while" in hlo  # the loop is there, and its body is what is checked

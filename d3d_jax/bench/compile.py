@@ -44,6 +44,7 @@ from d3d_jax.bench import compile_facts as cf
 from d3d_jax.bench import compile_programs as cp
 from d3d_jax.bench import compile_targets as ct
 from d3d_jax.bench import kernel_cost
+from d3d_jax.model import kv_cache as kvc
 
 DEFAULT_OUT = "runs/bench_compile"
 TARGET = cp.ModelSpec("Qwen3-8B", "qwen3-8b")
@@ -242,13 +243,14 @@ def compile_one(prog: Program, topo, dump: Path) -> tuple[dict, object, dict]:
     sizes, axes = prog.mesh_shape(dev.chips) if prog.mesh_shape else ((dev.chips,), ("x",))
     mesh = ct.mesh(topo, sizes, axes)
     t0 = time.perf_counter()
-    built = prog.build(mesh)
+    with kvc.caches_for(dev.platform):  # the device's cache layout, not the CPU host's
+        built = prog.build(mesh)
     options = {"xla_dump_to": str(dump), **dict(prog.options)}
     ctx = built.mesh_context() if built.mesh_context else contextlib.nullcontext()
     res = {"program": prog.name, "device": dev.name, "chips": dev.chips, "backend": prog.backend,
            "kind": prog.kind, "options": dict(prog.options)}
     try:
-        with ctx:
+        with ctx, kvc.caches_for(dev.platform):
             compiled = built.fn.trace(*built.args).lower().compile(compiler_options=options)
     except Exception as e:  # noqa: BLE001 - the compiler's own error is the result
         res.update(compiled=False, error=_error_line(e), compile_s=time.perf_counter() - t0)

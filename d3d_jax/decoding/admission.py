@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from d3d_jax.decoding.core import DecodeCore, DecodeState, RowInput
-from d3d_jax.model.kv_cache import KVCache
+from d3d_jax.model.kv_cache import DENSE_CACHES
 from d3d_jax.model.paged_kv import PagedKVCache, prefill_chunk
 
 
@@ -34,15 +34,15 @@ def row_at(rows: RowInput, i: jax.Array) -> RowInput:
 
 
 def pad_caches(tree, length: int):
-    """Every :class:`KVCache` in ``tree`` padded to ``length`` slots (one shape for all buckets)."""
+    """Every dense cache in ``tree`` padded to ``length`` slots (one shape for all buckets)."""
 
     def pad(x):
-        if not isinstance(x, KVCache):
+        if not isinstance(x, DENSE_CACHES):
             return x
         extra = ((0, 0), (0, 0), (0, length - x.max_len), (0, 0), (0, 0))
-        return KVCache(jnp.pad(x.k_lbskh, extra), jnp.pad(x.v_lbskh, extra), x.lengths)
+        return x.replaced(jnp.pad(x.k_lbskh, extra), jnp.pad(x.v_lbskh, extra), x.lengths)
 
-    return jax.tree.map(pad, tree, is_leaf=lambda x: isinstance(x, KVCache))
+    return jax.tree.map(pad, tree, is_leaf=lambda x: isinstance(x, DENSE_CACHES))
 
 
 def admit(tree, rows: RowInput, index: jax.Array, count: jax.Array, *, prefill: Callable,

@@ -92,10 +92,7 @@ class Drafter(Protocol):
 
 def insert_cache_rows(cache: kvc.KVCache, rows: kvc.KVCache, slots: jax.Array) -> kvc.KVCache:
     """Write the rows' caches (``[L, n, P, ...]``, P <= S) into ``slots`` of a cache ``[L, b, S, ...]``."""
-    p = rows.max_len
-    return kvc.KVCache(cache.k_lbskh.at[:, slots, :p].set(rows.k_lbskh, mode="drop"),
-                       cache.v_lbskh.at[:, slots, :p].set(rows.v_lbskh, mode="drop"),
-                       cache.lengths.at[slots].set(rows.lengths, mode="drop"))
+    return cache.inserted(rows, slots)
 
 
 def insert_leading(full: jax.Array, rows: jax.Array, slots: jax.Array) -> jax.Array:

@@ -18,12 +18,12 @@ import math
 import jax
 import jax.numpy as jnp
 
-from d3d_jax.model.kv_cache import KVCache, KVWindow
+from d3d_jax.model.kv_cache import DENSE_CACHES, KVCache, KVWindow, LayerKVCache, LayerKVWindow
 from d3d_jax.model.paged_kv import PagedKVCache
 
 
 def _is_cache(x) -> bool:
-    return isinstance(x, (KVCache, KVWindow, PagedKVCache))
+    return isinstance(x, DENSE_CACHES + (KVWindow, LayerKVWindow, PagedKVCache))
 
 
 def view(tree, start: jax.Array, rows: int):
@@ -32,6 +32,8 @@ def view(tree, start: jax.Array, rows: int):
     def one(x):
         if isinstance(x, KVCache):
             return KVWindow.of(x, start, rows)
+        if isinstance(x, LayerKVCache):
+            return LayerKVWindow.of(x, start, rows)
         if isinstance(x, PagedKVCache):
             return x.window(start, rows)
         if getattr(x, "ndim", 0) == 0:
@@ -47,7 +49,7 @@ def merge(full, window, keep: jax.Array, start: jax.Array):
     length, where it is invalid whatever it holds)."""
 
     def one(old, new):
-        if isinstance(old, KVCache):
+        if isinstance(old, DENSE_CACHES):
             return new.merged(old.lengths, keep)
         if isinstance(old, PagedKVCache):  # the window's pool, the full tables and merged lengths
             lengths = one(old.lengths, new.lengths)
@@ -74,26 +76,31 @@ def _swap(x: jax.Array, a: jax.Array, b: jax.Array, axis: int) -> jax.Array:
 SWAP_CHUNK = 64  # cache positions a step of a K/V swap moves
 
 
-def _swap_prefix(x: jax.Array, a: jax.Array, b: jax.Array, n: jax.Array) -> jax.Array:
-    """Rows ``a`` and ``b`` of ``x [L, B, S, K, H]`` exchanged at positions ``[0, n)`` (rounded
-    up to a chunk), a chunk a step, each step one gather and one scatter in place."""
+def _swap_prefix(x: jax.Array, a: jax.Array, b: jax.Array, n: jax.Array, row_axis: int = 1) -> jax.Array:
+    """Rows ``a`` and ``b`` of ``x [L, B, S, K, H]`` (or, ``row_axis`` 0, one layer's
+    ``[B, K, S, H]``) exchanged at positions ``[0, n)`` (rounded up to a chunk), a chunk a step,
+    each step one gather and one scatter in place."""
     chunk = math.gcd(x.shape[2], SWAP_CHUNK)  # chunks tile S exactly: none is swapped twice
     idx = jnp.stack([a, b])[:, None]
     back = jnp.stack([b, a])[:, None]
+    at = (lambda r, p: (r, slice(None), p)) if row_axis == 0 else (lambda r, p: (slice(None), r, p))
 
     def body(c, x):
         pos = (c * chunk + jnp.arange(chunk, dtype=jnp.int32))[None, :]
-        return x.at[:, back, pos].set(x[:, idx, pos])
+        return x.at[at(back, pos)].set(x[at(idx, pos)])
 
     return jax.lax.fori_loop(0, (n + chunk - 1) // chunk, body, x)
 
 
-def _swap_cache(c: KVCache, a: jax.Array, b: jax.Array) -> KVCache:
+def _swap_cache(c, a: jax.Array, b: jax.Array):
     # Positions at or past a row's length are invalid whatever they hold (the cache's contract),
     # so only the longer row's valid prefix moves: a request of 150 tokens in a 1024-position
     # cache moves 1/6 of its rows (auto at 32 clients spent 0.5 of 7.1 s on row operations
     # moving whole rows of the demo target's cache, 8 MB a row).
     n = jnp.where(a == b, 0, jnp.minimum(jnp.maximum(c.lengths[a], c.lengths[b]), c.max_len))  # a free: none
+    if isinstance(c, LayerKVCache):
+        swap = lambda xs: tuple(_swap_prefix(x, a, b, n, row_axis=0) for x in xs)  # noqa: E731
+        return LayerKVCache(swap(c.k_layers), swap(c.v_layers), _swap(c.lengths, a, b, 0))
     return KVCache(_swap_prefix(c.k_lbskh, a, b, n), _swap_prefix(c.v_lbskh, a, b, n),
                    _swap(c.lengths, a, b, 0))
 
@@ -102,7 +109,7 @@ def swap_rows(tree, a: jax.Array, b: jax.Array):
     """Rows ``a`` and ``b`` exchanged in every per-row array (in place on a donated tree)."""
 
     def one(x):
-        if isinstance(x, KVCache):
+        if isinstance(x, DENSE_CACHES):
             return _swap_cache(x, a, b)
         if isinstance(x, PagedKVCache):
             return PagedKVCache(x.k_lpskh, x.v_lpskh, _swap(x.page_table, a, b, 0), _swap(x.lengths, a, b, 0))

@@ -75,6 +75,21 @@ class CacheLayer:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
+class HeadsFirstLayer:
+    """One layer of a :class:`~d3d_jax.model.kv_cache.LayerKVCache` (``[B, K, S, H]``, the CPU
+    layout) as an attention prefix: the reference backend's dots read it whole, in place (their
+    batch dims, rows and heads, are major); other backends get it as a segment (a copy)."""
+
+    k_bksh: jax.Array
+    v_bksh: jax.Array
+    meta: TokenMeta  # of the slots, [B, S]
+
+    def segment(self) -> Segment:
+        return jnp.swapaxes(self.k_bksh, 1, 2), jnp.swapaxes(self.v_bksh, 1, 2), self.meta
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
 class CacheSpans:
     """A :class:`CacheLayer` at one of several static spans (one key metadata each), picked on the
     device by ``index``: :func:`attend` switches over the spans, and only the attention is in
@@ -134,7 +149,7 @@ class PagedSpans:
         return PagedLayer(self.k_lpskh, self.v_lpskh, self.page_table, self.metas[j], self.layer)
 
 
-Prefix = Union[Segment, CacheLayer, CacheSpans, PagedLayer, PagedSpans]
+Prefix = Union[Segment, CacheLayer, CacheSpans, PagedLayer, PagedSpans, HeadsFirstLayer]
 
 
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, q_meta: TokenMeta, k_meta: TokenMeta, *,
@@ -153,6 +168,8 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, q_meta: TokenMeta, k_meta: 
                                                 tiles=tiles) for j in range(len(prefix.metas))]
         return jax.lax.switch(prefix.index, branches, q, k, v)
     if isinstance(prefix, PagedLayer) and not kernel_reads_pages(backend, prefix.k_lpskh.shape[2]):
+        prefix = prefix.segment()
+    if isinstance(prefix, HeadsFirstLayer) and backend != "xla":
         prefix = prefix.segment()
     if backend in ("pallas", "pallas_interpret"):
         run = functools.partial(_pallas, platform=kernel_platform(backend), tiles=tiles)
@@ -189,46 +206,70 @@ def _xla_dense(q: jax.Array, q_meta: TokenMeta, segments: Sequence[Segment], *, 
     dt = q.dtype
     kh = segments[-1][0].shape[2]
     q = q.reshape(b, t, kh, n // kh, h) * jnp.asarray(h ** -0.5, dt)
+    mode = "in_place" if in_place else "all_pairs" if all_pairs else "dot"
     big_neg = jnp.float32(_BIG_NEG)
     scores = []
-    for k, _, k_meta in segments:
-        if in_place:  # products summed in f32 read the cache span where it lies
-            s = jnp.sum(q.astype(jnp.float32)[:, :, None] * k.astype(jnp.float32)[:, None, :, :, None], -1)
-            s = jnp.transpose(s, (0, 3, 4, 1, 2))
-        elif all_pairs:  # [s·j, h] x [h, k·t·g] as the span lies; the pairs j == k are sliced out
-            s = jnp.einsum("bsjh,btkgh->bsjtkg", k.astype(dt), q, preferred_element_type=jnp.float32)
-            s = jnp.transpose(s, (0, 1, 2, 4, 3, 5)).reshape(b, -1, kh * kh, t, n // kh)  # j, k adjacent
-            s = jnp.transpose(_diagonal(s, kh, axis=2), (0, 2, 4, 3, 1))
-        else:  # a dot: XLA first copies K into [b, k, s, h] (batch dims major)
-            s = jnp.einsum("btkgh,bskh->bkgts", q, k.astype(dt), preferred_element_type=jnp.float32)
-        scores.append(jnp.where(attention_mask(q_meta, k_meta)[:, None, None], s, big_neg))
+    for seg in segments:
+        s = _scores(q, seg, mode)
+        scores.append(jnp.where(attention_mask(q_meta, _key_meta(seg))[:, None, None], s, big_neg))
     scores = scores[0] if len(scores) == 1 else jnp.concatenate(scores, axis=-1)
     probs = jax.nn.softmax(scores, axis=-1)
     # A fully masked row (padding) gives a uniform distribution over garbage; zero it.
     probs = jnp.where(jnp.max(scores, axis=-1, keepdims=True) > big_neg / 2, probs, 0.0)
-    if in_place:
-        # probabilities rounded to the compute dtype as the dot's inputs are, summed in f32
-        p32 = jnp.transpose(probs.astype(dt).astype(jnp.float32), (0, 3, 4, 1, 2))[..., None]
-        pv = lambda p, v: jnp.sum(p * v.astype(jnp.float32)[:, None, :, :, None], axis=2)  # noqa: E731
-        probs = p32
-    elif all_pairs:  # [g·t·k, s] x [s, j·h], the pairs j == k sliced out
-        probs = probs.astype(dt)
-        pv = lambda p, v: jnp.transpose(_diagonal(jnp.transpose(jnp.einsum(  # noqa: E731
-            "bkgts,bsjh->bkgtjh", p, v.astype(dt)), (0, 2, 3, 1, 4, 5)).reshape(b, n // kh, t, kh * kh, h),
-            kh, axis=3), (0, 2, 3, 1, 4))
-    else:
-        probs = probs.astype(dt)
-        pv = lambda p, v: jnp.einsum("bkgts,bskh->btkgh", p, v.astype(dt))  # noqa: E731
-    if len(segments) == 1:
-        out = pv(probs, segments[0][1])
-    else:
-        out, start = None, 0
-        for _, v, _ in segments:
-            part = pv(probs[:, :, start:start + v.shape[1]] if in_place else
-                      probs[..., start:start + v.shape[1]], v)
-            out = part if out is None else out + part
-            start += v.shape[1]
+    # probabilities rounded to the compute dtype as the dot's inputs are (summed in f32 in place)
+    rounded = (jnp.transpose(probs.astype(dt).astype(jnp.float32), (0, 3, 4, 1, 2))[..., None] if in_place
+               else probs.astype(dt))
+    out, start = None, 0
+    for seg in segments:
+        size = _key_meta(seg).shape[1]
+        p = probs if isinstance(seg, HeadsFirstLayer) else rounded
+        if len(segments) > 1:
+            p = p[:, :, start:start + size] if p is rounded and in_place else p[..., start:start + size]
+        part = _values(p, seg, mode, dt)
+        out = part if out is None else out + part
+        start += size
     return out.astype(dt).reshape(b, t, n, h)
+
+
+def _key_meta(seg) -> TokenMeta:
+    return seg.meta if isinstance(seg, HeadsFirstLayer) else seg[2]
+
+
+def _scores(q: jax.Array, seg, mode: str) -> jax.Array:
+    """Scores ``[b, k, g, t, s]`` (f32) of ``q [b, t, k, g, h]`` (scaled) against a segment's keys."""
+    b, t, kh, g, _ = q.shape
+    dt = q.dtype
+    if isinstance(seg, HeadsFirstLayer):  # batch dims (b, k) major in the cache: read in place
+        return jnp.einsum("btkgh,bksh->bkgts", q, seg.k_bksh.astype(dt), preferred_element_type=jnp.float32)
+    k = seg[0]
+    if mode == "in_place":  # products summed in f32 read the cache span where it lies
+        s = jnp.sum(q.astype(jnp.float32)[:, :, None] * k.astype(jnp.float32)[:, None, :, :, None], -1)
+        return jnp.transpose(s, (0, 3, 4, 1, 2))
+    if mode == "all_pairs":  # [s·j, h] x [h, k·t·g] as the span lies; the pairs j == k are sliced out
+        s = jnp.einsum("bsjh,btkgh->bsjtkg", k.astype(dt), q, preferred_element_type=jnp.float32)
+        s = jnp.transpose(s, (0, 1, 2, 4, 3, 5)).reshape(b, -1, kh * kh, t, g)  # j, k adjacent
+        return jnp.transpose(_diagonal(s, kh, axis=2), (0, 2, 4, 3, 1))
+    # a dot: XLA first copies K into [b, k, s, h] (batch dims major)
+    return jnp.einsum("btkgh,bskh->bkgts", q, k.astype(dt), preferred_element_type=jnp.float32)
+
+
+def _values(p: jax.Array, seg, mode: str, dt) -> jax.Array:
+    """``[b, t, k, g, h]``: probabilities times a segment's values; ``p`` is ``[b, k, g, t, s]``
+    (f32 for a heads-first segment, else rounded to ``dt``) or, in place, ``[b, t, s, k, g, 1]``."""
+    if isinstance(seg, HeadsFirstLayer):  # p the dot's lhs: as an einsum XLA made V the lhs, a copy of V^T
+        b, kh, g, t, _ = p.shape
+        out = jax.lax.dot_general(p.astype(dt).reshape(b, kh, g * t, -1), seg.v_bksh.astype(dt),
+                                  (((3,), (2,)), ((0, 1), (0, 1))))
+        return jnp.transpose(out.reshape(b, kh, g, t, -1), (0, 3, 1, 2, 4))
+    v = seg[1]
+    if mode == "in_place":
+        return jnp.sum(p * v.astype(jnp.float32)[:, None, :, :, None], axis=2)
+    if mode == "all_pairs":  # [g·t·k, s] x [s, j·h], the pairs j == k sliced out
+        b, kh, g, t, _ = p.shape
+        pv = jnp.einsum("bkgts,bsjh->bkgtjh", p, v.astype(dt))
+        pv = jnp.transpose(pv, (0, 2, 3, 1, 4, 5)).reshape(b, g, t, kh * kh, -1)
+        return jnp.transpose(_diagonal(pv, kh, axis=3), (0, 2, 3, 1, 4))
+    return jnp.einsum("bkgts,bskh->btkgh", p, v.astype(dt))
 
 
 def _diagonal(x: jax.Array, k: int, axis: int = -1) -> jax.Array:

@@ -315,20 +315,22 @@ def _param_shardings(tree: Any, mesh: Mesh) -> Any:
 
 
 def _is_cache(x: Any) -> bool:
-    return hasattr(x, "k_lbskh") and hasattr(x, "v_lbskh")
+    # a per-layer cache's k_lbskh is a stacked copy: ask for its layers first
+    return hasattr(x, "k_layers") or (hasattr(x, "k_lbskh") and hasattr(x, "v_lbskh"))
 
 
 def _put_shardings(tree: Any, mesh: Mesh) -> Any:
-    """Replicated, but a KV cache ``[layers, rows, length, kv_heads, head_dim]`` split over its KV
+    """Replicated, but a KV cache ``[layers, rows, length, kv_heads, head_dim]`` (or per layer
+    ``[rows, kv_heads, length, head_dim]``) split over its KV
     heads as the attention that writes it is: each device holds its heads' cache only."""
     rep = NamedSharding(mesh, P())
 
     def one(x):
         if not _is_cache(x):
             return rep
-        kv = lambda a: NamedSharding(mesh, logical_to_spec((None, None, None, "kv_heads", None),  # noqa: E731
-                                                           a.shape, mesh, rules_dict()))
-        return jax.tree.map(lambda a: kv(a) if getattr(a, "ndim", 0) == 5 else rep, x)
+        axes = {5: (None, None, None, "kv_heads", None), 4: (None, "kv_heads", None, None)}  # stacked, per layer
+        kv = lambda a: NamedSharding(mesh, logical_to_spec(axes[a.ndim], a.shape, mesh, rules_dict()))  # noqa: E731
+        return jax.tree.map(lambda a: kv(a) if getattr(a, "ndim", 0) in axes else rep, x)
 
     return jax.tree.map(one, tree, is_leaf=_is_cache)
 
