@@ -52,7 +52,7 @@ from d3d_jax.decoding.async_loop import LiveRows
 from d3d_jax.decoding.constrained import masked_rounds
 from d3d_jax.decoding.core import FINISH_REASONS, MAX_STOP_IDS, RowInput
 from d3d_jax.decoding.decoder_config import (DecoderConfig, Request, RequestError, SlotError,
-                                             StepOutput, prompt_bucket, request_problem)
+                                             StepOutput, request_problem)
 from d3d_jax.decoding.drafting import as_drafter
 from d3d_jax.decoding.page_growth import PageGrowth
 from d3d_jax.decoding.page_pool import SlotPages
@@ -344,7 +344,7 @@ class SpecDecoder:
         by_bucket: dict[int, list[tuple[int, int]]] = {}
         for _, s, row in run:
             if s in self._slots:
-                width = prompt_bucket(len(self._slots[s].request.prompt), self.config.max_cache_len)
+                width = self.config.prompt_width(len(self._slots[s].request.prompt))
                 by_bucket.setdefault(width, []).append((s, row))
         for width, live in sorted(by_bucket.items()):
             rows = self._row_input([self._slots[s].request for s, _ in live], width, [s for s, _ in live])
