@@ -239,7 +239,7 @@ class DecoderConfig:
                   prior_tau=between(1, MAX_BLOCK_SIZE), kv_page_size=between(0, MAX_CACHE_LEN),
                   kv_cache_tokens=between(1, MAX_KV_CACHE_TOKENS), memory_utilization=above(0, 1),
                   kv_pages=between(0, MAX_CACHE_LEN), max_num_batched_tokens=between(1, MAX_CACHE_LEN),
-                  eos_token_ids=between(0, 2 ** 31 - 1),
+                  eos_token_ids=between(0, 2 ** 31 - 1), prompt_widths=between(1, MAX_CACHE_LEN),
                   acceptance_override=checked("DecoderConfig.validate (programs only)"),
                   acceptance_rule=checked("DecoderConfig.validate (programs only)"))
     _RANGES = (("block_size", 2, MAX_BLOCK_SIZE), ("num_slots", 1, MAX_SLOTS), ("max_cache_len", 2, MAX_CACHE_LEN),

@@ -175,12 +175,12 @@ def generate(decoder: SpecDecoder, prompts: Sequence[Sequence[int]], *,
 NARROW_MIN_ROWS = 16
 
 
-def tail_floor(buckets: Sequence[int], running: int) -> int:
-    """With no prompt waiting: the loop stops once no more rows than this run, and the rest move
-    to a narrower window; 0 runs them to the end where they are.  A narrower window is taken once
-    its rows fit a quarter of it, and only if it is at least ``NARROW_MIN_ROWS`` rows narrower
-    (a round costs every row of its window, finished or not)."""
-    window = next((b for b in buckets if b >= running), max(buckets))
+def tail_floor(buckets: Sequence[int], running: int, window: int) -> int:
+    """With no prompt waiting and ``running`` rows in a ``window``-row loop: the loop stops once no
+    more rows than this run, and the rest move to a window this wide; 0 runs them to the end
+    where they are.  A narrower window is taken once its rows fit a quarter of it, and only if
+    it is at least ``NARROW_MIN_ROWS`` rows narrower (a round costs every row of its window,
+    finished or not)."""
     return max([b for b in buckets if b <= running // 4 and window - b >= NARROW_MIN_ROWS], default=0)
 
 
@@ -207,6 +207,7 @@ def generate_stream(decoder: SpecDecoder, prompts: Sequence[Sequence[int]], *,
         raise ValueError(f"refill must be >= 1, got {refill}")
     decoder.free(range(slots))  # a failed earlier call may have left some
     waiting, held = collections.deque(range(len(requests))), {}  # held: slot -> prompt index
+    width = slots  # the loop's window: kept when rows finish, so that no width compiles unasked
     while waiting or held:
         free = [s for s in range(slots) if s not in held][: len(waiting)]
         if free:
@@ -214,8 +215,9 @@ def generate_stream(decoder: SpecDecoder, prompts: Sequence[Sequence[int]], *,
             decoder.insert(decoder.prefill([requests[i] for i in taken]), free)
             held.update(zip(free, taken))
         t0 = time.perf_counter()
-        floor = max(len(held) - refill, 0) if waiting else tail_floor(decoder.config.buckets, len(held))
-        decoder.run_until_done(live_floor=floor)
+        floor = max(len(held) - refill, 0) if waiting else tail_floor(decoder.config.buckets, len(held), width)
+        decoder.run_until_done(live_floor=floor, min_window=width)
+        width = width if waiting or not floor else floor
         running = set(running_slots(decoder))
         finished = [s for s in sorted(held) if s not in running]
         results = decoder.results(finished) if finished else []
