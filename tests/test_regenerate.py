@@ -599,3 +599,55 @@ def test_sigkill_mid_run_then_rerun_leaves_every_id_once(target, tokenizer, prom
     ids = [r["id"] for r in records]
     assert len(ids) == len(set(ids)) == 11
     assert all(rg.record_problem(r, target.config.vocab_size) is None for r in records)
+
+
+def test_prompt_widths_are_the_cheapest_cover_of_the_lengths():
+    """Against brute force over every set of candidate widths: padding plus a program each."""
+    import itertools
+
+    rng = random.Random(7)
+    for _ in range(30):
+        lengths = [rng.randint(1, 400) for _ in range(rng.randint(1, 12))]
+        cost_of = rng.choice([0, 100, 1000, 8192])
+        cands = sorted({rg._round_up(n, 64) for n in lengths})
+
+        def cost(widths):
+            return len(widths) * cost_of + sum(min(w for w in widths if w >= n) for n in lengths)
+
+        best = min(cost(c) for r in range(1, len(cands) + 1) for c in itertools.combinations(cands, r)
+                   if c[-1] == cands[-1])
+        got = rg.prompt_widths(lengths, 64, cost_of)
+        assert max(got) >= max(lengths) and all(w % 64 == 0 for w in got)
+        assert cost(got) == best
+    assert rg.prompt_widths([52, 100, 174]) == (192,)  # a few dozen short prompts: one program
+    assert rg.prompt_widths([]) == ()
+
+
+def test_the_tail_narrows_only_where_it_drops_many_rows():
+    from d3d_jax.decoding import engine
+
+    assert engine.tail_floor((1, 2, 4, 8), 8, 8) == 0  # 8 -> 2 rows: not worth a program
+    assert engine.tail_floor((1, 2, 4, 8, 16, 32, 48), 40, 48) == 8  # 48 -> 8 rows
+    assert engine.tail_floor((1, 2, 4, 8, 16, 32, 48), 8, 8) == 0
+    assert engine.tail_floor((1, 2, 4, 8, 16, 32, 48), 3, 48) == 0
+
+
+def test_a_run_compiles_one_admission_and_one_decode_loop(target, tokenizer, tmp_path, caplog):
+    """Prompts of lengths across several power-of-two buckets and responses of mixed lengths at
+    8 rows: one admission program (their one width) and one decode loop, nothing per bucket or
+    for the tail."""
+    import jax
+
+    rng = random.Random(3)
+    lines = [json.dumps({"id": f"p{i}", "prompt": " ".join(rng.choice(WORDS) for _ in range(n))})
+             for i, n in enumerate([1, 2, 3, 9, 14, 20, 26, 30, 3, 1, 12])]
+    prompts = _write_lines(tmp_path / "p.jsonl", lines)
+    settings = rg.GenerationSettings(temperature=1.0, max_new_tokens=24, seed=5)
+    out = tmp_path / "out.jsonl"
+    with jax.log_compiles(True), caplog.at_level("WARNING"):
+        summary = _run(target, tokenizer, prompts, out, settings=settings, batch_size=8)
+    lengths = [len(r["prompt_token_ids"]) for r in _lines(out)]
+    assert summary.written == 11 and len({1 << (n - 1).bit_length() for n in lengths}) >= 3
+    compiled = [r.getMessage() for r in caplog.records if "Finished XLA compilation" in r.getMessage()]
+    assert sum("_admit_fn" in m for m in compiled) == 1, compiled
+    assert sum("_loop_fn" in m for m in compiled) == 1, compiled

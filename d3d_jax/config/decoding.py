@@ -41,7 +41,7 @@ DEFAULT_KV_PAGE_SIZE = 16  # tokens per page where a command pages by default (v
 ACCELERATOR_KV_PAGE_SIZE = 64
 MAX_KV_CACHE_TOKENS = 1 << 40
 # set by programs only (EOS ids from the tokenizer, benchmark objects): refused in YAML and flags
-PROGRAM_ONLY = ("eos_token_ids", "acceptance_override", "acceptance_rule")
+PROGRAM_ONLY = ("eos_token_ids", "acceptance_override", "acceptance_rule", "prompt_widths")
 MIN_PROMPT_BUCKET = 16
 # Each bucket is an admission program of its own, compiled when a prompt first needs it.
 # Growing by 4 would halve them but pad a 32-token prompt to 64 (its prefill 6.5 ms, not 4.8),
@@ -222,6 +222,9 @@ class DecoderConfig:
     # The program's own (PROGRAM_ONLY: refused in a command's section).  Finish reason "eos" (a
     # request may override them; the server and generate take them from the tokenizer)
     eos_token_ids: tuple[int, ...] = ()
+    # The program's own: the prompt widths admission pads to (one program each), for a caller
+    # that knows its prompts (data regeneration); () = prompt_buckets' powers of two
+    prompt_widths: tuple[int, ...] = ()
     # benchmarks: an object with accept(...) (and hit(...) for async) applied after the real
     # rule; None costs nothing.  See d3d_jax.bench.simulate.
     acceptance_override: Any = None
@@ -236,7 +239,7 @@ class DecoderConfig:
                   prior_tau=between(1, MAX_BLOCK_SIZE), kv_page_size=between(0, MAX_CACHE_LEN),
                   kv_cache_tokens=between(1, MAX_KV_CACHE_TOKENS), memory_utilization=above(0, 1),
                   kv_pages=between(0, MAX_CACHE_LEN), max_num_batched_tokens=between(1, MAX_CACHE_LEN),
-                  eos_token_ids=between(0, 2 ** 31 - 1),
+                  eos_token_ids=between(0, 2 ** 31 - 1), prompt_widths=between(1, MAX_CACHE_LEN),
                   acceptance_override=checked("DecoderConfig.validate (programs only)"),
                   acceptance_rule=checked("DecoderConfig.validate (programs only)"))
     _RANGES = (("block_size", 2, MAX_BLOCK_SIZE), ("num_slots", 1, MAX_SLOTS), ("max_cache_len", 2, MAX_CACHE_LEN),
@@ -250,7 +253,7 @@ class DecoderConfig:
             value = getattr(self, key)
             if isinstance(value, list):
                 object.__setattr__(self, key, tuple(value))
-        for key in ("eos_token_ids", "row_buckets"):
+        for key in ("eos_token_ids", "row_buckets", "prompt_widths"):
             if isinstance(getattr(self, key), list):
                 object.__setattr__(self, key, tuple(getattr(self, key)))
         self.validate()  # as far as its fields are given: a whole one, everything a decoder relies on
@@ -297,6 +300,8 @@ class DecoderConfig:
             self._validate_auto(prefix)
         _require(all(1 <= b <= int(self.num_slots) for b in self.row_buckets), f"{prefix}.row_buckets",
                  f"widths must be in [1, num_slots {self.num_slots}], got {self.row_buckets}")
+        _require(all(1 <= int(w) <= int(self.max_cache_len) for w in self.prompt_widths), f"{prefix}.prompt_widths",
+                 f"widths must be in [1, max_cache_len {self.max_cache_len}], got {self.prompt_widths}")
         _require(int(self.max_cache_len) >= self.width + 1, f"{prefix}.max_cache_len",
                  f"{self.max_cache_len} leaves no room for a prompt and a block of {self.width}")
         self._validate_pages(prefix)
@@ -418,7 +423,15 @@ class DecoderConfig:
 
     @property
     def prompt_buckets(self) -> tuple[int, ...]:
+        """Prompt widths of admission: ``prompt_widths`` (and the whole cache, so every prompt
+        has one), else :func:`prompt_buckets`."""
+        if self.prompt_widths:
+            return tuple(sorted({int(w) for w in self.prompt_widths} | {int(self.max_cache_len)}))
         return prompt_buckets(self.max_cache_len)
+
+    def prompt_width(self, n: int) -> int:
+        """The width a prompt of ``n`` tokens is padded to."""
+        return next(b for b in self.prompt_buckets if b >= min(max(int(n), 1), int(self.max_cache_len)))
 
     @property
     def chunked_prefill(self) -> bool:

@@ -52,7 +52,7 @@ from d3d_jax.decoding.async_loop import LiveRows
 from d3d_jax.decoding.constrained import masked_rounds
 from d3d_jax.decoding.core import FINISH_REASONS, MAX_STOP_IDS, RowInput
 from d3d_jax.decoding.decoder_config import (DecoderConfig, Request, RequestError, SlotError,
-                                             StepOutput, prompt_bucket, request_problem)
+                                             StepOutput, request_problem)
 from d3d_jax.decoding.drafting import as_drafter
 from d3d_jax.decoding.page_growth import PageGrowth
 from d3d_jax.decoding.page_pool import SlotPages
@@ -344,7 +344,7 @@ class SpecDecoder:
         by_bucket: dict[int, list[tuple[int, int]]] = {}
         for _, s, row in run:
             if s in self._slots:
-                width = prompt_bucket(len(self._slots[s].request.prompt), self.config.max_cache_len)
+                width = self.config.prompt_width(len(self._slots[s].request.prompt))
                 by_bucket.setdefault(width, []).append((s, row))
         for width, live in sorted(by_bucket.items()):
             rows = self._row_input([self._slots[s].request for s, _ in live], width, [s for s, _ in live])
@@ -491,7 +491,7 @@ class SpecDecoder:
         while self._pending:
             self._read(self._pending.popleft())
 
-    def run_until_done(self, hook=None, loop=None, live_floor: int = 0) -> dict:
+    def run_until_done(self, hook=None, loop=None, live_floor: int = 0, min_window: int = 0) -> dict:
         """Decode every active slot to the end and wait for it: plain/sync in one on-device
         loop, async by rounds that only dispatch (``hook`` sees each), auto by :meth:`step` (it
         picks each round's geometry on the host).  ``loop(strategy, carry, params, lo, hi,
@@ -499,7 +499,8 @@ class SpecDecoder:
         benchmarks' phase-timed one, :mod:`d3d_jax.bench.phased`).  ``live_floor``: stop as soon
         as no more than that many slots run (plain/sync's loop and rounds by :meth:`step`; async
         runs to the end), so a caller with requests waiting refills the finished slots.
-        Returns the timings."""
+        ``min_window``: plain/sync's loop runs over at least this many rows (the finished ones
+        idle), so a caller keeps one program while its rows thin out.  Returns the timings."""
         self._drain()
         self._flush(everything=True)
         if len(self._running()) <= live_floor:
@@ -514,12 +515,12 @@ class SpecDecoder:
             while len(self._running()) > live_floor:
                 self.step()
             return {}
-        self.carry, timings = self._loop_to_end(hook, loop, live_floor)
+        self.carry, timings = self._loop_to_end(hook, loop, live_floor, min_window)
         self._stale = True  # which slots finished: read when next needed
         jax.block_until_ready(self.carry)
         return timings
 
-    def _loop_to_end(self, hook, loop, live_floor: int = 0):
+    def _loop_to_end(self, hook, loop, live_floor: int = 0, min_window: int = 0):
         """``(carry, timings)`` of the strategy's loop (or ``loop``) over the live rows' window."""
         running = self._running()
         rows = np.asarray([self.placement.row_of[s] for s in running])
@@ -531,7 +532,8 @@ class SpecDecoder:
         if loop is not None:
             return loop(self.strategy, self.carry, self._params, 0, self.placement.size, bound)
         greedy = all(i.request.sampling == GREEDY for i in infos)  # the loop without sampling code
-        return self.strategy.run_until_done(self.carry, self._params, 0, self.placement.size, live=live,
+        hi = max(self.placement.size, min(int(min_window), self.config.num_slots))  # rows past size are free: done
+        return self.strategy.run_until_done(self.carry, self._params, 0, hi, live=live,
                                             max_rounds=bound, hook=hook, greedy=greedy, live_floor=live_floor)
 
     def warm_up(self, widths: Sequence[int] | None = None, run: bool = True) -> float:

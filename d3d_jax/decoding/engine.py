@@ -169,6 +169,21 @@ def generate(decoder: SpecDecoder, prompts: Sequence[Sequence[int]], *,
     return outputs
 
 
+# A narrower window is one more loop program (7-9 s to compile for the demo target on a CPU); it
+# pays only where it drops many rows from every round (48 -> 8 rows, not 8 -> 2: a CPU round's
+# cost grows slowly with its rows, so the last rows' few hundred rounds saved less than that)
+NARROW_MIN_ROWS = 16
+
+
+def tail_floor(buckets: Sequence[int], running: int, window: int) -> int:
+    """With no prompt waiting and ``running`` rows in a ``window``-row loop: the loop stops once no
+    more rows than this run, and the rest move to a window this wide; 0 runs them to the end
+    where they are.  A narrower window is taken once its rows fit a quarter of it, and only if
+    it is at least ``NARROW_MIN_ROWS`` rows narrower (a round costs every row of its window,
+    finished or not)."""
+    return max([b for b in buckets if b <= running // 4 and window - b >= NARROW_MIN_ROWS], default=0)
+
+
 def generate_stream(decoder: SpecDecoder, prompts: Sequence[Sequence[int]], *,
                     sampling: SamplingParams = SamplingParams(), max_new_tokens: int = 128,
                     eos_token_ids: Sequence[int] = (), stop_token_ids: Sequence[int] = (),
@@ -180,7 +195,8 @@ def generate_stream(decoder: SpecDecoder, prompts: Sequence[Sequence[int]], *,
     until ``refill`` rows (default: an eighth of the slots, at least 1) have finished.  Those
     rows' outputs are yielded and the next prompts admitted into them, so no row idles behind a
     batch's longest response.  Once no prompt waits, the last rows move to narrower windows of
-    the decoder's row buckets as they thin out.  Arguments as :func:`generate`;
+    the decoder's row buckets as they thin out, where that drops enough rows
+    (:func:`tail_floor`).  Arguments as :func:`generate`;
     ``row_seeds`` keep each prompt's samples independent of which rows it shared.  A plain or
     sync decoder (async runs each loop to its end: it still finishes, with fewer refills)."""
     requests = _requests(decoder, prompts, sampling, max_new_tokens, eos_token_ids, stop_token_ids, seed,
@@ -191,6 +207,7 @@ def generate_stream(decoder: SpecDecoder, prompts: Sequence[Sequence[int]], *,
         raise ValueError(f"refill must be >= 1, got {refill}")
     decoder.free(range(slots))  # a failed earlier call may have left some
     waiting, held = collections.deque(range(len(requests))), {}  # held: slot -> prompt index
+    width = slots  # the loop's window: kept when rows finish, so that no width compiles unasked
     while waiting or held:
         free = [s for s in range(slots) if s not in held][: len(waiting)]
         if free:
@@ -198,11 +215,9 @@ def generate_stream(decoder: SpecDecoder, prompts: Sequence[Sequence[int]], *,
             decoder.insert(decoder.prefill([requests[i] for i in taken]), free)
             held.update(zip(free, taken))
         t0 = time.perf_counter()
-        # with nothing waiting, the loop stops once the rows fit a quarter of its window, and the
-        # rest run in a narrower one (a round costs every row of its window, finished or not)
-        floor = max(len(held) - refill, 0) if waiting else max(
-            [b for b in decoder.config.buckets if b <= len(held) // 4], default=0)
-        decoder.run_until_done(live_floor=floor)
+        floor = max(len(held) - refill, 0) if waiting else tail_floor(decoder.config.buckets, len(held), width)
+        decoder.run_until_done(live_floor=floor, min_window=width)
+        width = width if waiting or not floor else floor
         running = set(running_slots(decoder))
         finished = [s for s in sorted(held) if s not in running]
         results = decoder.results(finished) if finished else []

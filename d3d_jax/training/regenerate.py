@@ -23,6 +23,7 @@ Choices worth knowing (prompt formats, the user side and ids: :mod:`d3d_jax.io.c
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import hashlib
 import json
@@ -142,13 +143,45 @@ def plan_batches(ids: Sequence[str], lengths: Sequence[int], batch_size: int) ->
     return [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
 
 
-def padding_waste(lengths: Sequence[int], cache_len: int) -> float:
+def padding_waste(lengths: Sequence[int], cache_len: int, widths: Sequence[int] = ()) -> float:
     """Fraction of prefilled prompt positions that are padding: each prompt is prefilled alone,
-    padded to its length bucket (:func:`~d3d_jax.config.decoding.prompt_bucket`)."""
+    padded to the first of ``widths`` that holds it (default: its length bucket,
+    :func:`~d3d_jax.config.decoding.prompt_bucket`)."""
     from d3d_jax.config.decoding import prompt_bucket
 
-    padded = sum(prompt_bucket(n, cache_len) for n in lengths)
+    widths = sorted(widths)
+    padded = sum(next((w for w in widths if w >= n), None) or prompt_bucket(n, cache_len) for n in lengths)
     return 1.0 - sum(lengths) / padded if padded else 0.0
+
+
+# One more admission program costs about as much as prefilling this many padded prompt tokens
+# (the demo target on XLA:CPU: 2.1-2.7 s to compile, 0.28 ms a prefilled token)
+PROGRAM_TOKENS = 8192
+
+
+def prompt_widths(lengths: Sequence[int], multiple: int = 64, program_tokens: int = PROGRAM_TOKENS
+                  ) -> tuple[int, ...]:
+    """The prompt widths (multiples of ``multiple``) admission pads this run's prompts to: the
+    fewest programs for the padding, each program counted as ``program_tokens`` padded tokens
+    (an exact minimum over the lengths, sorted; a few dozen prompts get one or two widths)."""
+    if not lengths:
+        return ()
+    counts = collections.Counter(_round_up(max(int(n), 1), multiple) for n in lengths)
+    cands = sorted(counts)
+    # best[i]: the cost of the prompts up to width cands[i-1] with a program at that width
+    best, cut = [0.0] + [float("inf")] * len(cands), [0] * (len(cands) + 1)
+    for i in range(1, len(cands) + 1):
+        held = 0
+        for j in range(i - 1, -1, -1):  # widths cands[j..i-1] all padded to cands[i-1]
+            held += counts[cands[j]]
+            cost = best[j] + program_tokens + held * cands[i - 1]
+            if cost < best[i]:
+                best[i], cut[i] = cost, j
+    out, i = [], len(cands)
+    while i > 0:
+        out.append(cands[i - 1])
+        i = cut[i]
+    return tuple(sorted(out))
 
 
 # --------------------------------------------------------------------------------------------
@@ -320,12 +353,14 @@ def regenerate(target, tokenizer, prompts_path: str | os.PathLike, out_path: str
                         f"(first: line {summary.skipped[0][0]}: {summary.skipped[0][1]})")
     lengths = [len(t) for t in token_ids]
     cache_len = run_cache_len(lengths, settings.max_new_tokens, cache_multiple)
-    summary.padding_waste = padding_waste(lengths, cache_len)
+    # from every usable prompt of the shard, not only those left: a rerun pads alike
+    widths = prompt_widths(lengths, cache_multiple)
+    summary.padding_waste = padding_waste(lengths, cache_len, widths)
     # queued by length, then id: neighbours in the queue are admitted together, one program a bucket
     todo = [i for b in plan_batches([p.id for p in usable], lengths, batch_size) for i in b
             if usable[i].id not in done][:max_records]
     if todo:
-        _write_records(_decoder(target, batch_size, cache_len, program_dir), tokenizer, out, [usable[i] for i in todo],
+        _write_records(_decoder(target, batch_size, cache_len, program_dir, widths), tokenizer, out, [usable[i] for i in todo],
                        [token_ids[i] for i in todo], run, summary, progress=progress)
     return summary
 
@@ -470,11 +505,12 @@ def run_cache_len(prompt_lengths: Sequence[int], max_new_tokens: int, cache_mult
     return _round_up(prompt_pad + max_new_tokens + ENGINE_BLOCK_SLACK, cache_multiple)
 
 
-def _decoder(target, batch_size: int, cache_len: int, program_dir: str | None = None):
+def _decoder(target, batch_size: int, cache_len: int, program_dir: str | None = None,
+             widths: Sequence[int] = ()):
     """The run's plain decoder (``batch_size`` slots, rows decoded together).  Prompts are admitted
-    by the decoder's own prompt-length buckets, one program each, so one decoder serves every
+    padded to ``widths`` (:func:`prompt_widths`), one program each, so one decoder serves every
     length."""
     from d3d_jax.decoding import engine
 
     return engine.make_decoder(target, mode="plain", num_slots=batch_size, max_cache_len=cache_len,
-                               program_dir=program_dir)
+                               program_dir=program_dir, prompt_widths=tuple(widths))
