@@ -76,3 +76,12 @@ def test_compare_with_a_copy_of_this_checkout_makes_the_same_tokens_at_the_same_
     assert res["sync_efficiency"]["same_tokens_as_plain"] is True
     assert "(c) sync: identical tokens" in bench.format_table(res)
     assert not list(tmp_path.rglob("*.pyc"))
+
+
+def test_the_median_interval_takes_the_order_statistics_of_the_binomial_table():
+    from d3d_jax.bench.engine_compare import median_interval
+
+    # 95 %: the 6th and 15th of 20 sorted samples, the 40th and 61st of 100 (1-based)
+    assert median_interval([float(x) for x in range(20, 0, -1)]) == (6.0, 15.0)
+    assert median_interval([float(x) for x in range(1, 101)]) == (40.0, 61.0)
+    assert median_interval([3.0, 1.0, 2.0]) == (1.0, 3.0)  # too few for 95 %: the full range

@@ -13,6 +13,7 @@ and replay the same drafter tokens (this checkout's plain output).
 from __future__ import annotations
 
 import dataclasses
+import math
 import statistics
 import tempfile
 
@@ -87,10 +88,25 @@ def paired(measures: dict, base: dict) -> dict:
     return out
 
 
+def median_interval(xs: list[float], level: float = 0.95) -> tuple[float, float]:
+    """A distribution-free interval for the median (order statistics, binomial tails): the sorted
+    samples k and n-1-k, k the largest with P(Binomial(n, 1/2) < k+1) <= (1 - level) / 2."""
+    xs, n = sorted(xs), len(xs)
+    k, tail = -1, 0.0
+    while k + 1 < n // 2:
+        tail += math.comb(n, k + 1) / 2 ** n
+        if tail > (1 - level) / 2:
+            break
+        k += 1
+    k = max(k, 0)  # too few samples for the level: the full range
+    return xs[k], xs[n - 1 - k]
+
+
 def _ratios(new: list[float], old: list[float]) -> dict:
     r = [a / b for a, b in zip(new, old)]
-    return {"min": min(r), "median": statistics.median(r), "max": max(r),
-            "of_minima": min(new) / min(old), "repeats": len(r)}
+    lo, hi = median_interval(r)
+    return {"min": min(r), "median": statistics.median(r), "max": max(r), "median_95": [lo, hi],
+            "of_minima": min(new) / min(old), "repeats": len(r), "per_repeat": r}
 
 
 def report(samples: dict, clock: str, n_new: int, outs: dict, base_outs: dict, record: dict) -> dict:
@@ -114,8 +130,9 @@ def table_rows(c: dict) -> list[tuple[str, str]]:
         r = c[m]["ratio"]
         rows += [(f"(c) {m}: ms/token this / base ({c['clock']})",
                   f"{c[m]['ms_per_token']:.3f} / {c[m]['base_ms_per_token']:.3f}"),
-                 (f"(c) {m}: this / base per repeat: median [min, max]; of minima",
-                  f"{r['median']:.3f} [{r['min']:.3f}, {r['max']:.3f}]; {r['of_minima']:.3f}"),
+                 (f"(c) {m}: this / base per repeat: median (95 % interval) [min, max]; of minima",
+                  f"{r['median']:.3f} ({r['median_95'][0]:.3f}-{r['median_95'][1]:.3f}) "
+                  f"[{r['min']:.3f}, {r['max']:.3f}]; {r['of_minima']:.3f}"),
                  (f"(c) {m}: identical tokens", str(c[m]["same_tokens"]))]
     if c["decoder_options_it_lacks"]:
         rows.append(("(c) base lacks (not passed)", ", ".join(c["decoder_options_it_lacks"])))
