@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from d3d_jax.bench import simulate
+from d3d_jax.bench import engine_compare, simulate
 from d3d_jax.bench.generator import Generator
 from d3d_jax.decoding.engine import ReplayDrafter
 from d3d_jax.model import kv_cache as kvc
@@ -58,6 +58,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the clock of the headline figures (the other is reported beside them): wall, what "
                         "a user waits; cpu: process CPU time (steadier on a shared CPU host, with "
                         "infer/bench.py --cpu-threads 1); auto: cpu on a CPU backend, wall otherwise")
+    p.add_argument("--compare-with", default=None, metavar="CHECKOUT",
+                   help="also time another checkout's plain and sync decoding in this process (its "
+                        "d3d_jax imported as d3d_jax_base), interleaved A B B A with this one's: ratios "
+                        "this / base per repeat, and whether both made the same tokens")
     p.add_argument("--json-out", default=None, help="also write the JSON result here")
     simulate.add_arguments(p)
 
@@ -131,16 +135,22 @@ def _header(args, clock: str, sim) -> dict:
                       f"{args.repeats} interleaved repeats"}
 
 
+def _interleaved(measures: dict, repeats: int) -> dict:
+    """``{"wall": {measure: [s, ...]}, "cpu": {...}}``: every repeat of each measure (a callable
+    returning ``(wall s, CPU s)``), interleaved so that every measure sees the same machine load;
+    odd repeats run in reverse order, so neighbouring measures run A B B A."""
+    samples = {c: {k: [] for k in measures} for c in ("wall", "cpu")}
+    for i in range(repeats):
+        for k in (list(measures) if i % 2 == 0 else list(reversed(measures))):
+            for c, seconds in zip(("wall", "cpu"), measures[k]()):
+                samples[c][k].append(seconds)
+    return samples
+
+
 def _best_of_interleaved(measures: dict, repeats: int) -> dict:
-    """``{"wall": {measure: s}, "cpu": {...}}``: the minimum of each measure (a callable returning
-    ``(wall s, CPU s)``) over ``repeats`` rounds, interleaved so that every measure sees the same
-    machine load."""
-    best = {c: {k: float("inf") for k in measures} for c in ("wall", "cpu")}
-    for _ in range(repeats):
-        for k, fn in measures.items():
-            for c, seconds in zip(("wall", "cpu"), fn()):
-                best[c][k] = min(best[c][k], seconds)
-    return best
+    """``{"wall": {measure: s}, "cpu": {...}}``: the minimum of each measure over ``repeats``
+    interleaved rounds (:func:`_interleaved`)."""
+    return {c: {k: min(v) for k, v in by.items()} for c, by in _interleaved(measures, repeats).items()}
 
 
 def _measures(args, hf, target, prompts, sim_kw: dict):
@@ -149,7 +159,6 @@ def _measures(args, hf, target, prompts, sim_kw: dict):
     decoded together, one slot each."""
     import torch
 
-    both = lambda outs: (outs[0].metrics["batch_wall_s"], outs[0].metrics["batch_cpu_s"])  # noqa: E731
     n_new, bs = args.max_new_tokens, args.block_size
     cache_len = -(-(args.prompt_len + n_new + bs) // 16) * 16  # one cache length for every run
     generate = Generator()
@@ -191,6 +200,11 @@ def _measures(args, hf, target, prompts, sim_kw: dict):
         hf_tokens = hf_generate()[:, args.prompt_len:].tolist()
         measures["transformers"] = lambda: timed(hf_generate)
     return measures, plain_out, sync_out, hf_tokens
+
+
+def both(outs) -> tuple[float, float]:
+    """A batch's (wall s, CPU s), as the engine measured it."""
+    return outs[0].metrics["batch_wall_s"], outs[0].metrics["batch_cpu_s"]
 
 
 def _plain_vs_transformers(best: dict, other: dict, n_new: int, hf_tokens, plain_out) -> dict:
@@ -239,19 +253,29 @@ def run(args) -> dict:
     sim = simulate.from_args(args, hits=False)  # bad flags fail here, before any work
     if sim is not None:
         sim.check_block(args.block_size)
-    clock = _clock(args)
-    hf, target = _build_models(args)
     if args.streams < 1:
         raise ValueError(f"--streams must be >= 1, got {args.streams}")
+    base = engine_compare.load_base(args.compare_with) if args.compare_with else None
+    clock = _clock(args)
+    hf, target = _build_models(args)
     prompts = np.random.default_rng(0).integers(0, args.vocab, (args.streams, args.prompt_len)).tolist()
     result = _header(args, clock, sim)
     measures, plain_out, sync_out, hf_tokens = _measures(
         args, hf, target, prompts, {} if sim is None else {"acceptance_override": sim})
-    clocks = _best_of_interleaved(measures, args.repeats)
+    if base is not None:
+        extra, *base_outs, record = engine_compare.base_measures(
+            args, base, hf, prompts, [o.token_ids for o in plain_out], both)
+        measures = engine_compare.paired(measures, extra)
+    samples = _interleaved(measures, args.repeats)
+    clocks = {c: {k: min(v) for k, v in by.items()} for c, by in samples.items()}
     best, other = clocks[clock], clocks["cpu" if clock == "wall" else "wall"]
     result["plain_vs_transformers"] = _plain_vs_transformers(best, other, args.max_new_tokens, hf_tokens,
                                                              plain_out)
     result["sync_efficiency"] = _sync_efficiency(best, args, sim, sync_out, plain_out)
+    if base is not None:
+        result["compare"] = engine_compare.report(
+            samples, clock, args.max_new_tokens, {"plain": plain_out, "sync": sync_out},
+            dict(zip(("plain", "sync"), base_outs)), record)
     return result
 
 
@@ -278,6 +302,7 @@ def format_table(result: dict) -> str:
               f"{b['plain_token_over_t1']:.2f} / {b['sync_round_over_tB']:.2f}"),
              ("(b) identical tokens", "n/a (simulated acceptance)" if b["same_tokens_as_plain"] is None
               else str(b["same_tokens_as_plain"])),
+             *(engine_compare.table_rows(result["compare"]) if "compare" in result else []),
              ("timing", result["timing"]),
              ("load average (1 min) / cpus", f"{result['load_avg_1m']:.1f} / {result['cpu_count']}")]
     w = max(len(r[0]) for r in rows)
