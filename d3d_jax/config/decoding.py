@@ -110,9 +110,10 @@ def prompt_buckets(cap: int) -> tuple[int, ...]:
     return tuple(out) + (int(cap),)
 
 
-def prompt_bucket(n: int, cap: int) -> int:
-    """The bucket a prompt of ``n`` tokens is padded to (``cap`` at most)."""
-    return next(b for b in prompt_buckets(cap) if b >= min(max(int(n), 1), cap))
+def prompt_bucket(n: int, cap: int, buckets: tuple[int, ...] = ()) -> int:
+    """The bucket a prompt of ``n`` tokens is padded to (``cap`` at most): the first of
+    ``buckets`` (ascending, ending at ``cap``; default :func:`prompt_buckets`) that holds it."""
+    return next(b for b in (buckets or prompt_buckets(cap)) if b >= min(max(int(n), 1), cap))
 
 
 def row_buckets(num_slots: int, given: tuple[int, ...] = ()) -> tuple[int, ...]:
@@ -431,7 +432,7 @@ class DecoderConfig:
 
     def prompt_width(self, n: int) -> int:
         """The width a prompt of ``n`` tokens is padded to."""
-        return next(b for b in self.prompt_buckets if b >= min(max(int(n), 1), int(self.max_cache_len)))
+        return prompt_bucket(n, int(self.max_cache_len), self.prompt_buckets)
 
     @property
     def chunked_prefill(self) -> bool:
