@@ -9,11 +9,23 @@ command line returns for it (:func:`d3d_jax.cli.run_cli`): 2 for what the user a
 from __future__ import annotations
 
 import errno
+from typing import Any
 
 # OSErrors of something that ran out (exit 1); any other OSError names a path that cannot work
 # as given (read-only, a file where a directory belongs, a symlink loop: exit 2).
 RESOURCE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO, errno.ENOMEM, errno.EMFILE,
                              errno.ENFILE, errno.EADDRINUSE})
+
+
+def short_value(value: Any) -> str:
+    """A value for an error message, cut short (a YAML alias can expand to gigabytes)."""
+    if isinstance(value, (str, bytes)):
+        text = repr(value[:60])
+        return text if len(value) <= 60 else f"{text[:-1]}...' ({len(value)} characters)"
+    if isinstance(value, (list, tuple, dict, set)):
+        return f"a {type(value).__name__} of {len(value)} items"
+    text = repr(value)
+    return text if len(text) <= 60 else text[:40] + f"... ({len(text)} characters)"
 
 
 class D3DError(Exception):

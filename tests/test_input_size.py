@@ -132,9 +132,9 @@ def test_a_huge_regeneration_prompt_is_skipped_before_it_is_tokenized(monkeypatc
 
 
 def test_a_config_file_past_its_size_is_refused_unread(tmp_path, monkeypatch):
-    from d3d_jax.config import base
+    from d3d_jax.config import yaml_files
 
-    monkeypatch.setattr(base, "MAX_YAML_BYTES", 1000)
+    monkeypatch.setattr(yaml_files, "MAX_YAML_BYTES", 1000)
     path = tmp_path / "big.yaml"
     path.write_text("train:\n  out_dir: " + "x" * 2000 + "\n")
     with pytest.raises(ConfigError, match="a config file is at most 1,000"):

@@ -5,7 +5,7 @@ YAML may ``include:`` others), applies dotted ``key=value`` overrides, converts 
 the declared field type and runs each section's ``validate``.  Any problem raises
 ``ConfigError`` naming the offending key, before anything is built.
 
-The package is split by domain (``base``: loader and errors; ``model``: model and mesh;
+The package is split by domain (``base``: loader and errors; ``yaml_files``: reading YAML; ``model``: model and mesh;
 ``training``, ``regenerate``, ``pipeline``, ``prune``; the decoding commands' ``decoding``,
 ``serve``, ``generate``, ``evaluation``, and ``flags`` mapping command-line flags onto fields); everything is re-exported here, so
 ``from d3d_jax.config import X`` works for every name.

@@ -1,4 +1,6 @@
-"""Config core: ConfigError, the YAML + ``key=value`` loader and type conversion."""
+"""Config core: ConfigError, the loader (YAML files, then flags, then ``key=value`` overrides,
+merged and built into a dataclass), declared bounds and type conversion.  Reading one YAML file
+or value safely is :mod:`~d3d_jax.config.yaml_files`."""
 
 from __future__ import annotations
 
@@ -7,15 +9,11 @@ import functools
 import os
 import types
 import typing
-from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-import yaml
-
-from d3d_jax.config.limits import MAX_NUMBER_CHARS, LongNumber, dotted, long_number
-from d3d_jax.errors import ConfigError  # noqa: F401 - defined there, re-exported here
-
-CONFIG_DIR = Path(__file__).resolve().parent.parent.parent / "configs"
+# reading YAML is a module of its own; CONFIG_DIR, read_yaml and parse_scalar are re-exported here
+from d3d_jax.config.yaml_files import CONFIG_DIR, _deep_merge, parse_scalar, read_yaml  # noqa: F401
+from d3d_jax.errors import ConfigError, short_value  # noqa: F401 - ConfigError defined there, re-exported here
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -71,17 +69,6 @@ def checked(where: str) -> Bound:
     return Bound(checked=where)
 
 
-def _short(value: Any) -> str:
-    """A value for an error message, cut short (a YAML alias can expand to gigabytes)."""
-    if isinstance(value, (str, bytes)):
-        text = repr(value[:60])
-        return text if len(value) <= 60 else f"{text[:-1]}...' ({len(value)} characters)"
-    if isinstance(value, (list, tuple, dict, set)):
-        return f"a {type(value).__name__} of {len(value)} items"
-    text = repr(value)
-    return text if len(text) <= 60 else text[:40] + f"... ({len(text)} characters)"
-
-
 def _num(x: float) -> str:
     return str(int(x)) if float(x).is_integer() and abs(x) < 1e15 else f"{x:g}"
 
@@ -91,22 +78,22 @@ def _check_bound(value: Any, bound: Bound, key: str) -> None:
         return
     if bound.text:
         if not isinstance(value, str):
-            raise ConfigError(f"{key}: expected a string, got {_short(value)}")
+            raise ConfigError(f"{key}: expected a string, got {short_value(value)}")
         if len(value) > bound.max_len:
             raise ConfigError(f"{key}: at most {bound.max_len} characters, got {len(value)}")
         return
     if bound.choices:
         if value not in bound.choices:
-            raise ConfigError(f"{key}: must be one of {'|'.join(map(str, bound.choices))}, got {_short(value)}")
+            raise ConfigError(f"{key}: must be one of {'|'.join(map(str, bound.choices))}, got {short_value(value)}")
         return
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ConfigError(f"{key}: expected a number, got {_short(value)}")
+        raise ConfigError(f"{key}: expected a number, got {short_value(value)}")
     if isinstance(value, float) and value != value or value in (float("inf"), float("-inf")):
         raise ConfigError(f"{key}: must be finite, got {value}")
     if bound.lo is not None and (value <= bound.lo if bound.lo_open else value < bound.lo):
-        raise ConfigError(f"{key}: must be {'>' if bound.lo_open else '>='} {_num(bound.lo)}, got {_short(value)}")
+        raise ConfigError(f"{key}: must be {'>' if bound.lo_open else '>='} {_num(bound.lo)}, got {short_value(value)}")
     if bound.hi is not None and value > bound.hi:
-        raise ConfigError(f"{key}: must be <= {_num(bound.hi)}, got {_short(value)}")
+        raise ConfigError(f"{key}: must be <= {_num(bound.hi)}, got {short_value(value)}")
 
 
 def _elements(value: Any):
@@ -155,7 +142,7 @@ def check_fields(obj: Any, prefix: str = "") -> None:
             continue
         if f.name not in bounds:
             if _is_flag(_hints(type(obj))[f.name]) and not (isinstance(value, bool) or value is None):
-                raise ConfigError(f"{key}: expected a boolean, got {_short(value)}")
+                raise ConfigError(f"{key}: expected a boolean, got {short_value(value)}")
             continue
         for v in _elements(value):
             if v is not None:
@@ -185,7 +172,7 @@ def _convert(value: Any, tp: Any, key: str) -> Any:
         if isinstance(value, tp):
             return value
         if not isinstance(value, Mapping):
-            raise ConfigError(f"{key}: expected a mapping for section {tp.__name__}, got {_short(value)}")
+            raise ConfigError(f"{key}: expected a mapping for section {tp.__name__}, got {short_value(value)}")
         return build_dataclass(tp, value, key)
     if origin in (tuple, list, Sequence) or tp in (tuple, list):
         return _convert_sequence(value, tp, key)
@@ -208,7 +195,7 @@ def _convert_union(value: Any, tp: Any, key: str) -> Any:
             return _convert(value, a, key)
         except ConfigError:
             pass
-    raise ConfigError(f"{key}: cannot interpret {_short(value)} as {tp}")
+    raise ConfigError(f"{key}: cannot interpret {short_value(value)} as {tp}")
 
 
 def _convert_sequence(value: Any, tp: Any, key: str) -> Any:
@@ -217,7 +204,7 @@ def _convert_sequence(value: Any, tp: Any, key: str) -> Any:
     if isinstance(value, str):
         value = [v for v in value.split(",") if v != ""]
     if not isinstance(value, (list, tuple)):
-        raise ConfigError(f"{key}: expected a list, got {_short(value)}")
+        raise ConfigError(f"{key}: expected a list, got {short_value(value)}")
     if args and not (len(args) == 2 and args[1] is Ellipsis) and origin is tuple:
         if len(args) != len(value):
             raise ConfigError(f"{key}: expected {len(args)} items, got {len(value)}")
@@ -236,12 +223,12 @@ def _to_bool(value: Any, key: str) -> bool:
         return False
     if isinstance(value, int) and value in (0, 1):
         return bool(value)
-    raise ConfigError(f"{key}: expected a boolean, got {_short(value)}")
+    raise ConfigError(f"{key}: expected a boolean, got {short_value(value)}")
 
 
 def _to_int(value: Any, key: str) -> int:
     if isinstance(value, bool):
-        raise ConfigError(f"{key}: expected an integer, got {_short(value)}")
+        raise ConfigError(f"{key}: expected an integer, got {short_value(value)}")
     if isinstance(value, int):
         return value
     if isinstance(value, float) and value.is_integer():
@@ -251,22 +238,22 @@ def _to_int(value: Any, key: str) -> int:
             return int(value)
         except ValueError:
             pass
-    raise ConfigError(f"{key}: expected an integer, got {_short(value)}")
+    raise ConfigError(f"{key}: expected an integer, got {short_value(value)}")
 
 
 def _to_float(value: Any, key: str) -> float:
     if isinstance(value, bool):
-        raise ConfigError(f"{key}: expected a number, got {_short(value)}")
+        raise ConfigError(f"{key}: expected a number, got {short_value(value)}")
     try:
         return float(value)
     except (TypeError, ValueError):
-        raise ConfigError(f"{key}: expected a number, got {_short(value)}") from None
+        raise ConfigError(f"{key}: expected a number, got {short_value(value)}") from None
 
 
 def _to_str(value: Any, key: str) -> str:
     if isinstance(value, (str, int, float)) and not isinstance(value, bool):
         return str(value)
-    raise ConfigError(f"{key}: expected a string, got {_short(value)}")
+    raise ConfigError(f"{key}: expected a string, got {short_value(value)}")
 
 
 _SCALARS = {bool: _to_bool, int: _to_int, float: _to_float, str: _to_str}
@@ -301,151 +288,6 @@ def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
         if not isinstance(node, dict):
             raise ConfigError(f"{dotted}: {p} is not a section")
     node[parts[-1]] = value
-
-
-def _deep_merge(base: dict, extra: Mapping) -> dict:
-    out = dict(base)
-    for k, v in extra.items():
-        if isinstance(v, Mapping) and isinstance(out.get(k), dict):
-            out[k] = _deep_merge(out[k], v)
-        else:
-            out[k] = v
-    return out
-
-
-MAX_YAML_VALUES = 1_000_000  # scalars + containers of a config once its aliases are expanded
-MAX_YAML_BYTES = 16 << 20  # a config file; the repository's largest is a few KB
-MAX_INCLUDE_DEPTH = 16
-
-
-class _BoundedLoader(yaml.SafeLoader):
-    """PyYAML's safe loader whose numbers longer than ``MAX_NUMBER_CHARS`` are never converted
-    (:class:`~d3d_jax.config.limits.LongNumber`; :func:`_check_numbers` names their key)."""
-
-
-for _tag, _convert_number in (("int", yaml.SafeLoader.construct_yaml_int),
-                              ("float", yaml.SafeLoader.construct_yaml_float)):
-    def _bounded(loader, node, _convert=_convert_number):
-        return LongNumber(node.value) if len(node.value) > MAX_NUMBER_CHARS else _convert(loader, node)
-    _BoundedLoader.add_constructor(f"tag:yaml.org,2002:{_tag}", _bounded)
-
-
-def _check_numbers(data: Any, file: str = "", key: str = "") -> None:
-    """A :class:`ConfigError` naming the key of the first number too long to convert."""
-    found = long_number(data)
-    if found is not None:
-        name = dotted(((key,) if key else ()) + found[0]) or "the value"
-        raise ConfigError(f"{file + ': ' if file else ''}{name}: {found[1].problem()}")
-
-
-def parse_scalar(text: str, key: str) -> Any:
-    """Parse the right-hand side of ``key=value`` with YAML rules (numbers, bools, lists), its
-    numbers bounded before they are converted (``ConfigError`` naming ``key`` otherwise)."""
-    try:
-        value = yaml.load(text, Loader=_BoundedLoader)
-    except yaml.YAMLError:
-        return text
-    _check_size(value, key)  # first: the walks below would expand an alias bomb
-    _check_numbers(value, key=key)
-    return value
-
-
-class _UniqueKeyLoader(_BoundedLoader):
-    """PyYAML's safe loader, refusing a key given twice in one mapping (a section written twice
-    kept only its last copy, silently)."""
-
-    def construct_mapping(self, node, deep=False):
-        seen: dict = {}
-        for key_node, _ in node.value:
-            if key_node.tag == "tag:yaml.org,2002:merge":  # '<<: *base' merges, by design
-                continue
-            key = self.construct_object(key_node, deep=deep)
-            try:
-                first = seen.setdefault(key, key_node.start_mark.line + 1)
-            except TypeError:  # an unhashable key: PyYAML's own error says so
-                break
-            if first != key_node.start_mark.line + 1:
-                raise ConfigError(f"{_short(key)} is given twice (lines {first} and {key_node.start_mark.line + 1}); "
-                                  "keep one")
-        return super().construct_mapping(node, deep=deep)
-
-
-def _expanded_size(data: Any, limit: int) -> int:
-    """How many values ``data`` holds with every shared (aliased) part counted each time it
-    appears, stopping past ``limit``: a few lines of YAML aliases can stand for billions."""
-    sizes: dict[int, int] = {}
-
-    def size(x: Any) -> int:
-        if not isinstance(x, (dict, list)):
-            return 1
-        if id(x) in sizes:
-            return sizes[id(x)]
-        sizes[id(x)] = limit + 1  # a cycle (a recursive alias) is refused too
-        children = x.values() if isinstance(x, dict) else x
-        total = 1
-        for c in children:
-            total += size(c)
-            if total > limit:
-                break
-        sizes[id(x)] = min(total, limit + 1)
-        return sizes[id(x)]
-    return size(data)
-
-
-def _check_size(data: Any, where: str) -> None:
-    try:
-        too_big = _expanded_size(data, MAX_YAML_VALUES) > MAX_YAML_VALUES
-    except RecursionError:
-        raise ConfigError(f"{where}: nested too deeply") from None
-    if too_big:
-        raise ConfigError(f"{where}: expands to more than {MAX_YAML_VALUES:,} values (YAML aliases "
-                          "repeated inside each other?); a config is far smaller")
-
-
-def read_yaml(path: str | os.PathLike, _chain: tuple = ()) -> dict:
-    """Read a YAML config, resolving ``include:`` (paths relative to the file or configs/)."""
-    path = Path(path)
-    if not path.exists() and (CONFIG_DIR / path).exists():
-        path = CONFIG_DIR / path
-    if not path.exists():
-        raise ConfigError(f"config file not found: {path}")
-    real = path.resolve()
-    if real in _chain:
-        names = " -> ".join(str(p) for p in _chain[_chain.index(real):] + (real,))
-        raise ConfigError(f"{path}: include: makes a cycle ({names})")
-    if len(_chain) >= MAX_INCLUDE_DEPTH:
-        raise ConfigError(f"{path}: includes nest deeper than {MAX_INCLUDE_DEPTH} files")
-    if path.is_file() and path.stat().st_size > MAX_YAML_BYTES:
-        raise ConfigError(f"{path}: {path.stat().st_size:,} bytes; a config file is at most {MAX_YAML_BYTES:,}")
-    from d3d_jax.io.files import open_regular  # io/ stands on config/: imported here, not at the top
-
-    with open_regular(path, "a config file", ConfigError) as f:
-        try:
-            data = yaml.load(f, Loader=_UniqueKeyLoader) or {}
-        except ConfigError as e:
-            raise ConfigError(f"{path}: {e}") from None
-        except RecursionError:
-            raise ConfigError(f"{path}: nested too deeply") from None
-        except (yaml.YAMLError, UnicodeDecodeError) as e:
-            mark = getattr(e, "problem_mark", None)
-            where = f" at line {mark.line + 1}" if mark is not None else ""
-            raise ConfigError(f"{path}: not valid YAML{where} ({getattr(e, 'problem', None) or e})") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: top level must be a mapping")
-    _check_size(data, str(path))
-    _check_numbers(data, file=str(path))
-    includes = data.pop("include", []) or []
-    if isinstance(includes, str):
-        includes = [includes]
-    if not isinstance(includes, list) or not all(isinstance(i, str) for i in includes):
-        raise ConfigError(f"{path}: include: must be a file name or a list of them, got {_short(includes)}")
-    merged: dict = {}
-    for inc in includes:
-        inc_path = path.parent / inc
-        if not inc_path.exists():
-            inc_path = CONFIG_DIR / inc
-        merged = _deep_merge(merged, read_yaml(inc_path, _chain + (real,)))
-    return _deep_merge(merged, data)
 
 
 def parse_overrides(overrides: Sequence[str]) -> dict:
