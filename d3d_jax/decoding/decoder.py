@@ -29,14 +29,14 @@ JetStream's prefill / insert / generate; the caller picks free slots)::
   oldest one not yet read; while some request is certain to go on, the next round is queued
   behind it first, so the device never waits on the host's reading (results one round behind).
   The outcome of each round is a few per-row arrays read in one copy; a request's metrics are
-  counted on the host from them, so finishing one copies nothing from the device.
+  counted on the host from them (:mod:`~d3d_jax.decoding.outcomes`), so finishing one copies
+  nothing from the device.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
-import itertools
 import time
 from typing import Sequence
 
@@ -46,20 +46,20 @@ from flax import nnx
 
 from d3d_jax.config import ConfigError
 from d3d_jax.config.decoding import DEFAULT_CACHE_LEN, DEFAULT_NUM_SLOTS, check_drafter
-from d3d_jax.decoding import metrics as M
 from d3d_jax.decoding import window as W
 from d3d_jax.decoding.async_loop import LiveRows
 from d3d_jax.decoding.constrained import masked_rounds
-from d3d_jax.decoding.core import FINISH_REASONS, MAX_STOP_IDS, RowInput
 from d3d_jax.decoding.decoder_config import (DecoderConfig, Request, RequestError, SlotError,
                                              StepOutput, request_problem)
 from d3d_jax.decoding.drafting import as_drafter
+from d3d_jax.decoding.outcomes import Round, RoundReader, SlotInfo
 from d3d_jax.decoding.page_growth import PageGrowth
 from d3d_jax.decoding.page_pool import SlotPages
 from d3d_jax.decoding.paging import PagedAdmission
 from d3d_jax.parallel.sharding import place_slices
 from d3d_jax.decoding.programs import ProgramStore, decoder_salt
-from d3d_jax.decoding.strategies import LOGPROB_KEYS, OPS_PER_DISPATCH, Context
+from d3d_jax.decoding.row_queue import RowQueue
+from d3d_jax.decoding.strategies import Context
 from d3d_jax.decoding.verify import GREEDY, SamplingParams
 
 __all__ = ["SpecDecoder", "DecoderConfig", "Request", "Prefix", "StepOutput", "RequestError",
@@ -71,37 +71,6 @@ class Prefix:
     """Checked requests, ready for :meth:`SpecDecoder.insert` (prefilled when admitted)."""
 
     requests: list[Request]
-
-
-@dataclasses.dataclass
-class SlotInfo:
-    """The host's record of one slot's request, counted from every round read."""
-
-    request: Request
-    hist: np.ndarray  # rounds per acceptance length
-    n_out: int = 0
-    finish_reason: str | None = None
-    rounds: int = 0
-    accepted: int = 0
-    hits: int = 0
-    misses: int = 0
-    modes: collections.Counter = dataclasses.field(default_factory=collections.Counter)
-    stats: dict = dataclasses.field(default_factory=dict)  # the strategy's own (auto)
-    # a paged cache: its prompt is being prefilled by chunks, it is on no device row yet
-    pending: bool = False
-    cached: int = -1  # a paged cache: prompt tokens in its pages so far (-1: not looked up yet)
-    tokens: list = dataclasses.field(default_factory=list)  # a paged cache: generated, as read
-    drafted: int = 0  # a paged cache: of ``tokens``, those the drafter's cache holds at least
-
-
-@dataclasses.dataclass
-class _Round:
-    parts: list  # [strategies.Part]
-    snapshot: list  # row -> (slot, SlotInfo) when dispatched
-    t_dispatch: float
-    t_start: float  # before its admissions and row ops ran
-    clean: bool  # no admission or row op ran just before it (its time is the round's own)
-    host_work: bool = False  # its dispatch flushed admissions/row ops or compiled a program
 
 
 def _strategy(ctx: Context):
@@ -137,10 +106,9 @@ class SpecDecoder:
                         if cfg.chunked_prefill else None)
         self._slots: dict[int, SlotInfo] = {}
         self.carry = None
-        self._queue: list[tuple] = []  # ("admit", slot, row) | ("op", a, b, kind), in order
-        self._pending: collections.deque[_Round] = collections.deque()
-        self._last_read, self._busy = 0.0, False  # the last read; whether a request ran on after it
-        self._tally: dict[str, collections.Counter] = {}  # per geometry: rounds, tokens, predicted
+        self._queue = RowQueue(cfg, self.pages)  # admissions and row ops until the next round
+        self._pending: collections.deque[Round] = collections.deque()
+        self._reader = RoundReader()  # what rounds read counted: times, tallies per geometry
         self._stale = False  # after an on-device loop: host counts lag the device
 
     def _context(self, target, drafter, program_dir) -> Context:
@@ -226,10 +194,10 @@ class SpecDecoder:
             self._slots[s] = SlotInfo(req, np.zeros(self.config.width, np.int64),
                                       pending=self._chunks is not None)
             row = self.placement.size
-            self._queue.append(("admit", s, row))
+            self._queue.admit(s, row)
             cls = self.strategy.initial_class(req)
             self._slots[s].stats["class"] = cls
-            self._queue_swaps(self.placement.place(s, cls))
+            self._queue.swaps(self.placement.place(s, cls))
 
     def can_admit(self, request: Request) -> bool:
         """Whether :meth:`insert` finds pages for ``request`` now (always, with a dense cache):
@@ -271,11 +239,8 @@ class SpecDecoder:
             elif self.pages is not None:  # later rounds write nothing for it (core.verify)
                 self.pages.release(s)
             if info.finish_reason is None:  # still running on the device: stop it there
-                self._queue.append(("op", self.placement.row_of[s], 0, W.OP_FREE))
-            self._queue_swaps(self.placement.remove(s))
-
-    def _queue_swaps(self, swaps) -> None:
-        self._queue += [("op", a, b, W.OP_SWAP) for a, b in swaps]
+                self._queue.stop(self.placement.row_of[s])
+            self._queue.swaps(self.placement.remove(s))
 
     def _slot_list(self, slot) -> list[int]:
         slots = [int(s) for s in (slot if isinstance(slot, Sequence) else [slot])]
@@ -295,69 +260,15 @@ class SpecDecoder:
         if self.carry is None:
             self.carry = self.strategy.init(self.config.num_slots)
 
-    def _row_input(self, requests: Sequence[Request], width: int, slots: Sequence[int] = (),
-                   n: int | None = None) -> RowInput:
-        """Host arrays for ``n`` rows (every slot's), prompts ``width`` wide (their bucket); rows
-        past the requests repeat the first (unused); ``slots``' page tables with a paged cache."""
-        n, cap = n or self.config.num_slots, self.config.max_cache_len
-        reqs = [requests[r] if r < len(requests) else requests[0] for r in range(n)]
-        prompt = np.zeros((n, width), np.int32)
-        stop_ids = np.full((n, MAX_STOP_IDS), -1, np.int32)
-        stop_is_eos = np.zeros((n, MAX_STOP_IDS), bool)
-        for r, req in enumerate(reqs):
-            prompt[r, : len(req.prompt)] = req.prompt
-            eos = self.config.eos_token_ids if req.eos_token_ids is None else tuple(req.eos_token_ids)
-            ids = [int(t) for t in eos] + [int(t) for t in req.stop_token_ids]
-            stop_ids[r, : len(ids)] = ids
-            stop_is_eos[r, : len(eos)] = True
-        ints = lambda f: np.asarray([int(f(q)) for q in reqs], np.int32)  # noqa: E731
-        data = None if self.drafter is None else self.drafter.request_data(reqs, cap)
-        return RowInput(prompt, ints(lambda q: len(q.prompt)), ints(lambda q: q.seed),
-                        ints(lambda q: q.index), ints(lambda q: q.max_new_tokens), stop_ids,
-                        stop_is_eos, SamplingParams.stack([q.sampling for q in reqs]), data,
-                        None if self.pages is None else self.pages.table(slots, n))
-
     def _flush(self, everything: bool = False) -> None:
         """Replay the queued admissions and row operations in order (consecutive ones of a kind
         in one dispatch); with a paged cache, then prefill chunks of up to
         ``max_num_batched_tokens`` tokens (``everything``: every waiting prompt)."""
         self._ensure_state()
-        queue, self._queue = self._queue, []
-        while queue:
-            kind = queue[0][0]
-            run = list(itertools.takewhile(lambda e: e[0] == kind, queue))
-            queue = queue[len(run):]
-            if kind == "admit" and self._chunks is not None:
-                for _, s, _ in run:
-                    if s in self._slots:
-                        self._chunks.add(s, self._slots[s])
-            elif kind == "admit":
-                self._admit(run)
-            else:
-                self._row_ops(run)
+        self.carry = self._queue.replay(self.strategy, self.carry, self._params, self.drafter, self._slots,
+                                        self._chunks)
         if self._chunks:
             self._chunks.run(self, everything)
-
-    def _admit(self, run: list[tuple]) -> None:
-        """One dispatch per prompt bucket among the admitted rows (a program each, compiled when
-        a bucket is first used)."""
-        by_bucket: dict[int, list[tuple[int, int]]] = {}
-        for _, s, row in run:
-            if s in self._slots:
-                width = self.config.prompt_width(len(self._slots[s].request.prompt))
-                by_bucket.setdefault(width, []).append((s, row))
-        for width, live in sorted(by_bucket.items()):
-            rows = self._row_input([self._slots[s].request for s, _ in live], width, [s for s, _ in live])
-            index = np.full((self.config.num_slots,), self.config.num_slots, np.int32)
-            index[: len(live)] = [row for _, row in live]
-            self.carry = self.strategy.admit(self.carry, self._params, rows, index, len(live))
-
-    def _row_ops(self, run: list[tuple]) -> None:
-        for k in range(0, len(run), OPS_PER_DISPATCH):
-            chunk = run[k: k + OPS_PER_DISPATCH]
-            ops = np.zeros((OPS_PER_DISPATCH, 3), np.int32)
-            ops[: len(chunk)] = [e[1:] for e in chunk]
-            self.carry = self.strategy.row_ops(self.carry, ops, len(chunk))
 
     # ------------------------------------------------------------ rounds
     def _snapshot(self) -> list:
@@ -387,7 +298,7 @@ class SpecDecoder:
                 self.carry, self._params, groups, infos)
         else:
             self.carry, parts = self.strategy.dispatch(self.carry, self._params, groups, infos)
-        self._pending.append(_Round(parts, self._snapshot(), t0, t_start, not flushed,
+        self._pending.append(Round(parts, self._snapshot(), t0, t_start, not flushed,
                                     flushed or any(p.fresh for p in parts)))
         return True
 
@@ -422,7 +333,7 @@ class SpecDecoder:
         running = {s: self._slots[s] for s in self._running()}
         for slot, cls in self.strategy.reclassify(running).items():
             running[slot].stats["class"] = cls
-            self._queue_swaps(self.placement.set_class(slot, cls))
+            self._queue.swaps(self.placement.set_class(slot, cls))
 
     def _can_run_ahead(self) -> bool:
         """Some request is sure to be running once every dispatched round has run."""
@@ -441,51 +352,8 @@ class SpecDecoder:
                 self._pending[0].clean = False
         return self._read(self._pending.popleft())
 
-    def _read(self, rnd: _Round) -> dict[int, StepOutput]:
-        wants = any(info is not None and info.request.sampling.logprobs >= 0
-                    for _, info in rnd.snapshot)
-        host = jax.device_get([p.out if wants else
-                               {k: v for k, v in p.out.items() if k not in LOGPROB_KEYS}
-                               for p in rnd.parts])
-        now = time.perf_counter()
-        seconds = now - max(rnd.t_dispatch, self._last_read) if rnd.clean else None
-        # all the time since the last read while requests ran (host work, admissions, row ops)
-        wall = now - (self._last_read if self._busy else rnd.t_start)
-        self._last_read = now
-        outs, prefills = {}, self.strategy.home.prefill_rounds
-        for part, h in zip(rnd.parts, host):
-            M.tally_round(self._tally.setdefault(part.label, collections.Counter()), part,
-                          int(np.sum(h["count"])), seconds if len(rnd.parts) == 1 else None)
-            for i, row in enumerate(range(part.start, part.start + part.rows)):
-                slot, info = rnd.snapshot[row]
-                if prefills and h["count"][i] == 0 and h["finish"][i] == 0:
-                    continue  # a row caching its prompt: nothing for it yet (core.prefilling)
-                if part.lo <= row < part.hi and info is not None and self._slots.get(slot) is info \
-                        and info.finish_reason is None:
-                    outs[slot] = self._count(info, part.label, {k: v[i] for k, v in h.items()})
-                    if self._chunks is not None:
-                        self._chunks.read(info, part.label, outs[slot].token_ids)
-        self.strategy.observe(rnd.parts, host, seconds, rnd.snapshot, wall=wall)
-        self._busy = any(info.finish_reason is None for info in self._slots.values())
-        return outs
-
-    @staticmethod
-    def _count(info: SlotInfo, label: str, row: dict) -> StepOutput:
-        n, accepted = int(row["count"]), int(row["accepted"])
-        reason = FINISH_REASONS.get(int(row["finish"]))
-        hit = None if "hit" not in row else bool(row["hit"])
-        info.n_out += n
-        info.finish_reason = reason
-        info.rounds += 1
-        info.accepted += accepted
-        info.hist[accepted] += 1
-        info.hits += bool(hit)
-        info.misses += bool(row.get("miss", False))
-        info.modes[label] += 1
-        if info.request.grammar is not None:
-            info.request.grammar.advance(row["tokens"][:n])
-        return StepOutput([int(t) for t in row["tokens"][:n]], reason is not None, reason,
-                          accepted, hit, M.row_logprobs(row, n, info.request.sampling.logprobs))
+    def _read(self, rnd: Round) -> dict[int, StepOutput]:
+        return self._reader.read(rnd, self.strategy, self._slots, self._chunks)
 
     def _drain(self) -> None:
         while self._pending:
@@ -557,7 +425,7 @@ class SpecDecoder:
         """Per geometry (``plain``, ``sync/8``, ``async/12x2``): rounds run (step's, not the
         on-device loop's), tokens committed and, auto, the tokens its choice predicted; of the
         timed one-part rounds, their seconds and, auto, the seconds its choice predicted."""
-        return {label: dict(t) for label, t in sorted(self._tally.items())}
+        return self._reader.decisions()
 
     # ------------------------------------------------------------ results
     def _row_results(self, slots: Sequence[int]) -> dict:
@@ -572,13 +440,7 @@ class SpecDecoder:
             return
         res = self._row_results(slots)
         for i, s in enumerate(slots):
-            info = self._slots[s]
-            info.n_out = int(res["n_out"][i])
-            info.finish_reason = FINISH_REASONS.get(int(res["finish"][i]))
-            info.hist = np.asarray(res["accept_hist"][i], np.int64)
-            info.rounds = int(info.hist.sum())
-            if "hits" in res:
-                info.hits, info.misses = int(res["hits"][i]), int(res["misses"][i])
+            self._slots[s].refresh(res, i)
 
     def results(self, slots: Sequence[int]) -> list[dict]:
         """Per slot: generated ``token_ids``, ``finish_reason``, ``accept_hist``, async
@@ -589,18 +451,7 @@ class SpecDecoder:
         res = self._row_results(slots)
         if self._stale:
             self._refresh()
-        out = []
-        for i, s in enumerate(slots):
-            plen, n = int(res["prompt_len"][i]), int(res["n_out"][i])
-            r = dict(token_ids=[int(t) for t in res["seq"][i, plen: plen + n]],
-                     finish_reason=FINISH_REASONS.get(int(res["finish"][i]), "length"),
-                     accept_hist=res["accept_hist"][i], modes=dict(self._slots[s].modes),
-                     reasons=dict(self._slots[s].stats.get("reasons", {})))
-            if "hits" in res:
-                r.update(hits=int(res["hits"][i]), misses=int(res["misses"][i]),
-                         sync_drafts=int(res["sync_drafts"]))
-            out.append(r)
-        return out
+        return [self._slots[s].result(res, i) for i, s in enumerate(slots)]
 
     def slot_metrics(self, slot) -> dict:
         """τ, acceptance histogram, rounds, tokens so far, async hits and misses, and the rounds
@@ -610,12 +461,7 @@ class SpecDecoder:
         info = self._slots.get(self._slot_list(slot)[0])
         if info is None:
             raise SlotError(f"slot {slot} holds no request")
-        async_counts = self.config.mode in ("async", "auto")
-        return dict(tau=M.tau_from_hist(info.hist), accept_hist=[int(x) for x in info.hist],
-                    rounds=info.rounds, n_out=info.n_out, modes=dict(info.modes),
-                    reasons=dict(info.stats.get("reasons", {})),
-                    hits=info.hits if async_counts else None,
-                    misses=info.misses if async_counts else None)
+        return info.metrics(async_counts=self.config.mode in ("async", "auto"))
 
 
 def load_weights(decoder: SpecDecoder, target, drafter=None) -> None:

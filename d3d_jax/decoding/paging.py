@@ -20,6 +20,7 @@ import numpy as np
 
 from d3d_jax.decoding.admission import ChunkedAdmission
 from d3d_jax.decoding.page_pool import SlotPages
+from d3d_jax.decoding.row_queue import row_input
 
 
 class PagedAdmission:
@@ -77,7 +78,7 @@ def _piece(dec, slot: int, info, start: int, count: int, width: int, last: bool)
     prompt = np.asarray(info.request.prompt, np.int32)
     tokens = np.zeros((1, width), np.int32)
     tokens[0, :count] = prompt[start:start + count]
-    rows = dec._row_input([info.request], dec.config.max_cache_len, [slot], n=1)
+    rows = row_input(dec.config, dec.drafter, dec.pages, [info.request], dec.config.max_cache_len, [slot], n=1)
     one = lambda v: np.asarray([v], np.int32)  # noqa: E731
     row = dec.placement.row_of[slot] if last else dec.config.num_slots  # out of range: not yet
     dec.carry = dec.strategy.prefill_piece(dec.carry, dec.param_leaves(), rows, tokens, one(start),
