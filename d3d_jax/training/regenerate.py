@@ -26,11 +26,10 @@ from __future__ import annotations
 import collections
 import dataclasses
 import hashlib
-import json
 import os
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Sequence
 
 import numpy as np
 
@@ -42,6 +41,7 @@ from d3d_jax.io.chat import (  # noqa: F401  (re-exported: the regeneration API)
 from d3d_jax.training.regen_output import (  # noqa: F401  (re-exported: the regeneration API)
     RESUME_FIELDS, append_records, check_compatible, merge_shards, record_problem, recover_output, set_aside,
     shard_output_path)
+from d3d_jax.training.regen_identity import stop_token_ids, target_identity, template_identity
 
 QWEN3_NON_THINKING = dict(temperature=0.7, top_p=0.8, top_k=20)
 ENGINE_BLOCK_SLACK = 16  # engine.generate reserves block_size (default 16) cache slots, even for plain
@@ -182,83 +182,6 @@ def prompt_widths(lengths: Sequence[int], multiple: int = 64, program_tokens: in
         out.append(cands[i - 1])
         i = cut[i]
     return tuple(sorted(out))
-
-
-# --------------------------------------------------------------------------------------------
-# Target identity and stop tokens
-# --------------------------------------------------------------------------------------------
-def _sha256_json(obj: Any) -> str:
-    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
-
-
-def _weights_fingerprint(path: Path) -> str:
-    """Names, sizes and first/last 64 KiB of every file under ``path`` (cheap, changes with weights)."""
-    h = hashlib.sha256()
-    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
-    for p in files:
-        size = p.stat().st_size
-        h.update(f"{p.relative_to(path) if p != path else p.name}\x00{size}\x00".encode())
-        with open(p, "rb") as f:
-            h.update(f.read(1 << 16))
-            if size > 1 << 17:
-                f.seek(size - (1 << 16))
-                h.update(f.read())
-    return h.hexdigest()
-
-
-def target_identity(target, path: str | os.PathLike | None = None) -> dict:
-    """``{"path", "config_sha256", "weights_sha256"}`` naming the model that wrote a record.
-
-    With no path (an in-memory model) the weights hash covers the parameter bytes themselves.
-    """
-    cfg = dataclasses.asdict(target.config)
-    for key in ("gradient_checkpointing", "remat_policy"):  # change memory, not outputs
-        cfg.pop(key, None)
-    if cfg.get("attention_backend") == "xla":  # the default leaves older records' hashes as they were
-        cfg.pop("attention_backend")
-    if path is not None and Path(path).exists():
-        weights = _weights_fingerprint(Path(path))
-    else:
-        from flax import nnx
-        import jax
-
-        h = hashlib.sha256()
-        for leaf in jax.tree_util.tree_leaves(nnx.to_pure_dict(nnx.state(target, nnx.Param))):
-            h.update(np.asarray(leaf).tobytes())
-        weights = h.hexdigest()
-    return {"path": str(Path(path).resolve()) if path is not None else "<in-memory>",
-            "config_sha256": _sha256_json(cfg), "weights_sha256": weights}
-
-
-def stop_token_ids(target, tokenizer, target_path: str | os.PathLike | None = None) -> tuple[int, ...]:
-    """End-of-turn ids: the model's and tokenizer's eos, ``<|im_end|>``, generation_config.json's."""
-    ids: list[int] = []
-
-    def add(v):
-        if v is None:
-            return
-        for x in (v if isinstance(v, (list, tuple)) else [v]):
-            if isinstance(x, int) and x >= 0 and x not in ids:
-                ids.append(x)
-
-    add(target.config.eos_token_id)
-    add(tokenizer.eos_token_id)
-    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    if im_end is not None and im_end != tokenizer.unk_token_id:
-        add(im_end)
-    if target_path is not None and (Path(target_path) / "generation_config.json").exists():
-        gen = read_json(Path(target_path) / "generation_config.json", "generation_config.json")
-        add(gen.get("eos_token_id") if isinstance(gen, dict) else None)
-    if not ids:
-        raise ModelFileError("no end-of-turn token: the target config and tokenizer name no eos token")
-    return tuple(ids)
-
-
-def template_identity(tokenizer, enable_thinking: bool = False) -> dict:
-    template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else json.dumps(
-        tokenizer.chat_template, sort_keys=True)
-    return {"add_generation_prompt": True, "enable_thinking": bool(enable_thinking),
-            "chat_template_sha256": hashlib.sha256((template or "").encode()).hexdigest()}
 
 
 # --------------------------------------------------------------------------------------------
