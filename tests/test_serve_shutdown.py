@@ -148,9 +148,9 @@ def test_a_signal_ends_streams_answers_waiting_clients_and_exits_conventionally(
 
 def test_a_half_sent_request_head_is_closed(tokenizer, monkeypatch):
     from d3d_jax.serving import app as app_module
-    from d3d_jax.serving import server as server_module
+    from d3d_jax.serving import http_server
 
-    monkeypatch.setattr(server_module, "HEADER_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(http_server, "HEADER_TIMEOUT_S", 0.5)
     monkeypatch.setattr(app_module, "BODY_TIMEOUT_S", 0.5)
     s = FakeServer(tokenizer, mode="sync")
     try:

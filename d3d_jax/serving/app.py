@@ -35,7 +35,7 @@ from d3d_jax.serving.scheduler import QueueFull, Scheduler
 log = logging.getLogger("d3d_jax.serving")
 
 VERSION = "0.1.0"
-BODY_TIMEOUT_S = 60.0  # the whole request body must arrive in this (server.HEADER_TIMEOUT_S: the head)
+BODY_TIMEOUT_S = 60.0  # the whole request body must arrive in this (http_server.HEADER_TIMEOUT_S: the head)
 
 
 @dataclasses.dataclass
