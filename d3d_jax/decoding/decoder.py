@@ -265,8 +265,8 @@ class SpecDecoder:
         in one dispatch); with a paged cache, then prefill chunks of up to
         ``max_num_batched_tokens`` tokens (``everything``: every waiting prompt)."""
         self._ensure_state()
-        self.carry = self._queue.replay(self.strategy, self.carry, self._params, self.drafter, self._slots,
-                                        self._chunks)
+        self._queue.replay(self.strategy, self.carry, self._params, self.drafter, self._slots, self._chunks,
+                           keep=lambda carry: setattr(self, "carry", carry))
         if self._chunks:
             self._chunks.run(self, everything)
 

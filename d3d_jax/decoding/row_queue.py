@@ -62,10 +62,12 @@ class RowQueue:
     def swaps(self, swaps) -> None:
         self.entries += [("op", a, b, W.OP_SWAP) for a, b in swaps]
 
-    def replay(self, strategy, carry, params, drafter, slots: dict, chunks):
-        """The new device state (``carry``) once every queued entry ran; ``slots``: the decoder's
-        records (an admitted slot freed since is skipped); with a paged cache's chunked admission
-        (``chunks``) the admitted rows are handed to it instead, to prefill by chunks."""
+    def replay(self, strategy, carry, params, drafter, slots: dict, chunks, keep):
+        """Run every queued entry on the device state ``carry``, handing each new state to
+        ``keep`` as soon as it exists: a dispatch donates the state it reads, so a failure midway
+        must leave the caller the last one made.  ``slots``: the decoder's records (an admitted
+        slot freed since is skipped); with a paged cache's chunked admission (``chunks``) the
+        admitted rows are handed to it instead, to prefill by chunks."""
         queue, self.entries = self.entries, []
         while queue:
             kind = queue[0][0]
@@ -76,12 +78,11 @@ class RowQueue:
                     if s in slots:
                         chunks.add(s, slots[s])
             elif kind == "admit":
-                carry = self._admit(strategy, carry, params, drafter, slots, run)
+                carry = self._admit(strategy, carry, params, drafter, slots, run, keep)
             else:
-                carry = _row_ops(strategy, carry, run)
-        return carry
+                carry = _row_ops(strategy, carry, run, keep)
 
-    def _admit(self, strategy, carry, params, drafter, slots: dict, run: list[tuple]):
+    def _admit(self, strategy, carry, params, drafter, slots: dict, run: list[tuple], keep):
         """One dispatch per prompt bucket among the admitted rows (a program each, compiled when
         a bucket is first used)."""
         cfg = self.config
@@ -96,13 +97,15 @@ class RowQueue:
             index = np.full((cfg.num_slots,), cfg.num_slots, np.int32)
             index[: len(live)] = [row for _, row in live]
             carry = strategy.admit(carry, params, rows, index, len(live))
+            keep(carry)
         return carry
 
 
-def _row_ops(strategy, carry, run: list[tuple]):
+def _row_ops(strategy, carry, run: list[tuple], keep):
     for k in range(0, len(run), OPS_PER_DISPATCH):
         chunk = run[k: k + OPS_PER_DISPATCH]
         ops = np.zeros((OPS_PER_DISPATCH, 3), np.int32)
         ops[: len(chunk)] = [e[1:] for e in chunk]
         carry = strategy.row_ops(carry, ops, len(chunk))
+        keep(carry)
     return carry
