@@ -114,15 +114,17 @@ def test_async_decoding_measures_the_simulated_tau_and_hit_rate(models):
     target, drafter = models
     prompts = np.random.default_rng(1).integers(0, 4000, (8, 12)).tolist()
 
-    outs = generate(target, prompts, mode="async", drafter=drafter, max_new_tokens=160,
+    # 96 tokens: ~11 judged rounds a row, ~90 in all; 5 standard errors of the hit rate are then
+    # 0.24, so a coin that always hits (or never) still fails
+    outs = generate(target, prompts, mode="async", drafter=drafter, max_new_tokens=96,
                     acceptance_override=S.SimulatedAcceptance(7.9, 0.7, seed=3))
     hist = np.asarray(summarize_outputs(outs)["accept_hist"])
     hits, misses = (sum(o.metrics[k] for o in outs) for k in ("hits", "misses"))
     assert set(np.nonzero(hist)[0] + 1) <= {7, 8}
     assert abs((hist * np.arange(1, 17)).sum() / hist.sum() - 7.9) <= _bound(0.9, int(hist.sum()))
-    assert hits + misses >= 8 * 18  # every round but a row's last is judged
+    assert hits + misses >= 8 * 10  # every round but a row's last is judged
     assert abs(hits / (hits + misses) - 0.7) <= _bound(0.7, hits + misses)
-    assert all(len(o.token_ids) == 160 for o in outs)
+    assert all(len(o.token_ids) == 96 for o in outs)
 
 
 def test_simulated_verify_costs_the_same_as_the_real_one(models):
