@@ -19,7 +19,7 @@ def _eval(out: Path, *extra: str, pre: tuple[str, ...] = ()) -> subprocess.Compl
     env["XLA_FLAGS"] = " ".join(f for f in os.environ.get("XLA_FLAGS", "").split()
                                 if not f.startswith("--xla_force_host_platform_device_count"))
     cmd = [sys.executable, "infer/bench.py", *pre, "eval", "--target", str(TARGET), "--drafter", str(DRAFTER),
-           "--benchmarks", "shakespeare", "--template", "plain", "--samples", "2", "--max-new-tokens", "24",
+           "--benchmarks", "shakespeare", "--template", "plain", "--samples", "1", "--max-new-tokens", "24",
            "--branch-positions", "4", "--dtype", "float32", "--out", str(out), *extra]
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
 
