@@ -43,7 +43,9 @@ def setup():
     # real drafter compute and cache, acceptance from a replay of the solo outputs (τ > 1)
     drafter = CostedReplayDrafter(solo, VOCAB, drafter_model, error_rate=0.25, hit_rate=0.6,
                                   seed=1, mask_token_id=MASK)
-    cfg = DecoderConfig(mode="auto", num_slots=SLOTS, max_cache_len=CACHE, block_size=BLOCK)
+    # rounds over the whole batch only: each (geometry, width) compiles its own round program.
+    # Auto's narrower windows run in test_paged_decoding's auto decoder (widths 1 and 3)
+    cfg = DecoderConfig(mode="auto", num_slots=SLOTS, max_cache_len=CACHE, block_size=BLOCK, row_buckets=(SLOTS,))
     return dict(target=target, drafter_model=drafter_model, prompts=prompts, solo=solo,
                 drafter=drafter, auto=SpecDecoder(target, drafter, cfg))
 

@@ -152,8 +152,7 @@ def test_an_all_greedy_batch_runs_the_loop_that_holds_no_sampling_code(setup, mo
     from d3d_jax.decoding.engine import generate as decode
 
     s = setup
-    cfg = DecoderConfig(mode=mode, num_slots=SLOTS, max_cache_len=CACHE, block_size=BLOCK)
-    dec = SpecDecoder(s["target"], None if mode == "plain" else s["drafter"], cfg)
+    dec = _decoder(s, mode)  # the module's: no other test of it runs generate's loops
     loop = f"{dec.strategy.label}/loop"
     greedy = [o.token_ids for o in decode(dec, s["prompts"][:SLOTS], max_new_tokens=8)]
     assert greedy == [r[:8] for r in s["solo"][:SLOTS]]

@@ -126,7 +126,7 @@ def test_adamw8bit_tracks_fp32_on_small_lm(tmp_path):
             f"data.train_path={d}/lm_train.jsonl", f"data.dev_path={d}/lm_dev.jsonl", "data.packed_length=64",
             "data.batch_size=8", "data.dev_batches=4", f"optim.name={name}", "optim.learning_rate=3e-3",
             "optim.final_learning_rate=3e-4", "optim.warmup_steps=10", "optim.quant_block_size=256",
-            "train.steps=100", f"train.out_dir={tmp_path}/{name}", "train.progress_bar=false", "train.log_every=50",
+            "train.steps=60", f"train.out_dir={tmp_path}/{name}", "train.progress_bar=false", "train.log_every=50",
             "train.export_params=false", "train.export_hf=false", "num_devices=1"])
         tr = Trainer(cfg)
         hist = tr.fit()
@@ -145,7 +145,7 @@ def test_adamw8bit_tracks_fp32_on_small_lm(tmp_path):
 def test_tiny_drafter_reaches_offline_tau(corpus, tmp_path):
     # λ = 1 (the AR term on) is the run whose τ is bounded; λ = 0 training is the mini pipeline's
     # small_l0 drafter (tests/test_pipeline.py), whose online τ is checked there
-    tr = Trainer(_cfg(corpus, tmp_path / "lam1", "train.steps=100", "objective.ar_weight=1.0",
+    tr = Trainer(_cfg(corpus, tmp_path / "lam1", "train.steps=60", "objective.ar_weight=1.0",
                       "train.log_every=40", "train.checkpoint_every=0"))
     untrained = tr.evaluate()["eval/tau"]
     tr.fit()

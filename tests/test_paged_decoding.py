@@ -27,12 +27,15 @@ from tiny_models import serve
 
 PAGE = 4
 PAGES = 18  # 3 requests of up to 29 tokens (8 pages) fit; the dense cache would take 48
+SPEC_PAGES = 24  # the speculative decoders' pool: 3 rows of 32 tokens
+CHUNK = 8  # prompt tokens prefilled between two rounds: a 30-token prompt takes four chunks
 
 
 @pytest.fixture(scope="module")
 def paged(setup):  # noqa: F811
+    """The module's plain decoder over pages (admission by chunks of CHUNK tokens)."""
     cfg = DecoderConfig(mode="plain", num_slots=SLOTS, max_cache_len=CACHE, block_size=BLOCK,
-                        kv_page_size=PAGE, kv_pages=PAGES)
+                        kv_page_size=PAGE, kv_pages=PAGES, max_num_batched_tokens=CHUNK)
     return SpecDecoder(setup["target"], None, cfg)
 
 
@@ -47,12 +50,18 @@ def test_continuous_batching_over_pages_equals_solo_greedy(setup, paged):  # noq
 
 
 def _speculative(s, mode: str) -> SpecDecoder:
-    """A sync or auto decoder over pages (one per mode for the module)."""
+    """The module's one sync or auto decoder over pages: admission by chunks of CHUNK tokens,
+    rows growing page by page (as under the scheduler).  Every speculative test shares it, so
+    each mode's programs compile once.  Its pool (SPEC_PAGES) holds three rows of up to 32
+    tokens, fewer than a dense cache's, so freed pages are handed to later requests.  Auto runs
+    windows of one row and of all three (each width compiles every geometry's round again)."""
     key = ("paged", mode)
     if key not in s["decoders"]:
         cfg = DecoderConfig(mode=mode, num_slots=SLOTS, max_cache_len=CACHE, block_size=BLOCK,
-                            kv_page_size=PAGE, kv_pages=PAGES)
+                            kv_page_size=PAGE, kv_pages=SPEC_PAGES, max_num_batched_tokens=CHUNK,
+                            row_buckets=(1,) if mode == "auto" else ())
         s["decoders"][key] = SpecDecoder(s["target"], s["drafter"], cfg)
+        s["decoders"][key].allow_preemption()
     return s["decoders"][key]
 
 
@@ -105,7 +114,7 @@ def test_speculative_decoding_over_pages_equals_solo_greedy(setup, mode, monkeyp
     assert reasons[1] == "cancelled" and tokens[1] == s["solo"][1][:len(tokens[1])]
     for i in (0, 2, 3, 4, 5):
         assert (reasons[i], tokens[i]) == ("length", s["solo"][i][:MAX_NEW[i]]), (mode, i)
-    assert slots_in_use(dec) == [] and dec.pages.pool.usage == 0
+    assert slots_in_use(dec) == [] and dec.pages.pool.usage == 0 and dec.take_preempted() == []
     assert sum(checked) > 20, checked  # generated tokens were cached and checked
 
 
@@ -178,14 +187,12 @@ def test_paged_config_errors_name_the_key(kw, key):
 
 
 # ---------------------------------------------------------------- prefix reuse and chunked prefill
-CHUNK = 8  # prompt tokens prefilled between two rounds: a 30-token prompt takes four chunks
 
 
 @pytest.fixture(scope="module")
-def chunked(setup):  # noqa: F811
-    cfg = DecoderConfig(mode="plain", num_slots=SLOTS, max_cache_len=CACHE, block_size=BLOCK,
-                        kv_page_size=PAGE, kv_pages=3 * CACHE // PAGE, max_num_batched_tokens=CHUNK)
-    return SpecDecoder(setup["target"], None, cfg)
+def chunked(paged):
+    """The plain paged decoder: the long-prompt test's two requests take all PAGES pages."""
+    return paged
 
 
 def _alone(setup, prompts, n):  # noqa: F811
@@ -273,13 +280,7 @@ def _chunked_speculative(s, mode: str, monkeypatch) -> SpecDecoder:
     (as under the scheduler), each step checking that every running row's drafter pages hold a
     fresh prefill of its committed tokens (a prefix hit on a page the drafter never wrote, or a
     drafter table left behind by growth, would fail it).  Auto cycles every mix of rounds."""
-    key = ("chunked", mode)
-    if key not in s["decoders"]:
-        cfg = DecoderConfig(mode=mode, num_slots=SLOTS, max_cache_len=CACHE, block_size=BLOCK,
-                            kv_page_size=PAGE, kv_pages=3 * CACHE // PAGE, max_num_batched_tokens=CHUNK)
-        s["decoders"][key] = SpecDecoder(s["target"], s["drafter"], cfg)
-        s["decoders"][key].allow_preemption()
-    dec = s["decoders"][key]
+    dec = _speculative(s, mode)
     if mode == "auto":
         monkeypatch.setattr(dec.strategy.policy, "choose", Cycle(dec.strategy.policy))
         ungate(dec, monkeypatch)

@@ -433,17 +433,13 @@ def test_records_load_in_training_pipeline_without_conversion(full_run, tokenize
 
 
 def test_cli_on_a_saved_sharded_target_matches_the_library(full_run, target, tokenizer, prompts_file, tmp_path):
-    import importlib.util
     from pathlib import Path
 
     from d3d_jax.io.hf import save_qwen3
 
     target_dir = save_qwen3(target, tmp_path / "target")
     tokenizer.save_pretrained(target_dir)
-    spec = importlib.util.spec_from_file_location(
-        "regenerate_data", Path(__file__).resolve().parent.parent / "train" / "regenerate_data.py")
-    cli = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(cli)
+    cli = _cli_module()
     out = tmp_path / "cli.jsonl"
     args = ["--target", str(target_dir), "--prompts", str(prompts_file), "--out", str(out), "--batch-size", "4",
             "--max-new-tokens", "10", "--seed", "3", "--process-count", "1", "--process-index", "0", "--no-progress"]
@@ -477,8 +473,23 @@ def test_benchmark_reports_tokens_per_s_per_batch_size(target, tokenizer, prompt
 # ----------------------------------------------------------------------------------------------
 # Bad input: refused before any work, in one line
 # ----------------------------------------------------------------------------------------------
-def test_cli_refuses_missing_tokenizer_and_limits_before_work(target, tokenizer, prompts_file, tmp_path):
+def _cli_module():
+    """train/regenerate_data.py as a module (its ``main`` runs in this process)."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(
+        "regenerate_data", Path(__file__).resolve().parent.parent / "train" / "regenerate_data.py")
+    cli = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cli)
+    return cli
+
+
+def test_cli_refuses_missing_tokenizer_and_limits_before_work(target, tokenizer, prompts_file, tmp_path, capsys):
+    import subprocess
+
     from cli_util import assert_one_line_error, run_script
+    from d3d_jax.cli import run_cli
     from d3d_jax.config import ModelConfig
     from d3d_jax.io.hf import save_qwen3
     from d3d_jax.model.qwen3 import init_model
@@ -487,14 +498,23 @@ def test_cli_refuses_missing_tokenizer_and_limits_before_work(target, tokenizer,
     out = tmp_path / "out.jsonl"
     args = ["--prompts", prompts_file, "--out", out, "--no-progress", "--max-new-tokens", 10,
             "max_skipped_fraction=0.1"]
+    # the command as a user runs it (one process: its exit status and stderr)...
     assert_one_line_error(run_script("train/regenerate_data.py", "--target", bare, *args), 1,
                           f"{bare}: no tokenizer here", "(pass --tokenizer DIR)")
+    main = _cli_module().main
+
+    def in_process(*argv):  # ...the other refusals through the same run_cli, in this process
+        capsys.readouterr()
+        code = run_cli(main, [str(a) for a in argv])
+        printed = capsys.readouterr()
+        return subprocess.CompletedProcess(argv, code, printed.out, printed.err)
+
     tokenizer.save_pretrained(bare)
-    assert_one_line_error(run_script("train/regenerate_data.py", "--target", bare, *args, "--max-new-tokens", 100000),
+    assert_one_line_error(in_process("--target", bare, *args, "--max-new-tokens", 100000),
                           2, "max_new_tokens (100000) = 100001 exceeds max_position_embeddings 256")
     small = save_qwen3(init_model(ModelConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_layers=1,
                                               num_heads=2, num_kv_heads=1, head_dim=16)), tmp_path / "small")
-    assert_one_line_error(run_script("train/regenerate_data.py", "--target", small, "--tokenizer", bare, *args), 1,
+    assert_one_line_error(in_process("--target", small, "--tokenizer", bare, *args), 1,
                           f"the tokenizer has {len(tokenizer)} tokens but the model's vocab_size is 100")
     assert not out.exists()  # nothing was generated or written
 
