@@ -50,8 +50,10 @@ print(json.dumps(out))
 """ % dict(vocab=VOCAB, mask=MASK, cache=CACHE, block=BLOCK)
 
 
-def _start(modes: str, directory: Path, slots: int = 2, jax_cache: Path | None = None) -> dict:
-    """One process: ``modes`` (comma-separated), each its own decoder on one program directory."""
+def _start(modes: str, directory: Path, slots: int = 1, jax_cache: Path | None = None) -> dict:
+    """One process: ``modes`` (comma-separated), each its own decoder on one program directory.
+    One slot (one window width, the later requests queue for it): what a restart reads or compiles
+    does not depend on the widths, and each width added its round programs to every cold start."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests")]))
     if jax_cache is not None:
         env["JAX_COMPILATION_CACHE_DIR"] = str(jax_cache)
@@ -86,7 +88,8 @@ def test_restart_reads_every_program_and_damage_is_compiled_again(solo, tmp_path
     sync, asyn = cold["sync"], cold["async"]
     assert sync["tokens"] == solo and asyn["tokens"] == solo
     n, m = sync["counts"]["stored"], asyn["counts"]["stored"]
-    assert sync["counts"]["compiled"] >= 4 and n == sync["counts"]["compiled"] and sync["counts"]["loaded"] == 0
+    # at least the state, an admission and a round: one slot
+    assert sync["counts"]["compiled"] >= 3 and n == sync["counts"]["compiled"] and sync["counts"]["loaded"] == 0
     assert m == asyn["counts"]["compiled"] >= 6 and asyn["dir"] != sync["dir"], asyn["counts"]
     entries = _entries(Path(sync["dir"]))
     assert len(entries) == n and len(_entries(store)) == n + m
