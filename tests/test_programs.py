@@ -29,8 +29,8 @@ VOCAB, MASK, BLOCK, CACHE = 32, 31, 4, 64
 PROMPTS = [[3, 5, 7], [11, 2, 9, 4, 1, 8, 6], [9, 9, 1, 2, 3]]
 MAX_NEW = [12, 10, 8]
 
-# one start: a tiny decoder per mode driven like a server (requests join at rounds 0, 0 and 2),
-# its tokens and what its program store did
+# one start: a tiny decoder per mode driven like a server (requests arrive at rounds 0, 0 and 2 and
+# queue for a free slot), its tokens and what its program store did
 START = r"""
 import json, logging, sys
 logging.basicConfig(level=logging.ERROR)
