@@ -29,29 +29,35 @@ VOCAB, MASK, BLOCK, CACHE = 32, 31, 4, 64
 PROMPTS = [[3, 5, 7], [11, 2, 9, 4, 1, 8, 6], [9, 9, 1, 2, 3]]
 MAX_NEW = [12, 10, 8]
 
-# one start: a tiny decoder driven like a server (requests join at rounds 0, 0 and 2), its tokens
-# and what its program store did
+# one start: a tiny decoder per mode driven like a server (requests arrive at rounds 0, 0 and 2 and
+# queue for a free slot), its tokens and what its program store did
 START = r"""
 import json, logging, sys
 logging.basicConfig(level=logging.ERROR)
 from tiny_models import serve, tiny_pair
 from d3d_jax.decoding.decoder import DecoderConfig, Request, SpecDecoder
-mode, directory, slots = sys.argv[1], sys.argv[2], int(sys.argv[3])
+modes, directory, slots = sys.argv[1].split(","), sys.argv[2], int(sys.argv[3])
 prompts, max_new = json.loads(sys.argv[4]), json.loads(sys.argv[5])
 target, drafter = tiny_pair(%(vocab)d, %(mask)d)
-cfg = DecoderConfig(mode=mode, num_slots=slots, max_cache_len=%(cache)d, block_size=%(block)d)
-dec = SpecDecoder(target, drafter, cfg, program_dir=directory)
-tokens, _ = serve(dec, [Request(p, n) for p, n in zip(prompts, max_new)], [0, 0, 2])
-print(json.dumps(dict(tokens=[tokens[i] for i in range(len(prompts))], counts=dec.programs.counts,
-                      dir=str(dec.programs.dir))))
+out = {}
+for mode in modes:
+    cfg = DecoderConfig(mode=mode, num_slots=slots, max_cache_len=%(cache)d, block_size=%(block)d)
+    dec = SpecDecoder(target, drafter, cfg, program_dir=directory)
+    tokens, _ = serve(dec, [Request(p, n) for p, n in zip(prompts, max_new)], [0, 0, 2])
+    out[mode] = dict(tokens=[tokens[i] for i in range(len(prompts))], counts=dec.programs.counts,
+                     dir=str(dec.programs.dir))
+print(json.dumps(out))
 """ % dict(vocab=VOCAB, mask=MASK, cache=CACHE, block=BLOCK)
 
 
-def _start(mode: str, directory: Path, slots: int = 2, jax_cache: Path | None = None) -> dict:
+def _start(modes: str, directory: Path, slots: int = 1, jax_cache: Path | None = None) -> dict:
+    """One process: ``modes`` (comma-separated), each its own decoder on one program directory.
+    One slot (one window width, the later requests queue for it): what a restart reads or compiles
+    does not depend on the widths, and each width added its round programs to every cold start."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests")]))
     if jax_cache is not None:
         env["JAX_COMPILATION_CACHE_DIR"] = str(jax_cache)
-    out = subprocess.run([sys.executable, "-c", START, mode, str(directory), str(slots),
+    out = subprocess.run([sys.executable, "-c", START, modes, str(directory), str(slots),
                           json.dumps(PROMPTS), json.dumps(MAX_NEW)],
                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
     assert out.returncode == 0, out.stderr[-4000:]
@@ -74,45 +80,33 @@ def _entries(directory: Path) -> list[Path]:
 
 @pytest.mark.slow
 def test_restart_reads_every_program_and_damage_is_compiled_again(solo, tmp_path):
+    """Three starts of a sync and an async decoder on one program directory: the cold one
+    compiles and stores every program; then, with one sync entry torn and another removed, a
+    restart reads the others (async's all), and the next start reads every one again."""
     store, jax_cache = tmp_path / "programs", tmp_path / "xla"
-    cold = _start("sync", store, jax_cache=jax_cache)
-    assert cold["tokens"] == solo
-    c = cold["counts"]
-    n = c["stored"]
-    assert c["compiled"] >= 4 and n == c["compiled"] and c["loaded"] == 0, c
-    assert len(_entries(store)) == n
+    cold = _start("sync,async", store, jax_cache=jax_cache)
+    sync, asyn = cold["sync"], cold["async"]
+    assert sync["tokens"] == solo and asyn["tokens"] == solo
+    n, m = sync["counts"]["stored"], asyn["counts"]["stored"]
+    # at least the state, an admission and a round: one slot
+    assert sync["counts"]["compiled"] >= 3 and n == sync["counts"]["compiled"] and sync["counts"]["loaded"] == 0
+    assert m == asyn["counts"]["compiled"] >= 6 and asyn["dir"] != sync["dir"], asyn["counts"]
+    entries = _entries(Path(sync["dir"]))
+    assert len(entries) == n and len(_entries(store)) == n + m
 
-    warm = _start("sync", store, jax_cache=jax_cache)  # a restart: nothing traced or compiled
-    assert warm["tokens"] == solo
-    assert warm["counts"] == dict(loaded=n, compiled=0, stored=0, cache_answered=0, damaged=0)
-
-    biggest = max(_entries(store), key=lambda p: p.stat().st_size)
+    biggest = max(entries, key=lambda p: p.stat().st_size)
     biggest.write_bytes(biggest.read_bytes()[: biggest.stat().st_size // 2])  # a torn write
-    torn = _start("sync", store, jax_cache=jax_cache)
-    assert torn["tokens"] == solo
-    assert torn["counts"] == dict(loaded=n - 1, compiled=1, stored=1, cache_answered=1, damaged=1)
-
-    # every entry removed while JAX's own cache still holds them: JAX answers each compile, and
-    # an executable read back from JAX's cache is never serialized (XLA:CPU would lose functions
-    # of it), so each is compiled afresh and stored; the next start reads them all
-    for p in _entries(store):
-        p.unlink()
-    removed = _start("sync", store, jax_cache=jax_cache)
-    assert removed["tokens"] == solo
-    assert removed["counts"]["cache_answered"] == n and removed["counts"]["stored"] == n
-    again = _start("sync", store, jax_cache=jax_cache)
-    assert again["tokens"] == solo
-    assert again["counts"] == dict(loaded=n, compiled=0, stored=0, cache_answered=0, damaged=0)
-
-
-@pytest.mark.slow
-def test_async_restart_reads_its_programs(solo, tmp_path):
-    store = tmp_path / "programs"
-    cold = _start("async", store)
-    assert cold["tokens"] == solo
-    warm = _start("async", store)
-    assert warm["tokens"] == solo
-    assert warm["counts"]["compiled"] == 0 and warm["counts"]["loaded"] == cold["counts"]["stored"] >= 6
+    # an entry removed while JAX's own cache still holds it: JAX answers its compile, and an
+    # executable read back from JAX's cache is never serialized (XLA:CPU would lose functions of
+    # it), so it is compiled afresh and stored, as the torn one is
+    min((p for p in entries if p != biggest), key=lambda p: p.stat().st_size).unlink()
+    torn = _start("sync,async", store, jax_cache=jax_cache)  # a restart: the rest read, none traced
+    assert torn["sync"]["tokens"] == solo and torn["async"]["tokens"] == solo
+    assert torn["sync"]["counts"] == dict(loaded=n - 2, compiled=2, stored=2, cache_answered=2, damaged=1)
+    assert torn["async"]["counts"] == dict(loaded=m, compiled=0, stored=0, cache_answered=0, damaged=0)
+    again = _start("sync", store, jax_cache=jax_cache)  # the two compiled afresh are read too
+    assert again["sync"]["tokens"] == solo
+    assert again["sync"]["counts"] == dict(loaded=n, compiled=0, stored=0, cache_answered=0, damaged=0)
 
 
 def test_a_decoder_that_cannot_be_keyed_keeps_nothing(tmp_path):
@@ -324,7 +318,9 @@ def test_a_warm_up_compiles_every_program_ahead_off_the_calling_thread_then_runs
     monkeypatch.setattr(P.Program, "_compile_lowered", compile_lowered)
     monkeypatch.setattr(P.ProgramStore, "ahead", counted_ahead)
     target, drafter = tiny_pair(VOCAB, MASK)
-    cfg = DecoderConfig(mode=mode, num_slots=4, max_cache_len=CACHE, block_size=BLOCK)
+    # two slots: widths 1 and 2, each compiled ahead like any other (4 slots added a width and
+    # its rounds to compile, and nothing else)
+    cfg = DecoderConfig(mode=mode, num_slots=2, max_cache_len=CACHE, block_size=BLOCK)
     dec = SpecDecoder(target, drafter, cfg, program_dir=tmp_path)
     dec.warm_up()
     (n, before, after), = ahead

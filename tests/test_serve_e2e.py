@@ -1,10 +1,10 @@
 """The server end to end with the real SpecDecoder on the shipped demo models.
 
 * The official ``openai`` client streams the text of ``infer/generate.py``'s greedy output, in
-  plain, sync and async mode, one request at a time (the first 4 prompts) and with 16 concurrent
+  plain, sync and async mode, one request at a time (the first 2 prompts) and with 8 concurrent
   streams (4 slots, so requests also queue).
-* Load test (auto mode, ``infer/serve.py`` in a subprocess with ``D3D_API_KEY``): 200 requests of
-  random prompt and output lengths, 20 % cancelled mid-stream; every completed one equals its solo
+* Load test (auto mode, ``infer/serve.py`` in a subprocess with ``D3D_API_KEY``): 100 requests of
+  random prompt and output lengths over 8 slots, 20 % cancelled mid-stream; every completed one equals its solo
   greedy output, every slot is free at the end, nothing waits forever (timeouts), and the server's
   RSS after the test is within 10 % of its RSS after warm-up.
 """
@@ -38,10 +38,7 @@ DTYPE = "float32"
 SLOTS, CACHE, BLOCK = 4, 160, 16
 TEXTS = ["To be, or not to be, that is the question:", "def main():\n    ", "O Romeo, Romeo!",
          "import os\nimport sys\n\n", "Friends, Romans, countrymen, lend me your ears;", "class Stack:",
-         "Now is the winter of our discontent", "for i in range(10):", "All the world's a stage,",
-         "What's in a name? That which we call a rose", "Once more unto the breach, dear friends,",
-         "The quality of mercy is not strained;", "return sorted(", "If music be the food of love, play on;",
-         "Is this a dagger which I see before me,", "while True:\n"]
+         "What's in a name? That which we call a rose", "while True:\n"]
 
 
 def _load_cli(name: str):
@@ -84,7 +81,7 @@ def _stream_chat(client, text: str) -> str:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["plain", "sync", "async"])
-def test_openai_streams_equal_generate_py_alone_and_16_at_once(reference, models, mode):
+def test_openai_streams_equal_generate_py_alone_and_8_at_once(reference, models, mode):
     from d3d_jax.decoding.decoder import DecoderConfig, SpecDecoder, slots_in_use
     from d3d_jax.io.hf import eos_token_ids
     from d3d_jax.serving.app import create_app
@@ -93,18 +90,22 @@ def test_openai_streams_equal_generate_py_alone_and_16_at_once(reference, models
     tok, expected = reference
     target, drafter = models
     extra = dict(branch_positions=4, branch_fanout=2) if mode == "async" else {}  # a small pack: CPU
+    # one window width (SLOTS rows; fewer live rows run padded): a round program per mode, not one
+    # per width (the widths' own code is test_decoder's)
     dec = SpecDecoder(target, None if mode == "plain" else drafter,
-                      DecoderConfig(mode=mode, num_slots=SLOTS, max_cache_len=CACHE, block_size=BLOCK, **extra))
+                      DecoderConfig(mode=mode, num_slots=SLOTS, max_cache_len=CACHE, block_size=BLOCK,
+                                    row_buckets=(SLOTS,), **extra))
     svc = make_service(dec, tok, eos_token_ids(target.config, tok), model_name="demo", mode=mode)
     svc.scheduler.start()
     srv = ServerThread(create_app(svc)).start()
     try:
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=300)
-        # alone, one after another: 4 prompts (all 16 took ~12 s more per mode); at once: all 16
-        solo = [_stream_chat(client, t) for t in TEXTS[:4]]
+        # alone, one after another: 2 prompts (each one more took ~1 s per mode); at once: all 8,
+        # twice the slots, so some wait for one
+        solo = [_stream_chat(client, t) for t in TEXTS[:2]]
         with cf.ThreadPoolExecutor(len(TEXTS)) as pool:
             together = list(pool.map(lambda t: _stream_chat(client, t), TEXTS))
-        assert solo == expected[:4]
+        assert solo == expected[:2]
         assert together == expected
         assert slots_in_use(dec) == [] and svc.scheduler.num_queued == 0
     finally:
@@ -155,7 +156,7 @@ async def _load(url: str, key: str, jobs, timeout_s: float):
 
 
 @pytest.mark.slow
-def test_load_200_requests_with_cancellations(models, tmp_path):
+def test_load_100_requests_with_cancellations(models, tmp_path):
     from d3d_jax.bench.serve import ServerProcess
     from d3d_jax.bench.generator import Generator
     from d3d_jax.io.hf import eos_token_ids, load_tokenizer
@@ -166,26 +167,29 @@ def test_load_200_requests_with_cancellations(models, tmp_path):
     tok = load_tokenizer(TOKENIZER)[0]
     eos = eos_token_ids(target.config, tok)
     rng = random.Random(14)
-    pool = [[rng.randrange(4, 2048) for _ in range(rng.randrange(3, 60))] for _ in range(40)]
+    # 20 prompts of 3-29 tokens (two prefill buckets), 100 requests: 8 slots full and a queue all
+    # along (was 200 requests over 40 prompts of up to 59 tokens: more of the same)
+    pool = [[rng.randrange(4, 2048) for _ in range(rng.randrange(3, 30))] for _ in range(20)]
     max_new = 24
     # the cache length of the streams tests' decoders: the batch-one decoder's programs are then
     # test_eval_concurrency_equals_batch_one's too (read from the session's compile cache there)
     solo = [o.token_ids for o in generate(target, pool, mode="plain", max_new_tokens=max_new, eos_token_ids=eos,
                                           batch_size=1, max_cache_len=CACHE)]
     jobs = []
-    for i in range(200):
+    for i in range(100):
         k = rng.randrange(len(pool))
         cancel = i % 5 == 0  # every 5th asks for 100 tokens (EOS ignored) and leaves after 1-3 chunks
         n = 100 if cancel else rng.randrange(1, max_new + 1)
         jobs.append((k, n, rng.randrange(1, 4) if cancel else None))
     env = dict(os.environ, D3D_API_KEY="load-test-key")
     # auto over a small menu (its start-up compiles and times every geometry at every width):
-    # plain, sync/4 and async/4x2 at widths 1 and 8 only (a round of 2-7 rows runs padded to 8,
-    # as exact; widths 2 and 4 were a third of the start-up); warm-up only up to the 64-token
-    # prefill bucket, the longest prompt's (the background compile of 128 would run beside the load)
+    # plain and sync/4 at widths 1 and 8 only (a round of 2-7 rows runs padded to 8, as exact;
+    # widths 2 and 4 were a third of the start-up; async/4x2 was compiled and timed but never
+    # chosen for these requests); warm-up only up to the 32-token prefill bucket, the longest
+    # prompt's (the background compile of 64 and 128 would run beside the load)
     server = ServerProcess(["--target", str(TARGET), "--tokenizer", str(TOKENIZER), "--dtype", DTYPE, "--mode", "auto",
-                            "--drafter", str(DRAFTER), "--auto-sync-blocks", "4", "--auto-async", "4x2",
-                            "--num-slots", "8", "--max-model-len", "192", "--warmup-max-prompt", "64",
+                            "--drafter", str(DRAFTER), "--auto-sync-blocks", "4", "--auto-async", "none",
+                            "--num-slots", "8", "--max-model-len", "192", "--warmup-max-prompt", "32",
                             "--served-model-name", "demo", "decoder.row_buckets=[1,8]"],
                            timeout_s=900, env=env)
     assert " mode=auto attention=xla " in server.ready  # --attention auto on a CPU: the reference
@@ -218,31 +222,33 @@ def test_load_200_requests_with_cancellations(models, tmp_path):
         modes = {line.split("{")[1].split("}")[0] for line in text.splitlines()
                  if line.startswith("d3d_mode_rounds_total{")}
         assert len(modes) >= 2, modes  # auto chose more than one geometry (every output stayed exact)
-        # each of the 40 streams closed after 1-3 of its 100 tokens. The server counts it cancelled
+        # each of the 20 streams closed after 1-3 of its 100 tokens. The server counts it cancelled
         # when it saw the disconnect before the request's last round, else by its finish reason: on
-        # a loaded machine the client reads its first chunks late, and CI once found 18 of the 40
+        # a loaded machine the client reads its first chunks late, and CI once found 18 of 40
         # already decoded to the end. So: every request counted once, none failed, and the
         # disconnects that came in time freed their slots (that a disconnect frees its slot well
         # before the end is test_serve's test_a_disconnected_stream_frees_its_slot, on a clock).
         outcomes = {line.split('"')[1]: float(line.split()[-1]) for line in text.splitlines()
                     if line.startswith("d3d_requests_total{")}
-        assert n_cancelled == 40 and sum(outcomes.values()) == len(pool) + len(jobs), outcomes
+        assert n_cancelled == 20 and sum(outcomes.values()) == len(pool) + len(jobs), outcomes
         assert set(outcomes) <= {"stop", "length", "cancelled"}, outcomes
         assert 1 <= outcomes.get("cancelled", 0) <= n_cancelled, outcomes
         rss_after = _rss(server.pid)
         assert abs(rss_after - rss_warm) <= 0.10 * rss_warm, (rss_warm, rss_after)
         with pytest.raises(openai.AuthenticationError):  # the key came from the environment
             openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0).models.list()
-        print(f"load: 200 requests ({n_cancelled} cancelled) in {elapsed:.1f} s, "
-              f"RSS {rss_warm >> 20} -> {rss_after >> 20} MiB")
+        print(f"load: {len(jobs)} requests ({n_cancelled} cancelled) in {elapsed:.1f} s, "
+              f"RSS {rss_warm >> 20} -> {rss_after >> 20} MiB, geometries {sorted(modes)}, outcomes {outcomes}")
     finally:
         server.stop()
 
 
 @pytest.mark.slow
 def test_eval_concurrency_equals_batch_one(reference, models):
-    """``infer/bench.py eval --concurrency 4``: plain and sync give the batch-1 harness's plain outputs
-    (6 requests over 4 slots: some wait for a slot)."""
+    """``infer/bench.py eval --concurrency 4``: sync gives the batch-1 harness's plain outputs
+    (6 requests over 4 slots: some wait for a slot).  Plain and async in flight run the same runner
+    code (test_serve.py's toy decoder, every mode) through the scheduler the streams tests drive
+    with a plain and an async decoder: not compiled again here."""
     import dataclasses
 
     from d3d_jax.bench.evaluation import benchmarks as B
@@ -256,13 +262,11 @@ def test_eval_concurrency_equals_batch_one(reference, models):
     suites = {"toy": [B.Sample(f"s{i}", [t] + (["And then?"] if i == 0 else [])) for i, t in enumerate(TEXTS[:5])]}
     kw = dict(eos_token_ids=eos_token_ids(target.config, tok), mask_token_id=None, encode_fn=chat_prompt_ids,
               progress=False)
-    # async goes through the same code (covered with the toy decoder in test_serve.py): not compiled here
-    # the streams tests' decoder shape (SLOTS slots): their programs, not compiled again
-    base = EvalSettings(max_new_tokens=12, block_size=BLOCK, max_cache_len=CACHE, modes=("plain", "sync"))
+    base = EvalSettings(max_new_tokens=12, block_size=BLOCK, max_cache_len=CACHE, modes=("sync",))
     _, raw_one = R.evaluate(target, drafter, tok, suites, dataclasses.replace(base, modes=("plain",)), **kw)
     many, raw_many = R.evaluate(target, drafter, tok, suites, dataclasses.replace(base, concurrency=SLOTS), **kw)
     for mode in base.modes:
         assert raw_many["toy"][mode].outputs == raw_one["toy"]["plain"].outputs, mode
-        assert len(raw_many["toy"][mode].outputs) == 6 and many["toy"][mode]["equals_plain"]
+        assert len(raw_many["toy"][mode].outputs) == 6
     assert many["toy"]["sync"]["tau"] > 1.0 and sum(many["toy"]["sync"]["accept_histogram"]) > 0
     assert "hit_rate" not in many["toy"]["sync"]
