@@ -7,6 +7,7 @@ file's path), so pretraining, regeneration prompts and evaluation never share a 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import sysconfig
 from pathlib import Path
@@ -58,8 +59,14 @@ def _stable_bucket(key: str, buckets: int = 100) -> int:
 def stdlib_files(split: str, max_bytes: int = 200_000) -> list[Path]:
     """The standard library's ``.py`` files of one split (80/10/10 by a hash of the path)."""
     _check_split(split)
+    return list(_stdlib_splits(max_bytes)[split])
+
+
+@functools.lru_cache(maxsize=4)
+def _stdlib_splits(max_bytes: int) -> dict[str, tuple[Path, ...]]:
+    # one walk of the standard library per process: each split used to walk it again (~1 s)
     root = Path(sysconfig.get_paths()["stdlib"])
-    out = []
+    out: dict[str, list[Path]] = {s: [] for s in SPLITS}
     for f in sorted(root.rglob("*.py")):
         rel = f.relative_to(root).as_posix()
         if any(part in _STDLIB_SKIP or part.startswith("config-") for part in rel.split("/")[:-1]):
@@ -67,10 +74,8 @@ def stdlib_files(split: str, max_bytes: int = 200_000) -> list[Path]:
         if f.stat().st_size > max_bytes or f.stat().st_size == 0:
             continue
         b = _stable_bucket(rel)
-        s = "pretrain" if b < 80 else ("prompts" if b < 90 else "eval")
-        if s == split:
-            out.append(f)
-    return out
+        out["pretrain" if b < 80 else ("prompts" if b < 90 else "eval")].append(f)
+    return {s: tuple(v) for s, v in out.items()}
 
 
 def read_texts(files: Sequence[Path]) -> list[str]:
