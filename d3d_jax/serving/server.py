@@ -22,7 +22,6 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import Any
 
 from d3d_jax import compile_cache
 from d3d_jax.config import ConfigError
