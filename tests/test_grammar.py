@@ -85,21 +85,37 @@ def spec_round(vocab, spec, toy, prefixes, rng, sampled: bool, keys, rule, propo
     ``proposals`` a drafter blind to the grammar proposes and the host replaces each draft by
     the best allowed of its top 4 (a point mass then), as a constrained round does."""
     n = len(prefixes)
+    seen: dict = {}  # rows repeat prefixes and drafts: each distinct case is built once, and one
+    # matcher per prefix walks every row's block (a walk rolls back, as a request's matcher does
+    # between rounds; a new matcher costs ~1 ms)
+
+    def memo(key, build):
+        if key not in seen:
+            seen[key] = build(key[1])
+        return seen[key]
+
+    def at(prefix):
+        return memo(("matcher", prefix), lambda p: _advanced(vocab, spec, p))
+
     drafts = np.zeros((n, WIDTH - 1), np.int32)
     q = np.zeros((n, WIDTH - 1, toy.size), np.float32)
     for i, pre in enumerate(prefixes):
         for k in range(WIDTH - 1):
-            qk = draft_probs(vocab, spec, toy, pre + tuple(int(d) for d in drafts[i, :k]), 0.0 if proposals else 0.8)
+            qk, cdf = memo(("q", pre + tuple(int(d) for d in drafts[i, :k])), lambda p: _with_cdf(
+                draft_probs(vocab, spec, toy, p, 0.0 if proposals else 0.8)))
             q[i, k] = qk
-            drafts[i, k] = rng.choice(toy.size, p=qk / qk.sum()) if sampled else int(np.argmax(qk))
+            # Generator.choice(size, p=qk / qk.sum())'s own draw, its cdf built once per prefix
+            drafts[i, k] = int(cdf.searchsorted(rng.random(), side="right")) if sampled else int(np.argmax(qk))
     if proposals:
         cands = np.concatenate([drafts[..., None], np.argsort(-q, axis=-1)[..., :4]], axis=-1)
-        walked = [_walk(vocab, spec, pre, drafts[i], cands[i]) for i, pre in enumerate(prefixes)]
+        walked = [at(pre).block(drafts[i], WIDTH, cands[i]) for i, pre in enumerate(prefixes)]
         drafts = np.stack([d for d, _ in walked])
         q = np.eye(toy.size, dtype=np.float32)[drafts]
         masks = np.stack([m for _, m in walked])
     else:
-        masks = np.stack([_block(vocab, spec, pre, drafts[i]) for i, pre in enumerate(prefixes)])
+        masks = np.stack([memo(("block", pre, tuple(drafts[i].tolist())),
+                               lambda _, pre=pre, i=i: at(pre).block_bitmask(drafts[i], WIDTH))
+                          for i, pre in enumerate(prefixes)])
     logits = np.stack([[toy.logits(pre + tuple(drafts[i, :k]), 0) for k in range(WIDTH)]
                        for i, pre in enumerate(prefixes)])
     masked = jnp.where(unpack(jnp.asarray(masks), toy.size), jnp.asarray(logits), -jnp.inf)
@@ -110,10 +126,19 @@ def spec_round(vocab, spec, toy, prefixes, rng, sampled: bool, keys, rule, propo
     return [tuple(int(t) for t in drafts[i, :accepted[i]]) + (int(nxt[i]),) for i in range(n)]
 
 
-def _block(vocab, spec, prefix, drafts):
+def _with_cdf(p: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    cdf = (p / p.sum()).astype(np.float64).cumsum()
+    return p, cdf / cdf[-1]
+
+
+def _advanced(vocab, spec, prefix):
     m = vocab.matcher(spec)
     assert m.advance(prefix)
-    return m.block_bitmask(drafts, WIDTH)
+    return m
+
+
+def _block(vocab, spec, prefix, drafts):
+    return _advanced(vocab, spec, prefix).block_bitmask(drafts, WIDTH)
 
 
 def _walk(vocab, spec, prefix, drafts, cands):
