@@ -5,6 +5,8 @@ Each start is its own process (what a server restart is).  References: every req
 alone by plain decoding (``bench.generator``, checked against transformers in test_engine);
 greedy speculative decoding must equal it token for token whatever the store did.  The store's
 own counts say what each start did (programs read, compiled, written, found damaged).
+A server's restart on its store (``infer/serve.py``: the first request compiles nothing, auto's
+round times read back) is test_serve_e2e's load test, which serves its load on such a restart.
 """
 
 from __future__ import annotations
@@ -15,7 +17,6 @@ import os
 import re
 import subprocess
 import sys
-import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -137,55 +138,6 @@ def test_a_decoder_that_cannot_be_keyed_keeps_nothing(tmp_path):
     # ... and so does the same decoder in another process (the key is text, not object ids)
     again = SpecDecoder(target, drafter, plain, program_dir=tmp_path).programs
     assert again.dir == keyed.dir
-
-
-@pytest.mark.slow
-def test_server_warm_start_reads_programs_and_first_request_compiles_nothing(tmp_path):
-    """Two starts of ``infer/serve.py`` on one cache directory: the first compiles a request's
-    programs before READY and the wider windows after (nothing run); the second reads the 1-row
-    round before READY (nothing compiled) and the rest in the background; its first request
-    writes no file under the cache (no compile anywhere), and its text equals the first start's.
-    Auto's warm start times nothing: its round costs are the note its cold start kept.
-
-    Auto over plain and sync/4 only: its sync rounds are a sync server's programs, and each
-    geometry of a larger menu would add its compiles at every width and prove nothing more."""
-    from d3d_jax.bench.serve import ServerProcess
-
-    demo = ROOT / "artifacts" / "demo"
-    cache = tmp_path / "cache"
-    argv = ["--target", str(demo / "models" / "target"), "--drafter", str(demo / "drafters" / "small"),
-            "--tokenizer", str(demo / "tokenizer"), "--dtype", "float32", "--mode", "auto",
-            "--auto-sync-blocks", "4", "--auto-async", "none",
-            "--num-slots", "2", "--max-model-len", "128", "--warmup-max-prompt", "16",
-            "--compile-cache", str(cache)]
-    files = lambda: {p for p in cache.rglob("*") if p.is_file()}  # noqa: E731
-    body = json.dumps({"model": "target", "prompt": "To be, or not to be", "max_tokens": 12,
-                       "temperature": 0}).encode()
-
-    def complete(url):
-        req = urllib.request.Request(url + "/v1/completions", body, {"Content-Type": "application/json"})
-        return json.loads(urllib.request.urlopen(req, timeout=300).read())["choices"][0]["text"]
-
-    texts, logs, notes = [], [], []
-    for _ in range(2):
-        server = ServerProcess(argv, timeout_s=900)
-        try:
-            before = files()
-            texts.append(complete(server.url))
-            written = files() - before
-            logs.append(server.wait_for_log("wider windows ready"))  # the background's compiles kept
-            notes.append({p: p.stat().st_mtime_ns for p in cache.rglob("auto_round_costs.json")})
-        finally:
-            server.stop()
-    assert texts[0] == texts[1] and texts[0]
-    cold_log, warm_log = logs
-    # the cold start compiled more after READY (the wider windows) than before it
-    compiled = [int(n) for n in re.findall(r"'compiled': (\d+)", cold_log)]
-    assert "wider windows ready" in cold_log and len(compiled) == 2 and 0 < compiled[0] < compiled[1], compiled
-    assert "wider windows read in the background" in warm_log, warm_log[-3000:]
-    assert "'compiled': 0," in warm_log and "'loaded': 0," not in warm_log, warm_log[-3000:]
-    assert not written, sorted(map(str, written))
-    assert len(notes[0]) == 1 and notes[1] == notes[0]  # timed once, then read
 
 
 def test_programs_by_argument_types_and_a_second_store_reads_them(tmp_path):

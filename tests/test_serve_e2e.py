@@ -6,7 +6,10 @@
 * Load test (auto mode, ``infer/serve.py`` in a subprocess with ``D3D_API_KEY``): 100 requests of
   random prompt and output lengths over 8 slots, 20 % cancelled mid-stream; every completed one equals its solo
   greedy output, every slot is free at the end, nothing waits forever (timeouts), and the server's
-  RSS after the test is within 10 % of its RSS after warm-up.
+  RSS after the test is within 10 % of its RSS after warm-up.  The load runs on a restart: the
+  first start compiles into its own program store and stops; the second reads every program
+  (the 1-row round before ``READY``, the wider windows after), compiles nothing for its first
+  requests and times no auto round again.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import concurrent.futures as cf
 import importlib.util
 import os
 import random
+import re
 import time
 from pathlib import Path
 
@@ -178,27 +182,49 @@ def test_load_100_requests_with_cancellations(models, tmp_path):
     jobs = []
     for i in range(100):
         k = rng.randrange(len(pool))
-        cancel = i % 5 == 0  # every 5th asks for 100 tokens (EOS ignored) and leaves after 1-3 chunks
-        n = 100 if cancel else rng.randrange(1, max_new + 1)
+        cancel = i % 5 == 0  # every 5th asks for 64 tokens (EOS ignored) and leaves after 1-3 chunks
+        n = 64 if cancel else rng.randrange(1, max_new + 1)
         jobs.append((k, n, rng.randrange(1, 4) if cancel else None))
     env = dict(os.environ, D3D_API_KEY="load-test-key")
     # auto over a small menu (its start-up compiles and times every geometry at every width):
     # plain and sync/4 at widths 1 and 8 only (a round of 2-7 rows runs padded to 8, as exact;
     # widths 2 and 4 were a third of the start-up; async/4x2 was compiled and timed but never
     # chosen for these requests); warm-up only up to the 32-token prefill bucket, the longest
-    # prompt's (the background compile of 64 and 128 would run beside the load)
-    server = ServerProcess(["--target", str(TARGET), "--tokenizer", str(TOKENIZER), "--dtype", DTYPE, "--mode", "auto",
-                            "--drafter", str(DRAFTER), "--auto-sync-blocks", "4", "--auto-async", "none",
-                            "--num-slots", "8", "--max-model-len", "192", "--warmup-max-prompt", "32",
-                            "--served-model-name", "demo", "decoder.row_buckets=[1,8]"],
-                           timeout_s=900, env=env)
+    # prompt's (the background compile of 64 and 128 would run beside the load).  128 tokens hold
+    # a prompt and 64 new ones: every prefill bucket's program is compiled at start-up, and 192
+    # added a fifth, the costliest.  Its own program store: the first start compiles and stops,
+    # the load runs on a restart that reads it (12 s of CPU to the warm-up's end against 47)
+    cache = tmp_path / "cache"
+    argv = ["--target", str(TARGET), "--tokenizer", str(TOKENIZER), "--dtype", DTYPE, "--mode", "auto",
+            "--drafter", str(DRAFTER), "--auto-sync-blocks", "4", "--auto-async", "none",
+            "--num-slots", "8", "--max-model-len", "128", "--warmup-max-prompt", "32",
+            "--served-model-name", "demo", "--compile-cache", str(cache), "decoder.row_buckets=[1,8]"]
+    cold = ServerProcess(argv, timeout_s=900, env=env)
+    try:
+        # the 1-row round before READY, the wider windows after it, then the 32-token bucket
+        cold_log = cold.wait_for_log("background warm-up (prompts of")
+    finally:
+        cold.stop()
+    compiled = [int(n) for n in re.findall(r"'compiled': (\d+)", cold_log)]
+    assert "wider windows ready" in cold_log and len(compiled) == 2 and 0 < compiled[0] < compiled[1], compiled
+    note = {p: p.stat().st_mtime_ns for p in cache.rglob("auto_round_costs.json")}
+    assert len(note) == 1  # auto timed its rounds once and kept the times
+    files = lambda: {p for p in cache.rglob("*") if p.is_file()}  # noqa: E731
+    server = ServerProcess(argv, timeout_s=900, env=env)
     assert " mode=auto attention=xla " in server.ready  # --attention auto on a CPU: the reference
     try:
-        # warm-up: every prompt once (all prefill buckets compiled), then the baseline RSS
-        asyncio.run(_load(server.url, "load-test-key", [(p, 4, None) for p in pool], 120))
-        if "read in the background" in server.wait_for_log("warm-up (prompts of", 0):
-            # the wider windows compile after READY: the baseline is taken once they are in
-            server.wait_for_log("background warm-up (prompts of")
+        before = files()
+        # warm-up: every prompt once (both prefill buckets run), then the baseline RSS
+        warm = asyncio.run(_load(server.url, "load-test-key", [(p, 4, None) for p in pool], 120))
+        assert warm == [s[:4] for s in solo]
+        # the restart read the 1-row round before READY and the wider windows after it; neither
+        # it nor the first requests compiled anything (no file written under the cache), and auto
+        # timed nothing (its round costs are the note the cold start kept)
+        warm_log = server.wait_for_log("background warm-up (prompts of")
+        assert "wider windows read in the background" in warm_log, warm_log[-3000:]
+        assert "'compiled': 0," in warm_log and "'loaded': 0," not in warm_log, warm_log[-3000:]
+        assert not files() - before, sorted(map(str, files() - before))
+        assert {p: p.stat().st_mtime_ns for p in cache.rglob("auto_round_costs.json")} == note
         rss_warm = _rss(server.pid)
         t0 = time.monotonic()
         got = asyncio.run(_load(server.url, "load-test-key", [(pool[k], n, c) for k, n, c in jobs], 240))
@@ -222,7 +248,7 @@ def test_load_100_requests_with_cancellations(models, tmp_path):
         modes = {line.split("{")[1].split("}")[0] for line in text.splitlines()
                  if line.startswith("d3d_mode_rounds_total{")}
         assert len(modes) >= 2, modes  # auto chose more than one geometry (every output stayed exact)
-        # each of the 20 streams closed after 1-3 of its 100 tokens. The server counts it cancelled
+        # each of the 20 streams closed after 1-3 of its 64 tokens. The server counts it cancelled
         # when it saw the disconnect before the request's last round, else by its finish reason: on
         # a loaded machine the client reads its first chunks late, and CI once found 18 of 40
         # already decoded to the end. So: every request counted once, none failed, and the
