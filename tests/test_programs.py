@@ -286,6 +286,30 @@ def test_a_warm_up_compiles_every_program_ahead_off_the_calling_thread_then_runs
     assert [tokens[i] for i in range(len(PROMPTS))] == solo
 
 
+@pytest.mark.parametrize("page", [0, 16], ids=["dense", "paged"])
+def test_a_warm_up_admits_only_the_widths_of_prompts_up_to_its_cap(page):
+    """``prompt_cap``: admission (a paged cache: its prefill chunks) at the widths a prompt of up
+    to that many tokens is padded to, and no other; none given, every width.  The server passes
+    the longest prompt it warms (before ``READY`` the first bucket's), so a longer prompt's program
+    is the background's, or compiled when one comes, not compiled before the first client."""
+    from d3d_jax.decoding import engine
+
+    target, _ = tiny_pair(VOCAB, MASK)
+    dec = engine.make_decoder(target, mode="plain", num_slots=2, max_cache_len=CACHE,
+                              kv_page_size=page or None)
+    st, seen = dec.strategy, []
+    admit, piece = st.admit, st.prefill_piece
+    st.admit = lambda carry, params, rows, *a: seen.append(rows.prompt.shape[1]) or admit(carry, params, rows, *a)
+    st.prefill_piece = lambda carry, params, rows, tokens, *a: (seen.append(tokens.shape[1])
+                                                                or piece(carry, params, rows, tokens, *a))
+    dec.warm_up(prompt_cap=17)
+    assert sorted(set(seen)) == [16, 32]  # 17 tokens pad to 32; 64 is left
+    seen.clear()
+    dec.warm_up()
+    assert sorted(set(seen)) == [16, 32, 64]
+    assert engine.generate(dec, [[1] * 40], max_new_tokens=3)[0].token_ids  # 40 tokens: the 64-wide program
+
+
 def test_loading_and_a_sync_decoders_first_generate_compile_only_the_decoders_programs(tmp_path):
     """Two models read from disk and a sync decoder's first ``generate``, in a process that has
     compiled nothing (JAX's caches cleared and its disk cache off for the test): every program

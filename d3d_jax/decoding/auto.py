@@ -351,7 +351,7 @@ class AutoStrategy(Strategy):
                           sum(int(np.sum(o["count"])) for o in host_outs), None if fresh else wall)
 
     # ------------------------------------------------------------ start-up
-    def warm_up(self, carry: Carry, params, widths: tuple[int, ...]) -> Carry:
+    def warm_up(self, carry: Carry, params, widths: tuple[int, ...], prompt_cap: int | None = None) -> Carry:
         """Compile every (geometry, width) program and time it: the costs' starting point (an
         untimed width is scaled from the nearest timed one, or timed when first run).  The times
         are kept in the program store; a start that finds them for every program (same decoder,
@@ -360,7 +360,7 @@ class AutoStrategy(Strategy):
         lead-in, ``CALIBRATION_ROUNDS`` passes, the median kept), so a change of load on the
         machine moves every geometry's time alike and leaves their ratios, which are what the
         choice weighs, as they are."""
-        carry = super().warm_up(carry, params, widths)  # compiles (several at once), runs each once
+        carry = super().warm_up(carry, params, widths, prompt_cap)  # compiles (several at once), runs each once
         keys = [(label, width) for width in widths for label in self.geometry]
         saved = self._saved_costs()
         if all(key in saved for key in keys):  # timed by an earlier start with these programs
@@ -375,8 +375,8 @@ class AutoStrategy(Strategy):
             for (label, width), seconds in sorted({**saved, **times}.items())]})
         return carry
 
-    def warm_rounds(self, carry: Carry, params, widths: tuple[int, ...]) -> Carry:
-        carry = self.warm_admission(carry, params)
+    def warm_rounds(self, carry: Carry, params, widths: tuple[int, ...], prompt_cap: int | None = None) -> Carry:
+        carry = self.warm_admission(carry, params, prompt_cap)
         for width in widths:
             for label in self.geometry:
                 self.note((label, width))

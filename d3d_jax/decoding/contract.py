@@ -43,9 +43,11 @@ class Decoder(Protocol):
     def results(self, slots: Sequence[int]) -> list[dict]:
         """Per slot: ``token_ids``, ``finish_reason``, ``accept_hist`` (and the mode's counts)."""
 
-    def warm_up(self, widths: Sequence[int] | None = None, run: bool = True) -> float:
-        """Compile (or read) the programs of every window width (``widths``: only those) before
-        a client waits; the seconds it took.  ``run=False``: compile only, dispatching nothing
+    def warm_up(self, widths: Sequence[int] | None = None, run: bool = True,
+                prompt_cap: int | None = None) -> float:
+        """Compile (or read) the programs of every window width (``widths``: only those) and the
+        admission of prompts of up to ``prompt_cap`` tokens (None: all) before a client waits;
+        the seconds it took.  ``run=False``: compile only, dispatching nothing
         (safe on another thread while rounds run)."""
 
     def decisions(self) -> dict[str, dict]:

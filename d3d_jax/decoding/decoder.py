@@ -404,21 +404,23 @@ class SpecDecoder:
         return self.strategy.run_until_done(self.carry, self._params, 0, hi, live=live,
                                             max_rounds=bound, hook=hook, greedy=greedy, live_floor=live_floor)
 
-    def warm_up(self, widths: Sequence[int] | None = None, run: bool = True) -> float:
+    def warm_up(self, widths: Sequence[int] | None = None, run: bool = True,
+                prompt_cap: int | None = None) -> float:
         """Compile (or read from the program store; auto also times) the admission, row-ops and
-        round programs of every window width (``widths``: only those) before a client waits.
+        round programs of every window width (``widths``: only those; ``prompt_cap``: admission
+        only for prompts of up to that many tokens) before a client waits.
         ``run=False``: compile only, nothing dispatched, so it may run on another thread beside
         the rounds (the server's background warm-up); with no program store it does nothing."""
         self._ensure_state()
         t0 = time.perf_counter()
         widths = self.config.buckets if widths is None else tuple(widths)
         if run:
-            self.carry = self.strategy.warm_up(self.carry, self._params, widths)
+            self.carry = self.strategy.warm_up(self.carry, self._params, widths, prompt_cap)
         else:  # the live state's types: its arrays may be donated by a round meanwhile
             types = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding,
                                                                 weak_type=x.weak_type)
                                  if isinstance(x, jax.Array) else x, self.carry)
-            self.strategy.compile_ahead(types, self._params, widths)
+            self.strategy.compile_ahead(types, self._params, widths, prompt_cap)
         return time.perf_counter() - t0
 
     def decisions(self) -> dict[str, dict]:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -34,6 +34,13 @@ from d3d_jax.decoding.programs import ProgramStore
 from d3d_jax.decoding.verify import GREEDY, SamplingParams
 from d3d_jax.model import kv_cache as kvc
 from d3d_jax.model.paged_kv import UNMAPPED, PagedKVCache
+
+
+def widths_upto(widths: Sequence[int], cap: int | None) -> tuple[int, ...]:
+    """Of ascending padding ``widths``, those a length of up to ``cap`` is padded to (None: all)."""
+    if cap is None:
+        return tuple(widths)
+    return tuple(w for i, w in enumerate(widths) if i == 0 or widths[i - 1] < cap)
 
 
 @jax.tree_util.register_dataclass
@@ -255,28 +262,29 @@ class Strategy:
         self.compiled.add(key)
         return fresh
 
-    def warm_up(self, carry: Carry, params, widths: tuple[int, ...]) -> Carry:
-        """Compile admission and the round of each window width in ``widths`` (no-op rounds: no
-        row takes part): every program first, several at once (``ProgramStore.ahead``, with a
-        program store), then each runs once."""
-        self.compile_ahead(carry, params, widths)
-        carry = self.warm_rounds(carry, params, widths)
+    def warm_up(self, carry: Carry, params, widths: tuple[int, ...], prompt_cap: int | None = None) -> Carry:
+        """Compile admission (for prompts of up to ``prompt_cap`` tokens; None: every prompt) and
+        the round of each window width in ``widths`` (no-op rounds: no row takes part): every
+        program first, several at once (``ProgramStore.ahead``, with a program store), then each
+        runs once."""
+        self.compile_ahead(carry, params, widths, prompt_cap)
+        carry = self.warm_rounds(carry, params, widths, prompt_cap)
         jax.block_until_ready(carry)
         return carry
 
-    def compile_ahead(self, carry, params, widths: tuple[int, ...]) -> int:
+    def compile_ahead(self, carry, params, widths: tuple[int, ...], prompt_cap: int | None = None) -> int:
         """Compile :meth:`warm_up`'s programs with nothing run (``carry``: the state or its types),
         so beside a running scheduler too; how many were compiled (0 without a program store)."""
         self._typed.on = True
         try:
-            return self.ctx.programs.ahead(lambda: self.warm_rounds(carry, params, widths))
+            return self.ctx.programs.ahead(lambda: self.warm_rounds(carry, params, widths, prompt_cap))
         finally:
             self._typed.on = False
 
-    def warm_rounds(self, carry: Carry, params, widths: tuple[int, ...]) -> Carry:
+    def warm_rounds(self, carry: Carry, params, widths: tuple[int, ...], prompt_cap: int | None = None) -> Carry:
         """The calls that compile every program of :meth:`warm_up` (no host reads: the
         compile-ahead pass runs them on types)."""
-        carry = self.warm_admission(carry, params)
+        carry = self.warm_admission(carry, params, prompt_cap)
         for width in widths:
             carry = self._noop(carry, params, width)
         return self.row_ops(carry, np.zeros((OPS_PER_DISPATCH, 3), np.int32), 0)
@@ -285,17 +293,18 @@ class Strategy:
         """One round over a window of ``rows`` rows in which no row takes part (compiles it)."""
         raise NotImplementedError
 
-    def warm_admission(self, carry: Carry, params) -> Carry:
+    def warm_admission(self, carry: Carry, params, prompt_cap: int | None = None) -> Carry:
         """Compile the admission of every prompt bucket, or with a paged cache the prefill of
-        every chunk width (no row admitted)."""
+        every chunk width (no row admitted); with ``prompt_cap``, only the widths a prompt of up
+        to that many tokens is padded to (a longer prompt compiles its own when it comes)."""
         n, cfg = self.ctx.config.num_slots, self.ctx.config
         if cfg.chunked_prefill:
             one = np.ones((1,), np.int32)
-            for width in cfg.chunk_widths:
+            for width in widths_upto(cfg.chunk_widths, prompt_cap):
                 carry = self.prefill_piece(carry, params, self._dummy_rows(1, cfg.max_cache_len),
                                            np.zeros((1, width), np.int32), one * 0, one * 0, one * n)
             return carry
-        for width in self.ctx.config.prompt_buckets:
+        for width in widths_upto(cfg.prompt_buckets, prompt_cap):
             carry = self.admit(carry, params, self._dummy_rows(n, width), np.full((n,), n, np.int32), 0)
         return carry
 

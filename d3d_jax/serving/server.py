@@ -227,17 +227,19 @@ def _warmup_request(svc, n: int, max_tokens: int | None):
     return dataclasses.replace(svc.build(params, [1] * n, seed=0), warmup=True)
 
 
-def warm_up_decoder(decoder: Decoder, all_widths: bool = True) -> bool:
+def warm_up_decoder(decoder: Decoder, all_widths: bool = True, prompt_cap: int | None = None) -> bool:
     """Compile (or read) the decoder's programs, several compiles at once: with
     ``all_widths=False`` and a program store, only a request's programs (admission, row ops, the
     1-row round; auto times those rounds, or reads their times), the other widths compiled or
-    read after ``READY`` with nothing run (:func:`warmup_in_background`).  Returns True when
-    widths were left for the background."""
+    read after ``READY`` with nothing run (:func:`warmup_in_background`).  Admission only for
+    prompts of up to ``prompt_cap`` tokens (None: every bucket): a longer prompt's program is the
+    background warm-up's, or compiles when such a prompt first comes.  Returns True when widths
+    were left for the background."""
     store = decoder.programs
     if not all_widths and store is not None and store.enabled and len(decoder.config.buckets) > 1:
-        decoder.warm_up(decoder.config.buckets[:1])
+        decoder.warm_up(decoder.config.buckets[:1], prompt_cap=prompt_cap)
         return True
-    decoder.warm_up()
+    decoder.warm_up(prompt_cap=prompt_cap)
     return False
 
 
@@ -247,7 +249,7 @@ def warmup(svc, prompt_lengths=(16,), max_tokens: int | None = None, all_widths:
     running yet).  Left out of the metrics.  True when widths were left for the background."""
     from d3d_jax.serving.scheduler import Event
 
-    deferred = warm_up_decoder(svc.scheduler.decoder, all_widths)
+    deferred = warm_up_decoder(svc.scheduler.decoder, all_widths, max(prompt_lengths, default=None))
     for n in prompt_lengths:
         errors: list[Event] = []
         svc.scheduler.submit(_warmup_request(svc, n, max_tokens),
@@ -261,10 +263,10 @@ def warmup(svc, prompt_lengths=(16,), max_tokens: int | None = None, all_widths:
 
 
 def warmup_in_background(svc, prompt_lengths, max_tokens: int | None = None,
-                         preload: bool = False) -> threading.Thread:
+                         preload: bool = False, prompt_cap: int | None = None) -> threading.Thread:
     """While the server answers: with ``preload``, every other stored program of the decoder is
-    read, and those not stored are compiled (no dispatch: the scheduler's rounds go on); then the
-    other buckets' programs, one
+    read, and those not stored are compiled (no dispatch: the scheduler's rounds go on; admission
+    for prompts of up to ``prompt_cap`` tokens); then the other buckets' programs, one
     dummy request at a time through the running scheduler (marked warm-up: no metric counts it)."""
     def run():
         t0 = time.perf_counter()
@@ -272,7 +274,8 @@ def warmup_in_background(svc, prompt_lengths, max_tokens: int | None = None,
             decoder = svc.scheduler.decoder
             n = decoder.programs.preload()
             log.warning("program store: %d more programs read in %.1f s", n, time.perf_counter() - t0)
-            decoder.warm_up(run=False)  # what no earlier start kept: compiled, nothing dispatched
+            # what no earlier start kept: compiled, nothing dispatched
+            decoder.warm_up(run=False, prompt_cap=prompt_cap)
             log.warning("wider windows ready %.1f s after the warm-up; program store %s",
                         time.perf_counter() - t0, decoder.programs.counts)
         for n in prompt_lengths:
@@ -330,7 +333,7 @@ def main(args) -> None:
                     f"; program store {store.counts}" if store is not None and store.enabled else "")
     svc.scheduler.start()
     if later or deferred:
-        warmup_in_background(svc, later, preload=deferred)
+        warmup_in_background(svc, later, preload=deferred, prompt_cap=max(lengths))
     sock.listen(2048)  # from here a client's connection waits for uvicorn instead of being refused
     host, port = sock.getsockname()[:2]
     # one machine-readable line: tests and infer/bench.py serve wait for it
