@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -29,18 +29,19 @@ from d3d_jax.decoding import window as W
 from d3d_jax.decoding.admission import admit as admit_rows
 from d3d_jax.decoding.admission import prefill_piece
 from d3d_jax.decoding.core import MAX_STOP_IDS, DecodeCore, DecodeState, RoundResult, RowInput
-from d3d_jax.decoding.decoder_config import Request
+from d3d_jax.decoding.decoder_config import Request, prompt_bucket
 from d3d_jax.decoding.programs import ProgramStore
 from d3d_jax.decoding.verify import GREEDY, SamplingParams
 from d3d_jax.model import kv_cache as kvc
 from d3d_jax.model.paged_kv import UNMAPPED, PagedKVCache
 
 
-def widths_upto(widths: Sequence[int], cap: int | None) -> tuple[int, ...]:
+def widths_upto(widths: tuple[int, ...], cap: int | None) -> tuple[int, ...]:
     """Of ascending padding ``widths``, those a length of up to ``cap`` is padded to (None: all)."""
     if cap is None:
-        return tuple(widths)
-    return tuple(w for i, w in enumerate(widths) if i == 0 or widths[i - 1] < cap)
+        return widths
+    last = prompt_bucket(cap, widths[-1], widths)  # the padding rule admission itself uses
+    return tuple(w for w in widths if w <= last)
 
 
 @jax.tree_util.register_dataclass
