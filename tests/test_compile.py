@@ -63,6 +63,12 @@ def _compile(fn, args, mesh, tmp_path, **options):
     return fn.trace(*args).lower().compile(compiler_options={"xla_dump_to": str(tmp_path), **FAST, **options})
 
 
+def _compile_dumped(built, tmp_path):
+    """A built H200 program compiled with its PTX dumped to ``tmp_path`` (no kernel cache: a
+    cached kernel is not dumped)."""
+    return built.fn.trace(*built.args).lower().compile(compiler_options={"xla_dump_to": str(tmp_path), **FAST})
+
+
 # --------------------------------------------------------------------------------------
 # H200: what the figures are made of, against closed forms
 # --------------------------------------------------------------------------------------
@@ -190,7 +196,7 @@ def test_training_kernels_pipeline_their_loads_without_spills(h200, tmp_path):
     """fwd, dq, dkv: cp.async > 0 (loop bounds, no branch around the loads), wgmma in the
     forward (64-row bf16 tiles), 0 spill bytes, each from its own PTX entry."""
     built = cp.flash_kernels(SMALL_PACK, h200)
-    built.fn.trace(*built.args).lower().compile(compiler_options={"xla_dump_to": str(tmp_path), **FAST})
+    _compile_dumped(built, tmp_path)
     kernels = cf.gpu_kernels(tmp_path, ("d3d_flash",))
     assert {k["symbol"] for k in kernels} == {"d3d_flash_fwd", "d3d_flash_dq", "d3d_flash_dkv"}
     assert _failed(compile_report.ptx_checks(kernels, "pack", training=True)) == []
@@ -222,7 +228,7 @@ def test_a_kernel_with_a_branch_around_its_loads_fails_the_ptx_check(h200, tmp_p
 
     monkeypatch.setattr(fk, "gpu_fwd_kernel", _cond_around_loads)
     built = cp.flash_kernels(SMALL_PACK, h200)
-    built.fn.trace(*built.args).lower().compile(compiler_options={"xla_dump_to": str(tmp_path), **FAST})
+    _compile_dumped(built, tmp_path)
     failed = _failed(compile_report.ptx_checks(cf.gpu_kernels(tmp_path, ("d3d_flash",)), "broken", training=True))
     assert ("broken: d3d_flash_fwd async_copies", 0) in failed  # the backward kernels still pass
     assert all(name.startswith("broken: d3d_flash_fwd") for name, _ in failed)
@@ -259,7 +265,7 @@ def test_decode_and_verify_fill_the_h200_at_8b_heads(h200, tmp_path):
                          ids=lambda f: f.__name__)
 def test_decoding_programs_compile_for_h200_with_the_kernel(h200, tmp_path, build):
     built = build(SHAPE, "pallas", h200)
-    c = built.fn.trace(*built.args).lower().compile(compiler_options={"xla_dump_to": str(tmp_path), **FAST})
+    c = _compile_dumped(built, tmp_path)
     cache = built.facts.get("target_cache_bytes", built.facts.get("drafter_cache_bytes"))
     assert cf.memory(c)["alias"] >= cache  # the donated cache is updated in place
     kernels = cf.gpu_kernels(tmp_path, ("d3d_flash",))
