@@ -349,6 +349,42 @@ def test_one_stalled_round_does_not_price_a_geometry_out():
     assert pol.costs.get("plain", 1) > 0.04 and pol.choose(row, 1).key == ("sync/4",)
 
 
+def test_exploring_rounds_back_off_while_plain_keeps_winning_and_start_over_when_speculation_wins():
+    """Where plain rounds win for good, each exploring round (speculation tried after plain rounds
+    in a row) doubles the wait for the next, up to EXPLORE_MAX; a speculative plan that wins on
+    its prices starts the wait over.  With a fixed wait of 32 the first 1000 rounds held 30
+    exploring rounds, each costing 3x a plain round for 1.4x its tokens here."""
+    from d3d_jax.decoding import auto_policy as ap
+    from d3d_jax.decoding.auto_reasons import row_reason
+
+    pol = Policy([Geometry("plain", 1), Geometry("sync/4", 4)], (2,))
+    pol.costs.calibrate("plain", 2, 0.010)
+    pol.costs.calibrate("sync/4", 2, 0.030)
+    poor = Acceptance(16, 0.3)
+    for _ in range(ap.MIN_ROUNDS_TO_SET_ASIDE):
+        poor.record(4, 0)  # judged: it explores only by the interval
+    rows = [(poor, 10_000)] * 2
+
+    def explored(n):
+        out = []
+        for i in range(1, n + 1):
+            plan = pol.choose(rows, 2)
+            assert plan.explore == (plan.key != ("plain",)), (i, plan)
+            out += [i] if plan.explore else []
+        return out
+
+    waits = [ap.EXPLORE_EVERY << k for k in range(5)]  # 32, 64, ... 512 plain rounds
+    assert waits[-1] == ap.EXPLORE_MAX
+    expected = list(itertools.accumulate(w + 1 for w in waits))
+    assert explored(expected[-1] + 600) == expected + [expected[-1] + ap.EXPLORE_MAX + 1]
+    good = Acceptance(16, 0.99)
+    assert not pol.choose([(good, 10_000)] * 2, 2).explore  # speculation wins on its prices
+    assert explored(ap.EXPLORE_EVERY + 1) == [ap.EXPLORE_EVERY + 1]  # the wait starts over
+    info = collections.namedtuple("Info", "stats request")({}, None)
+    assert row_reason(info, True, False, 3, explore=True) == "explore"
+    assert row_reason(info, True, False, 3) == "gain"
+
+
 def test_placement_keeps_live_rows_packed_in_class_order():
     """Random joins, leaves and class changes: the swaps, replayed on a plain list (the device's
     view), put every slot where the placement says, live rows at [0, n), class 0 first."""

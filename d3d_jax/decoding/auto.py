@@ -319,12 +319,15 @@ class AutoStrategy(Strategy):
             parts.append(Part(geom.label, start, width, lo, hi, out, fresh=fresh,
                               predicted=self.policy.tokens(rows[lo:hi], geom),
                               predicted_s=self.policy.seconds([(geom.label, self.policy.bucket(hi - lo))]),
-                              gated=gated, row_reasons=self.row_reasons(rows_info, lo, hi, geom.label, gated)))
+                              gated=gated, row_reasons=self.row_reasons(rows_info, lo, hi, geom.label, gated,
+                                                                         plan.explore)))
         return carry, parts
 
-    def row_reasons(self, infos: list, lo: int, hi: int, label: str, gated: bool = False) -> tuple:
+    def row_reasons(self, infos: list, lo: int, hi: int, label: str, gated: bool = False,
+                    explore: bool = False) -> tuple:
         """Why each row ``lo … hi-1`` runs in ``label`` (:mod:`~d3d_jax.decoding.auto_reasons`)."""
-        return part_reasons(infos, lo, hi, self.geometry[label].width > 1, gated, MIN_ROUNDS_TO_SET_ASIDE)
+        return part_reasons(infos, lo, hi, self.geometry[label].width > 1, gated, MIN_ROUNDS_TO_SET_ASIDE,
+                            explore)
 
     def most_tokens(self, parts) -> int:
         return max(self.geometry[p.label].width for p in parts)

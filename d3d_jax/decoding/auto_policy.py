@@ -27,7 +27,10 @@ EMA = 0.25  # weight of a new measurement in a round cost
 SWITCH_MARGIN = 0.03  # another plan must be this much better to replace the current one
 PLAIN_MARGIN = 0.15  # a request runs plain once speculation pays this much less than plain
 MIN_ROUNDS_TO_SET_ASIDE = 3  # of the request's own speculative rounds
-EXPLORE_EVERY = 32  # plain rounds in a row after which one speculative round is tried
+# plain rounds in a row after which one speculative round is tried; doubled after every such
+# round, up to EXPLORE_MAX, until speculation wins a round on its own (docs/design/auto.md, exploring)
+EXPLORE_EVERY = 32
+EXPLORE_MAX = 512
 # plain rounds before a set-aside request is judged again, doubling each time (docs/design/auto.md, re-judging)
 REJUDGE_AFTER = 8
 # a round-time sample counts at most this many times the estimate (docs/design/auto.md, round costs)
@@ -294,6 +297,7 @@ class Plan:
     groups: list
     tokens: float
     seconds: float
+    explore: bool = False  # an exploring round: speculation tried against the plan's prices
 
     @property
     def rate(self) -> float:
@@ -315,6 +319,7 @@ class Policy:
         self.costs = Costs()
         self.last: tuple = ()
         self.plain_run = 0  # plain rounds in a row: plain rounds teach nothing about acceptance
+        self.explore_every = EXPLORE_EVERY  # plain rounds in a row before the next exploring round
 
     def bucket(self, n: int) -> int:
         return next(b for b in self.buckets if b >= n)
@@ -366,10 +371,13 @@ class Policy:
             best = current  # hysteresis: no switch for a gain within noise
         if best.key == (self.plain.label,):
             best = self._unjudged(plans, rows[:boundary], best)
+        else:
+            self.explore_every = EXPLORE_EVERY  # speculation pays again: explore soon if it stops
         self.plain_run = self.plain_run + 1 if best.key == (self.plain.label,) else 0
-        if self.plain_run > EXPLORE_EVERY and boundary > 0:  # a pessimistic prior must not stick
+        if self.plain_run > self.explore_every and boundary > 0:  # a pessimistic prior must not stick
             spec = [p for p in plans[:len(self.geometries)] if p.key != (self.plain.label,)]
-            best, self.plain_run = max(spec, key=lambda p: p.rate), 0
+            best = dataclasses.replace(max(spec, key=lambda p: p.rate), explore=True)
+            self.plain_run, self.explore_every = 0, min(2 * self.explore_every, EXPLORE_MAX)
         self.last = best.key
         return best
 

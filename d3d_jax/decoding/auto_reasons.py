@@ -5,6 +5,8 @@ decision put it there, so a mixed load shows whether its plain rounds came from 
 themselves or from the batch around them:
 
 * ``gain``: the row speculated, its expected tokens paying for the round (the policy's plan).
+* ``explore``: the row speculated in an exploring round (speculation tried after many plain rounds
+  in a row, so that a pessimistic estimate cannot keep a batch plain for good).
 * ``batch``: the plan ran the whole batch in one geometry and the row went along (plain rows in
   a speculative round, or speculative-class rows in a round priced cheaper plain).
 * ``gate``: an all-plain round the gate ran (speculation delivered less per wall second here).
@@ -17,17 +19,17 @@ from __future__ import annotations
 
 import collections
 
-REASONS = ("gain", "batch", "gate", "acceptance", "prompt", "grammar")
+REASONS = ("gain", "explore", "batch", "gate", "acceptance", "prompt", "grammar")
 
 
-def row_reason(info, speculative: bool, gated: bool, min_rounds: int) -> str:
+def row_reason(info, speculative: bool, gated: bool, min_rounds: int, explore: bool = False) -> str:
     """The reason of one row (``info``: its SlotInfo) in a part that speculates or not, of a
-    round the gate ran all-plain (``gated``) or not."""
+    round the gate ran all-plain (``gated``) or not, an exploring round (``explore``) or not."""
     if gated:
         return "gate"
     aside = info.stats.get("class", 0) == 1
     if speculative:
-        return "batch" if aside else "gain"
+        return "explore" if explore else "batch" if aside else "gain"
     if not aside:
         return "batch"
     acc = info.stats.get("acceptance")
@@ -36,9 +38,10 @@ def row_reason(info, speculative: bool, gated: bool, min_rounds: int) -> str:
     return "prompt" if acc is None or acc.rounds < min_rounds else "acceptance"
 
 
-def part_reasons(infos: list, lo: int, hi: int, speculative: bool, gated: bool, min_rounds: int) -> tuple:
+def part_reasons(infos: list, lo: int, hi: int, speculative: bool, gated: bool, min_rounds: int,
+                 explore: bool = False) -> tuple:
     """Each row's reason in a part over placement rows ``lo … hi-1``."""
-    return tuple(row_reason(infos[r], speculative, gated, min_rounds) for r in range(lo, hi))
+    return tuple(row_reason(infos[r], speculative, gated, min_rounds, explore) for r in range(lo, hi))
 
 
 def count(part, snapshot) -> None:
